@@ -1,0 +1,27 @@
+"""moda_flex: Mixture-of-Depths Attention for PyTorch."""
+
+from .attention import moda_attention
+from .variants import (
+    Structure,
+    Variant,
+    causal,
+    chunk_depth,
+    depth_only,
+    depth_window,
+    document,
+    full,
+    sliding_window,
+)
+
+__all__ = [
+    "moda_attention",
+    "Variant",
+    "Structure",
+    "causal",
+    "full",
+    "sliding_window",
+    "depth_window",
+    "chunk_depth",
+    "depth_only",
+    "document",
+]

@@ -1,0 +1,159 @@
+"""The public entry point: check the contract, then hand over to a backend."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from . import variants as _variants
+from .reference import reference_attention
+from .variants import Variant
+
+BACKENDS = ("auto", "reference", "flex", "triton")
+
+
+def moda_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    depth_k: Optional[Tensor] = None,
+    depth_v: Optional[Tensor] = None,
+    *,
+    variant: Union[str, Variant] = "causal",
+    scale: Optional[float] = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+):
+    """Mixture-of-depths attention: one softmax over sequence keys and the token's depth keys.
+
+    ``o_i = softmax(scale * q_i [K_seq | K_depth(i)]^T) [V_seq | V_depth(i)]``
+
+    What query token ``t`` (head ``h``, KV head ``h // G``) sees, causal::
+
+        sequence keys  0 1 2 ... t  t+1 ... Tk-1 | depth slots of token t: 0 1 ... L-1
+                       x x x ... x   .  ...  .   |                          x x ... x
+
+    Args:
+        q: (B, Hq, Tq, D) queries.
+        k, v: (B, Hk, Tk, D) sequence keys and values, ``Hq % Hk == 0``,
+            ``G = Hq // Hk``, ``Tq <= Tk``; query ``i`` sits at absolute
+            position ``Tk - Tq + i`` (bottom-right aligned), so prefill,
+            chunked prefill and one-token decode are the same call.
+        depth_k, depth_v: (B, Hk, Tq, L, D) or None (L = 0): the L depth
+            keys/values that earlier layers wrote for each query token. Any
+            strides: ``buf[:, :, :, :L]`` of a preallocated buffer is read
+            without a copy by the triton backend.
+        variant: ``"causal"``, ``"full"`` or a :class:`moda_flex.Variant`.
+        scale: logit scale, default ``1 / sqrt(D)``.
+        backend: ``"auto"`` | ``"reference"`` | ``"flex"`` | ``"triton"``.
+        return_lse: also return the log-sum-exp.
+
+    Returns:
+        out (B, Hq, Tq, D) in q's dtype; with ``return_lse`` also lse
+        (B, Hq, Tq) float32, natural log. A row that sees no key gives zeros
+        and ``lse = -inf``.
+
+    Raises:
+        ValueError: for shapes, dtypes or devices that break the contract.
+        NotImplementedError: when the named backend cannot run the variant.
+    """
+    variant = _variants.resolve(variant)
+    depth_k, depth_v = _check_inputs(q, k, v, depth_k, depth_v)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    run = _pick_backend(backend, q, variant)
+    out, lse = run(q, k, v, depth_k, depth_v, variant, float(scale))
+    return (out, lse) if return_lse else out
+
+
+def _pick_backend(backend: str, q: Tensor, variant: Variant):
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        return reference_attention
+    if backend == "flex":
+        from .flex import flex_attention_backend
+
+        return flex_attention_backend
+    if backend == "triton":
+        from .triton import triton_attention, unsupported_reason
+
+        reason = unsupported_reason(q, variant)
+        if reason is not None:
+            raise NotImplementedError(f"backend 'triton' cannot run variant {variant.name!r}: {reason}")
+        return triton_attention
+    # auto: the fused kernel on CUDA where it applies, FlexAttention for the
+    # rest on CUDA; dense PyTorch on CPU, where it beats eager FlexAttention.
+    if q.device.type == "cuda":
+        if _triton_available():
+            from .triton import triton_attention, unsupported_reason
+
+            if unsupported_reason(q, variant) is None:
+                return triton_attention
+        from .flex import flex_attention_backend
+
+        return flex_attention_backend
+    return reference_attention
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _check_inputs(q, k, v, depth_k, depth_v):
+    """Validate the contract; return depth tensors with L = 0 filled in when absent."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape (B, H, T, D), got {tuple(t.shape)}")
+    if not q.is_floating_point():
+        raise ValueError(f"q must be floating point, got dtype {q.dtype}")
+    B, Hq, Tq, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    Bk, Hk, Tk, Dk = k.shape
+    if Bk != B or Dk != D:
+        raise ValueError(
+            f"k must have shape (B={B}, Hk, Tk, D={D}) to match q {tuple(q.shape)}, got {tuple(k.shape)}"
+        )
+    if Hk == 0 or Hq % Hk != 0:
+        raise ValueError(f"q heads ({Hq}) must be a multiple of k heads ({Hk}); q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if Tq > Tk:
+        raise ValueError(f"q has more tokens than k (Tq={Tq} > Tk={Tk}); q {tuple(q.shape)}, k {tuple(k.shape)}")
+
+    if (depth_k is None) != (depth_v is None):
+        raise ValueError("depth_k and depth_v must both be given or both be None")
+    if depth_k is None:
+        depth_k = depth_v = q.new_empty(B, Hk, Tq, 0, D)
+    for name, t in (("depth_k", depth_k), ("depth_v", depth_v)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 5:
+            raise ValueError(f"{name} must have shape (B, Hk, Tq, L, D), got {tuple(t.shape)}")
+        expected = (B, Hk, Tq, D)
+        seen = (t.shape[0], t.shape[1], t.shape[2], t.shape[4])
+        if seen != expected:
+            raise ValueError(
+                f"{name} must have shape (B={B}, Hk={Hk}, Tq={Tq}, L, D={D}) for q {tuple(q.shape)} and "
+                f"k {tuple(k.shape)}, got {tuple(t.shape)}"
+            )
+    if depth_k.shape != depth_v.shape:
+        raise ValueError(
+            f"depth_k and depth_v must have the same shape, got {tuple(depth_k.shape)} and {tuple(depth_v.shape)}"
+        )
+
+    tensors = {"q": q, "k": k, "v": v, "depth_k": depth_k, "depth_v": depth_v}
+    for name, t in tensors.items():
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}; all inputs must share one dtype")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share one device")
+    return depth_k, depth_v

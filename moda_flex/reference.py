@@ -1,0 +1,116 @@
+"""MoDA in plain PyTorch: the specification every fast backend is checked against.
+
+Read beside the paper's equations. For query head ``h`` (KV head ``h // G``)
+and query token ``i`` at absolute position ``p = Tk - Tq + i``::
+
+    s_j      = scale * q_i . k_j           for sequence keys j the variant allows
+    s_(d,l)  = scale * q_i . K_depth[d, l] for depth slots (d, l) the variant allows
+    o_i      = softmax([s_j | s_(d,l)]) @ [v_j | V_depth[d, l]]     (one softmax)
+
+Vectorized over every axis (no Python loop over tokens), float64-capable.
+When a variant reads only each token's own depth (all built-ins but
+``chunk_depth``), the depth logits are the compact (Tq, L) products; otherwise
+the depth predicate is evaluated densely over every (token, slot) pair.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .variants import Variant
+
+
+def reference_attention(
+    q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: Tensor, variant: Variant, scale: float
+) -> tuple[Tensor, Tensor]:
+    """MoDA by the definition.
+
+    Args:
+        q: (B, Hq, Tq, D).
+        k, v: (B, Hk, Tk, D).
+        depth_k, depth_v: (B, Hk, Tq, L, D), any strides; L may be 0.
+        variant: the mask pair.
+        scale: logit scale.
+
+    Returns:
+        out (B, Hq, Tq, D) in q's dtype, and lse (B, Hq, Tq) float32 (natural
+        log; ``-inf`` and a zero output for a row that sees no key).
+    """
+    out, _, lse = _attention(q, k, v, depth_k, depth_v, variant, scale)
+    return out.to(q.dtype), lse.float()
+
+
+def attention_probabilities(
+    q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: Tensor, variant: Variant, scale: float
+) -> Tensor:
+    """The attention weights over ``[sequence | depth]``, for pictures.
+
+    Returns:
+        (B, Hq, Tq, Tk + L) when the variant reads only each token's own depth
+        (column ``Tk + l`` is the query's own slot ``l``), else
+        (B, Hq, Tq, Tk + Tq * L) with depth columns ordered (token, slot).
+        Computed in float32 (float64 for float64 inputs).
+    """
+    _, probs, _ = _attention(q, k, v, depth_k, depth_v, variant, scale)
+    return probs
+
+
+def _attention(q, k, v, depth_k, depth_v, variant: Variant, scale: float):
+    """out (B, Hq, Tq, D), probabilities (B, Hq, Tq, N) and lse (B, Hq, Tq), in the compute dtype."""
+    B, Hq, Tq, D = q.shape
+    Hk, Tk, L = k.shape[1], k.shape[2], depth_k.shape[3]
+    G = Hq // Hk
+    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k, v, depth_k, depth_v = (t.to(compute_dtype) for t in (q, k, v, depth_k, depth_v))
+
+    # Query head h reads KV head h // G: repeat each KV head G times.
+    k = k.repeat_interleave(G, dim=1)  # (B, Hq, Tk, D)
+    v = v.repeat_interleave(G, dim=1)  # (B, Hq, Tk, D)
+    depth_k = depth_k.repeat_interleave(G, dim=1)  # (B, Hq, Tq, L, D)
+    depth_v = depth_v.repeat_interleave(G, dim=1)  # (B, Hq, Tq, L, D)
+
+    device = q.device
+    b = torch.arange(B, device=device).view(B, 1, 1, 1)
+    h = torch.arange(Hq, device=device).view(1, Hq, 1, 1)
+    q_pos = (Tk - Tq + torch.arange(Tq, device=device)).view(1, 1, Tq, 1)
+    k_pos = torch.arange(Tk, device=device).view(1, 1, 1, Tk)
+    slot = torch.arange(L, device=device)
+    depth_allowed = variant.depth_predicate(L)
+
+    seq_logits = scale * q @ k.transpose(-1, -2)  # (B, Hq, Tq, Tk)
+    seq_visible = variant.sequence(b, h, q_pos, k_pos).expand(B, Hq, Tq, Tk)
+
+    if variant.own_depth_only:
+        # Token i's own depth slots: a (Tq, L) block of logits.
+        depth_logits = scale * torch.einsum("bhtd,bhtld->bhtl", q, depth_k)  # (B, Hq, Tq, L)
+        depth_visible = depth_allowed(b, h, q_pos, q_pos, slot.view(1, 1, 1, L))
+    else:
+        # Every token's depth slots, flattened (token, slot) -> token * L + slot.
+        depth_k = depth_k.reshape(B, Hq, Tq * L, D)
+        depth_v = depth_v.reshape(B, Hq, Tq * L, D)
+        depth_logits = scale * q @ depth_k.transpose(-1, -2)  # (B, Hq, Tq, Tq*L)
+        d_pos = (Tk - Tq + torch.arange(Tq, device=device)).repeat_interleave(L).view(1, 1, 1, Tq * L)
+        depth_visible = depth_allowed(b, h, q_pos, d_pos, slot.repeat(Tq).view(1, 1, 1, Tq * L))
+    depth_visible = depth_visible.expand(depth_logits.shape)
+
+    logits = torch.cat([seq_logits, depth_logits], dim=-1)  # (B, Hq, Tq, N)
+    visible = torch.cat([seq_visible, depth_visible], dim=-1)
+    logits = logits.masked_fill(~visible, float("-inf"))
+
+    # Softmax that gives zeros (not NaN) for a row with no visible key, in
+    # value and gradient: shift by a detached finite max, divide by a safe sum.
+    row_max = logits.amax(dim=-1, keepdim=True).detach()
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(logits - row_max)
+    total = weights.sum(dim=-1, keepdim=True)
+    probs = weights / torch.where(total > 0, total, torch.ones_like(total))
+    lse = (row_max + torch.log(total)).squeeze(-1)  # log(0) = -inf for empty rows
+
+    seq_probs, depth_probs = probs.split([Tk, probs.shape[-1] - Tk], dim=-1)
+    out = seq_probs @ v  # (B, Hq, Tq, D)
+    if variant.own_depth_only:
+        out = out + torch.einsum("bhtl,bhtld->bhtd", depth_probs, depth_v)
+    else:
+        out = out + depth_probs @ depth_v
+    return out, probs, lse
