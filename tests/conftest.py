@@ -1,0 +1,32 @@
+"""Test settings: hypothesis profiles and the Triton interpreter on CPU.
+
+Profiles: ``ci`` (default) is derandomized so that a landing never flakes;
+``dev`` explores more examples: ``pytest --hypothesis-profile=dev``.
+"""
+
+import os
+
+import torch
+
+# The Triton backend runs on CPU through the interpreter; it must be chosen
+# before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "dev",
+    max_examples=500,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
