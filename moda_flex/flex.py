@@ -1,0 +1,417 @@
+"""MoDA on FlexAttention: one call over ``[sequence | chunk-packed depth]``.
+
+Layout (per batch and KV head)::
+
+    rows     r = t * G + g          query token t, query head kv_head * G + g
+    columns  [ k_0 ... k_{Tk-1} pad | depth(t=0, l=0..L-1) depth(t=1, ...) ... ]
+              \\___ Tk_pad = Tk rounded up to KV blocks __/ \\____ Tq * L ____/
+
+The G query heads of a group are folded into rows, so a block of rows covers
+a few consecutive tokens and reads one contiguous span of depth columns (the
+chunk-packed layout). The sequence part is padded to whole KV blocks so that
+no block mixes sequence keys and depth entries.
+
+The BlockMask is built from the variant's :class:`~moda_flex.variants.Structure`:
+every token's visible keys form an interval ``[lo(p), hi(p)]`` whose ends never
+decrease with ``p``, and so does its depth span. For a block of rows the union
+and the intersection of those intervals are read off its first and last
+token, which gives the partial and the full KV blocks directly; the
+transposed (KV-block to query-block) lists follow from ``searchsorted`` on the
+same monotone ends. Work and memory grow with the block lists, never with
+``Q_LEN x KV_LEN``.
+
+A variant without a structure (a user's own predicates) falls back to
+``create_block_mask``, which evaluates the mask densely: O(Tq*G*(Tk + Tq*L))
+work, fine for prototyping at modest lengths.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
+
+from .variants import Structure, Variant
+
+BLOCK = 128  # rows and columns per BlockMask block
+
+
+def flex_attention_backend(
+    q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: Tensor, variant: Variant, scale: float
+) -> tuple[Tensor, Tensor]:
+    """MoDA through one ``flex_attention`` call; compiled on CUDA, eager elsewhere.
+
+    Args and returns as :func:`moda_flex.reference.reference_attention`.
+    """
+    return flex_moda(q, k, v, depth_k, depth_v, variant, scale, compiled=q.is_cuda)
+
+
+def flex_moda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    depth_k: Tensor,
+    depth_v: Tensor,
+    variant: Variant,
+    scale: float,
+    *,
+    compiled: bool,
+    return_lse: bool = True,
+):
+    """Like :func:`flex_attention_backend`, choosing eager or compiled FlexAttention.
+
+    Compiled FlexAttention on CPU runs inference only, without the lse: call it
+    with ``return_lse=False`` there.
+
+    Args:
+        q: (B, Hq, Tq, D); k, v: (B, Hk, Tk, D); depth_k, depth_v: (B, Hk, Tq, L, D).
+
+    Returns:
+        out (B, Hq, Tq, D), and lse (B, Hq, Tq) float32 if ``return_lse``.
+    """
+    B, Hq, Tq, D = q.shape
+    Hk, Tk, L = k.shape[1], k.shape[2], depth_k.shape[3]
+    G = Hq // Hk
+    if Tq == 0:
+        out, lse = q.new_zeros(q.shape), q.new_zeros(B, Hq, 0, dtype=torch.float32)
+        return (out, lse) if return_lse else out
+
+    # Compiled FlexAttention on CPU wants index lists as wide as the block grid.
+    full_width = compiled and not q.is_cuda
+    block_mask = moda_block_mask(
+        variant, batch=B, kv_heads=Hk, q_len=Tq, kv_len=Tk, groups=G, slots=L, device=q.device, full_width=full_width
+    )
+    kv_pad = block_mask.seq_lengths[1] - Tq * L - Tk
+
+    # Fold the G query heads of each group into rows: row r = t * G + g.
+    rows = q.view(B, Hk, G, Tq, D).transpose(2, 3).reshape(B, Hk, Tq * G, D)  # (B, Hk, Tq*G, D)
+    pad = k.new_zeros(B, Hk, kv_pad, D)
+    keys = torch.cat([k, pad, depth_k.reshape(B, Hk, Tq * L, D)], dim=2)  # (B, Hk, Tk_pad + Tq*L, D)
+    values = torch.cat([v, pad, depth_v.reshape(B, Hk, Tq * L, D)], dim=2)
+
+    out, lse = _run_flex(rows, keys, values, block_mask, scale, compiled, return_lse)
+    out = out.view(B, Hk, Tq, G, D).transpose(2, 3).reshape(B, Hq, Tq, D)  # (B, Hq, Tq, D)
+    if not return_lse:
+        return out
+    lse = lse.view(B, Hk, Tq, G).transpose(2, 3).reshape(B, Hq, Tq)  # (B, Hq, Tq)
+    return out, lse.float()
+
+
+def _run_flex(rows, keys, values, block_mask, scale, compiled, return_lse):
+    """flex_attention over folded rows; returns out and the natural-log lse (None unless asked)."""
+    if compiled:
+        if not return_lse:
+            return _compiled_flex()(rows, keys, values, block_mask=block_mask, scale=scale), None
+        out, aux = _compiled_flex()(rows, keys, values, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True))
+        return out, aux.lse
+    needs_grad = any(t.requires_grad for t in (rows, keys, values)) and torch.is_grad_enabled()
+    if rows.device.type == "cpu" and needs_grad:
+        return _eager_flex_with_grad(rows, keys, values, block_mask, scale)
+    with warnings.catch_warnings():
+        # Eager FlexAttention warns that it materializes scores; at test sizes
+        # that is the point.
+        warnings.simplefilter("ignore", UserWarning)
+        out, aux = flex_attention(rows, keys, values, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True))
+    return out, aux.lse
+
+
+def _eager_flex_with_grad(rows, keys, values, block_mask, scale):
+    """FlexAttention's eager operator, differentiable on CPU.
+
+    The public ``flex_attention`` refuses CPU inputs that require grad, yet its
+    eager implementation (the higher-order op, plain PyTorch inside) has a
+    working backward. Calling the op directly lets the CPU tests check every
+    gradient of this backend; CUDA always takes the public function.
+    """
+    from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_op
+    from torch.nn.attention.flex_attention import _apply_kernel_options
+
+    kernel_options = _apply_kernel_options(rows, keys, values, True, None)
+    out, lse = flex_attention_op(rows, keys, values, _no_score_mod, block_mask.as_tuple(), scale, kernel_options)[:2]
+    # The op keeps its statistics in base 2.
+    return out, lse * math.log(2.0)
+
+
+def _no_score_mod(score, b, h, q_idx, kv_idx):
+    return score
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex():
+    # Compiled once, on first use, never at import time.
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def moda_block_mask(
+    variant: Variant,
+    *,
+    batch: int,
+    kv_heads: int,
+    q_len: int,
+    kv_len: int,
+    groups: int,
+    slots: int,
+    device,
+    full_width: bool = False,
+) -> BlockMask:
+    """The BlockMask of ``variant`` over folded rows and ``[sequence | depth]`` columns.
+
+    Rows: ``q_len * groups``; columns: ``kv_len`` rounded up to ``BLOCK``, then
+    ``q_len * slots`` depth entries. Built structurally (and cached per shape)
+    when the variant has a structure, densely otherwise. The block index lists
+    are as wide as the most blocks any row (column) visits, or as wide as the
+    whole block grid with ``full_width``.
+    """
+    device = torch.device(device)
+    mask_mod = _mask_mod(variant, q_len, kv_len, groups, slots)
+    kv_padded = _round_up(kv_len, BLOCK)
+    lengths = (q_len * groups, kv_padded + q_len * slots)
+    structure = variant.structure
+    if structure is None:
+        return create_block_mask(
+            mask_mod, batch, kv_heads, lengths[0], lengths[1], device=device, BLOCK_SIZE=BLOCK
+        )
+    if structure.doc_ids is not None:
+        # Document ids are data, not shape: build, do not cache.
+        return _structural_block_mask(structure, q_len, kv_len, groups, slots, device, mask_mod, full_width)
+    key = (variant.name, q_len, kv_len, groups, slots, str(device), full_width)
+    block_mask = _BLOCK_MASK_CACHE.pop(key, None)
+    if block_mask is None:
+        block_mask = _structural_block_mask(structure, q_len, kv_len, groups, slots, device, mask_mod, full_width)
+    _BLOCK_MASK_CACHE[key] = block_mask  # most recently used last
+    while len(_BLOCK_MASK_CACHE) > _BLOCK_MASK_CACHE_SIZE:
+        _BLOCK_MASK_CACHE.pop(next(iter(_BLOCK_MASK_CACHE)))
+    return block_mask
+
+
+# Built-in variants are named by their parameters, so a structured variant's
+# name and the shape determine its block mask.
+_BLOCK_MASK_CACHE: dict = {}
+_BLOCK_MASK_CACHE_SIZE = 16
+
+
+def _mask_mod(variant: Variant, q_len: int, kv_len: int, groups: int, slots: int):
+    """The element mask over folded rows and ``[sequence | pad | depth]`` columns."""
+    kv_padded = _round_up(kv_len, BLOCK)
+    offset = kv_len - q_len  # absolute position of query token 0
+    sequence = variant.sequence
+    depth = variant.depth_predicate(slots)
+
+    def moda_mask(b, h, row, col):
+        q_pos = row // groups + offset
+        q_head = h * groups + row % groups
+        key_ok = (col < kv_len) & sequence(b, q_head, q_pos, col.clamp(max=max(kv_len - 1, 0)))
+        if slots == 0:
+            return key_ok
+        depth_col = (col - kv_padded).clamp(min=0)
+        d_pos = depth_col // slots + offset
+        depth_ok = (col >= kv_padded) & depth(b, q_head, q_pos, d_pos, depth_col % slots)
+        return torch.where(col < kv_padded, key_ok, depth_ok)
+
+    moda_mask.__name__ = f"moda_{variant.name}"
+    return moda_mask
+
+
+def _structural_block_mask(
+    structure: Structure, q_len: int, kv_len: int, groups: int, slots: int, device, mask_mod, full_width: bool
+) -> BlockMask:
+    rows = q_len * groups
+    q_blocks = _ceil_div(rows, BLOCK)
+    kv_padded = _round_up(kv_len, BLOCK)
+    seq_blocks = kv_padded // BLOCK
+    depth_blocks = _ceil_div(q_len * slots, BLOCK)
+    kv_width = seq_blocks + depth_blocks if full_width else 1
+    q_width = q_blocks if full_width else 1
+    offset = kv_len - q_len
+
+    # First and last query token of every block of folded rows.
+    block_idx = torch.arange(q_blocks, device=device)
+    first = (block_idx * BLOCK) // groups
+    last = torch.clamp((block_idx + 1) * BLOCK - 1, max=rows - 1) // groups
+
+    lo, hi = _sequence_intervals(structure, q_len, kv_len, device)  # (Bm, Tq) each
+    bm = lo.shape[0]
+    first_b, last_b = first.expand(bm, -1), last.expand(bm, -1)
+    union_lo, union_hi = lo.gather(1, first_b), hi.gather(1, last_b)  # (Bm, NQ)
+    inter_lo, inter_hi = lo.gather(1, last_b), hi.gather(1, first_b)
+
+    # KV blocks a row block touches, and those wholly visible to all its rows.
+    has_keys = union_lo <= union_hi
+    touch_lo = torch.where(has_keys, union_lo // BLOCK, 0)
+    touch_hi = torch.where(has_keys, union_hi // BLOCK, -1)
+    full_lo = _ceil_div(inter_lo, BLOCK)
+    full_hi = (inter_hi + 1) // BLOCK - 1
+    full_count = (full_hi - full_lo + 1).clamp(min=0)
+    # A ragged last row block is never called full (as create_block_mask does).
+    ragged = rows % BLOCK != 0
+    if ragged:
+        full_count[:, -1] = 0
+    # With no full block, let the left piece be the whole touched range.
+    full_lo_kv = torch.where(full_count > 0, full_lo, touch_hi + 1)
+    full_hi_kv = torch.where(full_count > 0, full_hi, touch_hi)
+    left = (full_lo_kv - touch_lo).clamp(min=0)
+    right = (touch_hi - full_hi_kv).clamp(min=0)
+
+    # Depth columns of a row block: the chunk-packed span of its tokens.
+    if slots > 0:
+        d_lo, d_hi, slot_lo = _depth_spans(structure, q_len, slots, offset, device)  # (Tq,), (Tq,), int
+        col_lo = d_lo[first] * slots + slot_lo
+        col_hi = d_hi[last] * slots + slots - 1
+        depth_lo = (seq_blocks + col_lo // BLOCK).expand(bm, -1)
+        depth_hi = (seq_blocks + col_hi // BLOCK).expand(bm, -1)
+    else:
+        depth_lo = torch.zeros_like(touch_lo)
+        depth_hi = depth_lo - 1
+    depth_count = depth_hi - depth_lo + 1
+
+    kv_num, kv_idx = _concat_ranges([(touch_lo, left), (full_hi_kv + 1, right), (depth_lo, depth_count)], kv_width)
+    full_kv_num, full_kv_idx = _concat_ranges([(full_lo, full_count)], kv_width)
+
+    # Transposed lists: for each KV block, the row blocks that touch it. The
+    # interval ends are non-decreasing in the row block, so each set is a
+    # contiguous range found by binary search.
+    j = torch.arange(seq_blocks, device=device).expand(bm, -1).contiguous()
+    touch_start = _first_at_least(touch_hi, j)
+    touch_end = _count_at_most(torch.where(has_keys, touch_lo, seq_blocks), j)
+    full_start = _first_at_least(full_hi, j)
+    full_end = _count_at_most(full_lo, j)
+    if ragged:
+        full_end = full_end.clamp(max=q_blocks - 1)
+    full_q = (full_end - full_start).clamp(min=0)
+    full_start_q = torch.where(full_q > 0, full_start, touch_end)
+    full_end_q = torch.where(full_q > 0, full_end, touch_end)
+    seq_left = (full_start_q - touch_start).clamp(min=0)
+    seq_right = (touch_end - full_end_q).clamp(min=0)
+    if slots > 0:
+        jd = torch.arange(seq_blocks, seq_blocks + depth_blocks, device=device).expand(bm, -1).contiguous()
+        depth_start = _first_at_least(depth_hi.contiguous(), jd)
+        depth_rows = (_count_at_most(depth_lo.contiguous(), jd) - depth_start).clamp(min=0)
+        q_num, q_idx = _concat_ranges(
+            [
+                (torch.cat([touch_start, depth_start], 1), torch.cat([seq_left, depth_rows], 1)),
+                (torch.cat([full_end_q, depth_start], 1), torch.cat([seq_right, torch.zeros_like(depth_rows)], 1)),
+            ],
+            q_width,
+        )
+        full_q_num, full_q_idx = _concat_ranges(
+            [(torch.cat([full_start, depth_start], 1), torch.cat([full_q, torch.zeros_like(depth_rows)], 1))],
+            q_width,
+        )
+    else:
+        q_num, q_idx = _concat_ranges([(touch_start, seq_left), (full_end_q, seq_right)], q_width)
+        full_q_num, full_q_idx = _concat_ranges([(full_start, full_q)], q_width)
+
+    def heads(t):  # (Bm, N, ...) -> (Bm, 1, N, ...): the same blocks for every head
+        return t.unsqueeze(1).to(torch.int32).contiguous()
+
+    return BlockMask(
+        seq_lengths=(rows, kv_padded + q_len * slots),
+        kv_num_blocks=heads(kv_num),
+        kv_indices=heads(kv_idx),
+        full_kv_num_blocks=heads(full_kv_num),
+        full_kv_indices=heads(full_kv_idx),
+        q_num_blocks=heads(q_num),
+        q_indices=heads(q_idx),
+        full_q_num_blocks=heads(full_q_num),
+        full_q_indices=heads(full_q_idx),
+        BLOCK_SIZE=(BLOCK, BLOCK),
+        mask_mod=mask_mod,
+    )
+
+
+def _sequence_intervals(structure: Structure, q_len: int, kv_len: int, device):
+    """Per query token, the visible keys ``[lo, hi]`` (empty when lo > hi): (Bm, Tq) each."""
+    pos = kv_len - q_len + torch.arange(q_len, device=device)  # absolute positions
+    lo = torch.zeros_like(pos)
+    hi = torch.full_like(pos, kv_len - 1)
+    if not structure.sequence:
+        return lo.unsqueeze(0), (lo - 1).unsqueeze(0)
+    if structure.causal:
+        hi = torch.minimum(hi, pos)
+    if structure.window is not None:
+        lo = torch.maximum(lo, pos - structure.window + 1)
+    lo, hi = lo.unsqueeze(0), hi.unsqueeze(0)
+    if structure.doc_ids is not None:
+        start, end = _document_runs(structure.doc_ids, kv_len)  # (Bm, Tk)
+        lo = torch.maximum(lo, start[:, pos])
+        hi = torch.minimum(hi, end[:, pos])
+    return lo, hi
+
+
+def _document_runs(doc_ids: Tensor, kv_len: int):
+    """First and last position of the run each position belongs to: (Bm, Tk) each."""
+    if doc_ids.shape[1] != kv_len:
+        raise ValueError(f"doc_ids must have Tk={kv_len} positions, got shape {tuple(doc_ids.shape)}")
+    pos = torch.arange(kv_len, device=doc_ids.device).expand_as(doc_ids)
+    new_run = torch.ones_like(doc_ids, dtype=torch.bool)
+    new_run[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    start = torch.where(new_run, pos, 0).cummax(dim=1).values
+    ends_run = torch.ones_like(new_run)
+    ends_run[:, :-1] = new_run[:, 1:]
+    end = torch.where(ends_run, pos, kv_len).flip(1).cummin(dim=1).values.flip(1)
+    # The structure is exact only if no document id comes back after its run ends.
+    runs = new_run.sum(dim=1)
+    distinct = torch.tensor([row.unique().numel() for row in doc_ids], device=doc_ids.device)
+    if bool((runs != distinct).any()):
+        raise ValueError("document() needs each document to be one contiguous run of positions")
+    return start, end
+
+
+def _depth_spans(structure: Structure, q_len: int, slots: int, offset: int, device):
+    """Per query token, the first and last token index whose depth it reads, and the first visible slot."""
+    t = torch.arange(q_len, device=device)
+    if structure.depth_chunk is None:
+        d_lo = t
+    else:
+        chunk = structure.depth_chunk
+        # Chunks are of absolute positions; depth exists only for query tokens.
+        d_lo = (((t + offset) // chunk) * chunk - offset).clamp(min=0)
+    slot_lo = 0 if structure.depth_window is None else max(0, slots - structure.depth_window)
+    return d_lo, t, slot_lo
+
+
+def _concat_ranges(ranges, min_width: int):
+    """Rows of consecutive integers: for each row, ``start_1 .. start_1+n_1-1, start_2 ..``.
+
+    Args:
+        ranges: list of (start, count) pairs of (Bm, N) tensors.
+        min_width: the least width of the index lists.
+
+    Returns:
+        counts (Bm, N) and indices (Bm, N, W), W the largest total (at least
+        ``min_width``), unused entries 0.
+    """
+    counts = [n.clamp(min=0) for _, n in ranges]
+    total = sum(counts)
+    width = max(int(total.max()) if total.numel() else 0, min_width)
+    k = torch.arange(width, device=total.device)
+    indices = torch.zeros(*total.shape, width, dtype=torch.long, device=total.device)
+    before = torch.zeros_like(total)
+    for (start, _), n in zip(ranges, counts):
+        inside = (k >= before.unsqueeze(-1)) & (k < (before + n).unsqueeze(-1))
+        indices = torch.where(inside, start.unsqueeze(-1) + k - before.unsqueeze(-1), indices)
+        before = before + n
+    return total, indices
+
+
+def _first_at_least(sorted_values: Tensor, targets: Tensor) -> Tensor:
+    """Index of the first entry >= target in each row of non-decreasing values."""
+    return torch.searchsorted(sorted_values.contiguous(), targets, right=False)
+
+
+def _count_at_most(sorted_values: Tensor, targets: Tensor) -> Tensor:
+    """Number of entries <= target in each row of non-decreasing values."""
+    return torch.searchsorted(sorted_values.contiguous(), targets, right=True)
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _ceil_div(a, b) * b
