@@ -1,0 +1,501 @@
+"""Property-test a backend, or a variant of your own, against the dense reference.
+
+Four pieces, meant to be combined with `hypothesis`_::
+
+    from hypothesis import given, settings, strategies as st
+    from moda_flex.testing import assert_matches_reference, make_inputs, moda_shapes, variants
+
+    @settings(max_examples=25, deadline=None)
+    @given(shape=moda_shapes(max_kv_len=40, max_slots=6), data=st.data())
+    def test_flex(shape, data):
+        variant = data.draw(variants(shape))
+        assert_matches_reference(make_inputs(shape), backend="flex", variant=variant)
+
+- :class:`MoDAShape` names one problem size; ``str(shape)`` is a test id
+  like ``B1-Hq8-Hk2-Tq5-Tk63-L4-D16``.
+- :func:`moda_shapes` draws sizes with odd lengths, ``Tq <= Tk`` (prefill,
+  chunked prefill, one-token decode) and ``0 <= L``.
+- :func:`make_inputs` builds seeded random inputs, optionally with depth
+  tensors that are a strided slice of a larger slot buffer.
+- :func:`assert_matches_reference` runs a backend and the float64 reference
+  on the same inputs and compares the output, the lse and the gradients of
+  all five inputs, with a relative tolerance scaled by dtype
+  (:func:`tolerance`).
+- :func:`variants` draws built-in variants (and ``&`` compositions) that are
+  valid for a shape.
+
+.. _hypothesis: https://hypothesis.readthedocs.io
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+from hypothesis import strategies as st
+from torch import Tensor
+
+from . import variants as _variants
+from .attention import moda_attention
+from .variants import Variant
+
+__all__ = [
+    "MoDAShape",
+    "moda_shapes",
+    "make_inputs",
+    "tolerance",
+    "assert_matches_reference",
+    "variants",
+    "document_ids",
+    "relative_error",
+    "BUILTIN_KINDS",
+]
+
+INPUT_NAMES = ("q", "k", "v", "depth_k", "depth_v")
+
+# The built-in variant families that :func:`variants` can draw.
+BUILTIN_KINDS = (
+    "causal",
+    "full",
+    "sliding_window",
+    "depth_window",
+    "chunk_depth",
+    "depth_only",
+    "document",
+)
+
+# Relative RMS error ||actual - reference|| / ||reference|| allowed per dtype,
+# against a float64 reference computed from the very same (upcast) inputs.
+_TOLERANCES = {
+    torch.float64: 1e-7,
+    torch.float32: 1e-4,
+    torch.float16: 5e-3,
+    torch.bfloat16: 3e-2,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MoDAShape:
+    """One MoDA problem size.
+
+    Attributes:
+        batch: B.
+        q_heads: Hq, a multiple of ``kv_heads``.
+        kv_heads: Hk.
+        q_len: Tq, at most ``kv_len``.
+        kv_len: Tk.
+        slots: L, depth slots per query token (0 allowed).
+        head_dim: D.
+    """
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    slots: int
+    head_dim: int
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            least = 0 if field.name in ("q_len", "slots") else 1
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"MoDAShape.{field.name} must be an int >= {least}, got {value!r}")
+        if self.q_heads % self.kv_heads != 0:
+            raise ValueError(
+                f"MoDAShape.q_heads ({self.q_heads}) must be a multiple of kv_heads ({self.kv_heads})"
+            )
+        if self.q_len > self.kv_len:
+            raise ValueError(f"MoDAShape.q_len ({self.q_len}) must be at most kv_len ({self.kv_len})")
+
+    @property
+    def groups(self) -> int:
+        """G = Hq // Hk, the query heads that share one KV head."""
+        return self.q_heads // self.kv_heads
+
+    def __str__(self) -> str:
+        return (
+            f"B{self.batch}-Hq{self.q_heads}-Hk{self.kv_heads}-Tq{self.q_len}-Tk{self.kv_len}"
+            f"-L{self.slots}-D{self.head_dim}"
+        )
+
+
+def moda_shapes(
+    *,
+    max_batch: int = 2,
+    max_groups: int = 8,
+    max_kv_heads: int = 3,
+    max_kv_len: int = 70,
+    max_slots: int = 9,
+    head_dims: Sequence[int] = (8, 16, 24, 32, 64),
+) -> st.SearchStrategy[MoDAShape]:
+    """A hypothesis strategy of :class:`MoDAShape`.
+
+    Lengths are any integers in range (odd ones and ones that are not block
+    multiples included). ``Tq`` is ``1`` (decode), ``Tk`` (prefill) or
+    anything in between (chunked prefill); ``L`` runs over ``0..max_slots``.
+    Shrinks towards ``B=1, G=1, Hk=1, Tq=1, Tk=1, L=0`` and the first head dim.
+    """
+    for name, value, least in (
+        ("max_batch", max_batch, 1),
+        ("max_groups", max_groups, 1),
+        ("max_kv_heads", max_kv_heads, 1),
+        ("max_kv_len", max_kv_len, 1),
+        ("max_slots", max_slots, 0),
+    ):
+        if not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    head_dims = tuple(head_dims)
+    if not head_dims or any(not isinstance(d, int) or d < 1 for d in head_dims):
+        raise ValueError(f"head_dims must be a non-empty sequence of positive ints, got {head_dims!r}")
+
+    @st.composite
+    def shapes(draw) -> MoDAShape:
+        kv_len = draw(st.integers(1, max_kv_len))
+        q_len = draw(
+            st.one_of(st.integers(1, kv_len), st.just(1), st.just(kv_len)),
+        )
+        kv_heads = draw(st.integers(1, max_kv_heads))
+        groups = draw(st.integers(1, max_groups))
+        return MoDAShape(
+            batch=draw(st.integers(1, max_batch)),
+            q_heads=kv_heads * groups,
+            kv_heads=kv_heads,
+            q_len=q_len,
+            kv_len=kv_len,
+            slots=draw(st.integers(0, max_slots)),
+            head_dim=draw(st.sampled_from(head_dims)),
+        )
+
+    return shapes()
+
+
+def make_inputs(
+    shape: MoDAShape,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: Union[str, torch.device] = "cpu",
+    strided_depth: bool = False,
+    seed: int = 0,
+    requires_grad: bool = True,
+) -> dict:
+    """Seeded standard-normal inputs for one call.
+
+    The values are drawn in float32 on the CPU, then cast and moved, so a seed
+    gives the same numbers (up to rounding) on every device and dtype.
+
+    Args:
+        shape: the problem size.
+        dtype: floating dtype of all five tensors.
+        device: where they live.
+        strided_depth: make ``depth_k`` / ``depth_v`` the slice
+            ``buf[:, :, :, 1:1 + L]`` of a (B, Hk, Tq, L + 2, D) slot buffer,
+            as a model with a preallocated depth cache passes them: not
+            contiguous, token stride ``(L + 2) * D``.
+        seed: seed of the values.
+        requires_grad: make every tensor a leaf that requires grad.
+
+    Returns:
+        ``{"q": (B, Hq, Tq, D), "k": (B, Hk, Tk, D), "v": (B, Hk, Tk, D),
+        "depth_k": (B, Hk, Tq, L, D), "depth_v": (B, Hk, Tq, L, D)}``.
+    """
+    if not isinstance(shape, MoDAShape):
+        raise ValueError(f"shape must be a MoDAShape, got {type(shape).__name__}")
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    B, Hq, Hk, Tq, Tk, L, D = (
+        shape.batch,
+        shape.q_heads,
+        shape.kv_heads,
+        shape.q_len,
+        shape.kv_len,
+        shape.slots,
+        shape.head_dim,
+    )
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(*size: int) -> Tensor:
+        return torch.randn(*size, generator=generator).to(device=device, dtype=dtype)
+
+    def depth() -> Tensor:
+        if not strided_depth:
+            return normal(B, Hk, Tq, L, D)
+        buf = normal(B, Hk, Tq, L + 2, D)  # (B, Hk, Tq, Lmax, D) slot buffer
+        return buf[:, :, :, 1 : 1 + L]  # (B, Hk, Tq, L, D), a view
+
+    inputs = {
+        "q": normal(B, Hq, Tq, D),
+        "k": normal(B, Hk, Tk, D),
+        "v": normal(B, Hk, Tk, D),
+        "depth_k": depth(),
+        "depth_v": depth(),
+    }
+    for t in inputs.values():
+        t.requires_grad_(requires_grad)
+    return inputs
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """The relative RMS error ``||actual - reference|| / ||reference||`` allowed for ``dtype``.
+
+    float64 1e-7, float32 1e-4, float16 5e-3, bfloat16 3e-2: a backend
+    computing in ``dtype`` against the float64 reference on the same inputs.
+    """
+    if dtype not in _TOLERANCES:
+        raise ValueError(f"dtype must be one of {sorted(map(str, _TOLERANCES))}, got {dtype!r}")
+    return _TOLERANCES[dtype]
+
+
+def assert_matches_reference(
+    inputs: dict,
+    *,
+    backend: Union[str, Callable] = "flex",
+    variant: Union[str, Variant] = "causal",
+    scale: Optional[float] = None,
+    rtol: Optional[float] = None,
+    check_grads: bool = True,
+) -> None:
+    """Check that a backend computes MoDA: output, lse and all five gradients.
+
+    The backend runs on ``inputs`` as given (their dtype, device and strides);
+    the reference runs in float64 on upcast copies on the same device. Both
+    outputs are pulled back with the same random upstream gradient. The
+    inputs' own ``.grad`` is left untouched.
+
+    Checks, each failing with an ``AssertionError`` that names the tensor,
+    the error, the tolerance and the shape:
+
+    - no NaN anywhere, output and lse shapes and dtypes as the contract says;
+    - rows that see no key (reference ``lse = -inf``) give exactly zero output
+      and ``lse = -inf``, and no other row has ``lse = -inf``;
+    - output, the finite lse and (with ``check_grads``) the gradients of
+      ``q, k, v, depth_k, depth_v`` have relative RMS error
+      ``||actual - reference|| / ||reference||`` at most ``rtol``
+      (:func:`tolerance` of the inputs' dtype by default); against an all-zero
+      reference the absolute RMS norm is used.
+
+    Args:
+        inputs: ``{"q", "k", "v", "depth_k", "depth_v"}`` as from
+            :func:`make_inputs`; q (B, Hq, Tq, D), k and v (B, Hk, Tk, D),
+            depth (B, Hk, Tq, L, D) or None.
+        backend: a name ``moda_attention`` accepts, or a callable with the
+            backend signature ``(q, k, v, depth_k, depth_v, variant, scale)
+            -> (out, lse)``.
+        variant: ``"causal"``, ``"full"`` or a :class:`~moda_flex.Variant`.
+        scale: logit scale, default ``1 / sqrt(D)``.
+        rtol: relative RMS tolerance, default ``tolerance(q.dtype)``.
+        check_grads: also compare the gradients.
+    """
+    missing = [name for name in ("q", "k", "v") if name not in inputs]
+    if missing:
+        raise ValueError(f"inputs must hold q, k, v (and depth_k, depth_v), missing {missing}; got {sorted(inputs)}")
+    variant = _variants.resolve(variant)
+    q = inputs["q"]
+    if not isinstance(q, Tensor) or q.dim() != 4:
+        raise ValueError(f"inputs['q'] must be a (B, Hq, Tq, D) tensor, got {getattr(q, 'shape', type(q))}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if rtol is None:
+        rtol = tolerance(q.dtype)
+    names = [name for name in INPUT_NAMES if inputs.get(name) is not None]
+    run = backend if callable(backend) else _named_backend(backend)
+    label = backend.__name__ if callable(backend) and hasattr(backend, "__name__") else repr(backend)
+    where = f"backend {label}, variant {variant.name!r}, {_describe(inputs)}, dtype {q.dtype}"
+
+    # Detached leaves keep the caller's strides and leave the caller's .grad alone.
+    actual_in = {name: inputs[name].detach().requires_grad_(check_grads) for name in names}
+    reference_in = {
+        name: inputs[name].detach().to(torch.float64).requires_grad_(check_grads) for name in names
+    }
+    out, lse = _call(run, actual_in, variant, scale)
+    ref_out, ref_lse = _call(_named_backend("reference"), reference_in, variant, scale)
+
+    _check_form("out", out, ref_out.shape, q.dtype, where)
+    _check_form("lse", lse, ref_lse.shape, torch.float32, where)
+    _check_lse(lse, ref_lse, rtol, where)
+    empty_rows = torch.isinf(ref_lse)  # (B, Hq, Tq)
+    if bool(empty_rows.any()) and bool((out.detach()[empty_rows] != 0).any()):
+        worst = out.detach()[empty_rows].abs().max().item()
+        raise AssertionError(
+            f"out: rows that see no key must be exactly zero, found |out| up to {worst:.3e} "
+            f"in {int(empty_rows.sum())} empty rows ({where})"
+        )
+    _check_close("out", out, ref_out, rtol, where)
+    if not check_grads:
+        return
+
+    generator = torch.Generator().manual_seed(1)
+    grad_out = torch.randn(out.shape, generator=generator).to(device=out.device, dtype=out.dtype)
+    grads = _grads(out, grad_out, actual_in, names)
+    ref_grads = _grads(ref_out, grad_out.to(torch.float64), reference_in, names)
+    for name in names:
+        _check_form(f"grad of {name}", grads[name], inputs[name].shape, q.dtype, where)
+        _check_close(f"grad of {name}", grads[name], ref_grads[name], rtol, where)
+
+
+def _named_backend(name: str) -> Callable:
+    if not isinstance(name, str):
+        raise ValueError(f"backend must be a backend name or a callable, got {name!r}")
+
+    def run(q, k, v, depth_k, depth_v, variant, scale):
+        return moda_attention(q, k, v, depth_k, depth_v, variant=variant, scale=scale, backend=name, return_lse=True)
+
+    return run
+
+
+def _call(run: Callable, tensors: dict, variant: Variant, scale: float):
+    q, k, v = tensors["q"], tensors["k"], tensors["v"]
+    depth_k, depth_v = tensors.get("depth_k"), tensors.get("depth_v")
+    if depth_k is None:
+        B, Hk, Tq, D = q.shape[0], k.shape[1], q.shape[2], q.shape[3]
+        depth_k = depth_v = q.new_empty(B, Hk, Tq, 0, D)
+    result = run(q, k, v, depth_k, depth_v, variant, scale)
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise AssertionError(f"the backend must return (out, lse), got {type(result).__name__}")
+    return result
+
+
+def _grads(out: Tensor, grad_out: Tensor, tensors: dict, names: list) -> dict:
+    """Gradients of ``sum(out * grad_out)``; an input the graph never reached gets zeros."""
+    leaves = [tensors[name] for name in names]
+    if out.requires_grad:
+        found = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
+    else:
+        found = [None] * len(leaves)
+    return {
+        name: torch.zeros_like(leaf) if grad is None else grad
+        for name, leaf, grad in zip(names, leaves, found)
+    }
+
+
+def _describe(inputs: dict) -> str:
+    q, k = inputs["q"], inputs["k"]
+    depth = inputs.get("depth_k")
+    slots = 0 if depth is None else depth.shape[3]
+    try:
+        shape = MoDAShape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], slots, q.shape[3])
+    except ValueError:
+        return f"q {tuple(q.shape)}, k {tuple(k.shape)}, depth_k {None if depth is None else tuple(depth.shape)}"
+    return f"shape {shape}"
+
+
+def _check_form(name: str, t, shape, dtype: torch.dtype, where: str) -> None:
+    if not isinstance(t, Tensor):
+        raise AssertionError(f"{name}: expected a tensor, got {type(t).__name__} ({where})")
+    if tuple(t.shape) != tuple(shape):
+        raise AssertionError(f"{name}: shape {tuple(t.shape)}, expected {tuple(shape)} ({where})")
+    if t.dtype != dtype:
+        raise AssertionError(f"{name}: dtype {t.dtype}, expected {dtype} ({where})")
+    nans = int(torch.isnan(t).sum())
+    if nans:
+        raise AssertionError(f"{name}: {nans} NaN values of {t.numel()} ({where})")
+
+
+def _check_lse(lse: Tensor, ref_lse: Tensor, rtol: float, where: str) -> None:
+    lse = lse.detach()
+    empty, ref_empty = lse == float("-inf"), ref_lse.detach() == float("-inf")
+    if bool((empty != ref_empty).any()):
+        wrong = (empty != ref_empty).nonzero()
+        raise AssertionError(
+            f"lse: -inf (row sees no key) at {int(empty.sum())} rows, reference at {int(ref_empty.sum())}; "
+            f"first disagreement at (b, h, t) = {tuple(wrong[0].tolist())} ({where})"
+        )
+    if bool(torch.isposinf(lse).any()):
+        raise AssertionError(f"lse: +inf values ({where})")
+    _check_close("lse", lse[~empty], ref_lse[~ref_empty], rtol, where)
+
+
+def _check_close(name: str, actual: Tensor, expected: Tensor, rtol: float, where: str) -> None:
+    error = relative_error(actual, expected)
+    if not error <= rtol:
+        raise AssertionError(
+            f"{name}: relative RMS error {error:.3e} > tolerance {rtol:.1e} against the float64 reference "
+            f"(tensor shape {tuple(expected.shape)}; {where})"
+        )
+
+
+def relative_error(actual: Tensor, expected: Tensor) -> float:
+    """``||actual - expected|| / ||expected||`` in float64; ``||actual||`` if ``expected`` is all zero.
+
+    NaN anywhere gives NaN, which fails every ``error <= tol`` check.
+    """
+    actual = actual.detach().to(torch.float64)
+    expected = expected.detach().to(device=actual.device, dtype=torch.float64)
+    if actual.numel() == 0:
+        return 0.0
+    diff = torch.linalg.vector_norm(actual - expected).item()
+    norm = torch.linalg.vector_norm(expected).item()
+    return diff / norm if norm > 0 else diff
+
+
+def variants(
+    shape: MoDAShape,
+    *,
+    kinds: Sequence[str] = BUILTIN_KINDS,
+    max_terms: int = 2,
+) -> st.SearchStrategy[Variant]:
+    """A hypothesis strategy of built-in variants valid for ``shape``.
+
+    Each term is one of ``kinds``: ``causal()``, ``full()``,
+    ``sliding_window(w)`` with ``1 <= w <= Tk``, ``depth_window(s)`` with
+    ``1 <= s <= max(L, 1)``, ``chunk_depth(c)`` with ``1 <= c <= Tk``,
+    ``depth_only()``, ``document(ids)`` or ``causal() & document(ids)`` with
+    ids (B, Tk) splitting every batch row into contiguous documents of random
+    lengths. Up to ``max_terms`` terms are joined with ``&``.
+
+    Args:
+        shape: the sizes the variant must fit (``Tk``, ``L``, ``B``).
+        kinds: which families to draw from, a subset of :data:`BUILTIN_KINDS`.
+        max_terms: the most terms in one ``&`` composition.
+    """
+    if not isinstance(shape, MoDAShape):
+        raise ValueError(f"shape must be a MoDAShape, got {type(shape).__name__}")
+    kinds = tuple(kinds)
+    unknown = [kind for kind in kinds if kind not in BUILTIN_KINDS]
+    if not kinds or unknown:
+        raise ValueError(f"kinds must be a non-empty subset of {BUILTIN_KINDS}, got {kinds!r}")
+    if not isinstance(max_terms, int) or max_terms < 1:
+        raise ValueError(f"max_terms must be a positive int, got {max_terms!r}")
+
+    Tk, L, B = shape.kv_len, shape.slots, shape.batch
+    families = {
+        "causal": st.builds(_variants.causal),
+        "full": st.builds(_variants.full),
+        "sliding_window": st.builds(_variants.sliding_window, st.integers(1, Tk)),
+        "depth_window": st.builds(_variants.depth_window, st.integers(1, max(L, 1))),
+        "chunk_depth": st.builds(_variants.chunk_depth, st.integers(1, Tk)),
+        "depth_only": st.builds(_variants.depth_only),
+        "document": st.builds(_documents, document_ids(B, Tk), st.booleans()),
+    }
+    term = st.one_of([families[kind] for kind in kinds])
+    return st.lists(term, min_size=1, max_size=max_terms).map(_intersect_all)
+
+
+def document_ids(batch: int, kv_len: int, *, max_documents: int = 5) -> st.SearchStrategy[Tensor]:
+    """(batch, kv_len) int64 document ids: every row split into contiguous runs of random lengths."""
+    if kv_len == 1:
+        return st.just(torch.zeros(batch, 1, dtype=torch.long))
+    starts = st.sets(st.integers(1, kv_len - 1), max_size=max_documents - 1)
+
+    def ids(rows: list) -> Tensor:
+        new_document = torch.zeros(batch, kv_len, dtype=torch.long)  # (B, Tk)
+        for b, row_starts in enumerate(rows):
+            new_document[b, sorted(row_starts)] = 1
+        return new_document.cumsum(dim=1)
+
+    return st.lists(starts, min_size=batch, max_size=batch).map(ids)
+
+
+def _documents(doc_ids: Tensor, with_causal: bool) -> Variant:
+    documents = _variants.document(doc_ids)
+    return _variants.causal() & documents if with_causal else documents
+
+
+def _intersect_all(terms: list) -> Variant:
+    variant = terms[0]
+    for other in terms[1:]:
+        variant = variant & other
+    return variant
