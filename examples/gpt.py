@@ -1,0 +1,114 @@
+"""A small GPT built from moda_flex.nn blocks: the baseline and MoDA differ in one config field.
+
+    config.depth_kv = "none"       a plain GQA transformer (the baseline)
+    config.depth_kv = "attn"       attention layers also write their K/V as depth
+    config.depth_kv = "attn+ffn"   FFN layers write a projected K/V too (MoDA's default)
+
+The forward pass creates one DepthStream and hands it to every block: each
+block's attention reads what the blocks below wrote for the same token, then
+writes its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moda_flex.nn import Block, BlockConfig, DepthStream, KVCache
+
+
+@dataclasses.dataclass
+class GPTConfig(BlockConfig):
+    """:class:`moda_flex.nn.BlockConfig` plus the model's vocabulary, context and depth."""
+
+    vocab_size: int = 256
+    block_size: int = 256
+    n_layer: int = 6
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = None if config.rope else nn.Embedding(config.block_size, config.n_embd)
+        self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.norm_f = nn.RMSNorm(config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying
+        self.apply(self._init_weights)
+        # Residual-branch outputs get a smaller init, scaled by depth (GPT-2).
+        for name, p in self.named_parameters():
+            if name.endswith("o_proj.weight") or name.endswith("mlp.proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(
+        self, idx: Tensor, targets: Optional[Tensor] = None, caches: Optional[list[KVCache]] = None
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        """Logits for every position, and the loss if ``targets`` is given.
+
+        Args:
+            idx: (B, T) token ids; with ``caches`` they continue the cached tokens.
+            targets: (B, T) next-token ids, or None.
+            caches: one :class:`KVCache` per block for decoding, or None.
+
+        Returns:
+            logits (B, T, vocab_size) and the mean cross-entropy (or None).
+        """
+        B, T = idx.shape
+        start = caches[0].length if caches is not None else 0
+        if start + T > self.config.block_size and self.wpe is not None:
+            raise ValueError(f"positions up to {start + T} exceed block_size {self.config.block_size}")
+        x = self.wte(idx)  # (B, T, C)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(start, start + T, device=idx.device))
+        depth = DepthStream(self.config.n_layer * self.config.depth_writes) if self.config.depth_writes else None
+        for i, block in enumerate(self.blocks):
+            x = block(x, depth, caches[i] if caches is not None else None)
+        logits = self.lm_head(self.norm_f(x))  # (B, T, vocab_size)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(B * T, -1).float(), targets.reshape(B * T))
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        use_cache: bool = True,
+    ) -> Tensor:
+        """Sample ``max_new_tokens`` tokens after (B, T) ``idx``; returns (B, T + max_new_tokens).
+
+        With ``use_cache`` the prompt is run once and each new token attends to
+        the cached sequence K/V of every layer plus its own depth entries; without
+        it every step re-runs the whole sequence. Both give the same tokens.
+        """
+        caches = [KVCache(idx.shape[1] + max_new_tokens) for _ in self.blocks] if use_cache else None
+        new = idx
+        for _ in range(max_new_tokens):
+            logits, _ = self(new if use_cache else idx, caches=caches)
+            logits = logits[:, -1, :] / temperature  # (B, vocab_size)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            new = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)  # (B, 1)
+            idx = torch.cat([idx, new], dim=1)
+        return idx

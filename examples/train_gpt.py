@@ -1,0 +1,237 @@
+"""Train byte-level GPTs with and without MoDA on the same data, and compare them.
+
+    python examples/train_gpt.py                     # baseline vs MoDA, ~2 minutes on 2 CPU cores
+    python examples/train_gpt.py --depth-kv attn+ffn --norm pre,post --steps 2000
+    python examples/train_gpt.py --data input.txt --n-layer 12 --n-embd 256 --device cuda
+
+``--depth-kv`` and ``--norm`` take comma-separated lists: every combination
+is trained in turn, from the same seed on the same batches, and a table of
+validation loss, parameters and speed is printed at the end. The default data
+is the text of the standard library's ``pydoc_data.topics`` (about 0.46 MB of
+English, offline), read as bytes. Each run saves ``<out-dir>/<name>.pt``,
+loadable with ``torch.load(path, weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+# Run from a checkout: the model file beside this one, the package above it.
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+from gpt import GPT, GPTConfig  # noqa: E402
+
+from moda_flex.nn import DEPTH_KV, NORMS  # noqa: E402
+
+
+def load_text(path: str | None) -> bytes:
+    """The training text as UTF-8 bytes: ``path``, or the stdlib's pydoc topics."""
+    if path is not None:
+        return Path(path).read_bytes()
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics)).encode("utf-8")
+
+
+def split(data: bytes, val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Byte tokens (N,) int64 as a train and a validation tensor."""
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    n_val = int(len(tokens) * val_fraction)
+    return tokens[:-n_val], tokens[-n_val:]
+
+
+def get_batch(tokens: torch.Tensor, batch_size: int, block_size: int, generator: torch.Generator, device):
+    """Random windows: inputs and next-token targets, both (batch_size, block_size)."""
+    start = torch.randint(len(tokens) - block_size - 1, (batch_size,), generator=generator)
+    offsets = torch.arange(block_size + 1)
+    window = tokens[start[:, None] + offsets]  # (batch_size, block_size + 1)
+    return window[:, :-1].to(device), window[:, 1:].to(device)
+
+
+def run_name(depth_kv: str, norm: str) -> str:
+    return {"none": "baseline", "attn": "moda-attn", "attn+ffn": "moda"}[depth_kv] + f"-{norm}"
+
+
+@torch.no_grad()
+def evaluate(model, val, args, device, autocast) -> float:
+    """Mean loss over ``args.eval_iters`` batches, the same batches for every model."""
+    model.eval()
+    generator = torch.Generator().manual_seed(1234)
+    total = 0.0
+    for _ in range(args.eval_iters):
+        x, y = get_batch(val, args.batch_size, args.block_size, generator, device)
+        with autocast:
+            total += model(x, y)[1].item()
+    model.train()
+    return total / args.eval_iters
+
+
+def learning_rate(step: int, args) -> float:
+    """Linear warmup, then cosine decay to a tenth."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def train_one(config: GPTConfig, name: str, train, val, args, device) -> dict:
+    """Train one model; save its checkpoint; return its row of the comparison table."""
+    torch.manual_seed(args.seed)
+    model = GPT(config).to(device)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        fused=device.type == "cuda",
+    )
+    use_bf16 = args.dtype == "bfloat16"
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
+    generator = torch.Generator().manual_seed(args.seed)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    print(f"== {name}: {model.num_params() / 1e6:.2f}M parameters, depth_kv={config.depth_kv}, norm={config.norm}")
+    tokens_per_step = args.batch_size * args.block_size
+    train_time = 0.0
+    timed_steps = 0
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, args)
+        x, y = get_batch(train, args.batch_size, args.block_size, generator, device)
+        with autocast:
+            _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = loss.item()  # synchronizes, so the step time below is real
+        if step >= args.skip_timing:  # leave out warm-up steps (allocator, kernel autotuning)
+            train_time += time.perf_counter() - t0
+            timed_steps += 1
+        tok_s = tokens_per_step * timed_steps / train_time if train_time else 0.0
+        print(f"\r  step {step + 1}/{args.steps} | loss {loss_value:.4f} | {tok_s:,.0f} tok/s", end="", flush=True)
+    print()
+    val_loss = evaluate(model, val, args, device, autocast)
+    peak_mb = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
+    print(f"  val loss {val_loss:.4f}")
+
+    path = Path(args.out_dir) / f"{name}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(
+        {"model": model.state_dict(), "config": dataclasses.asdict(config), "step": args.steps, "val_loss": val_loss},
+        path,
+    )
+    if args.sample_tokens > 0:
+        prompt = val[: args.block_size // 4].view(1, -1).to(device)
+        model.eval()
+        with autocast:
+            out = model.generate(prompt, args.sample_tokens, temperature=0.8, top_k=50)
+        text = bytes(out[0, prompt.shape[1] :].tolist()).decode("utf-8", errors="replace")
+        print("  sample: " + text.replace("\n", "\n          "))
+    return {
+        "name": name,
+        "params_m": model.num_params() / 1e6,
+        "val_loss": val_loss,
+        "tok_s": tokens_per_step * timed_steps / train_time if train_time else float("nan"),
+        "step_ms": 1000 * train_time / timed_steps if timed_steps else float("nan"),
+        "peak_mb": peak_mb,
+    }
+
+
+def format_table(rows: list[dict]) -> str:
+    """A Markdown table of the runs, with step time and memory relative to the first run."""
+    lines = [
+        "| model | params (M) | val loss | tokens/s | step (ms) | peak mem (MiB) | step vs first | mem vs first |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    first = rows[0]
+    for r in rows:
+        has_mem = not math.isnan(r["peak_mb"])
+        mem = f"{r['peak_mb']:.0f}" if has_mem else "-"
+        mem_ratio = f"{r['peak_mb'] / first['peak_mb']:.2f}x" if has_mem else "-"
+        lines.append(
+            f"| {r['name']} | {r['params_m']:.2f} | {r['val_loss']:.4f} | {r['tok_s']:,.0f} | {r['step_ms']:.1f} | "
+            f"{mem} | {r['step_ms'] / first['step_ms']:.2f}x | {mem_ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default=None, help="a text file (default: the stdlib's pydoc_data.topics)")
+    p.add_argument("--depth-kv", default="none,attn+ffn", help=f"comma-separated, from {DEPTH_KV}")
+    p.add_argument("--norm", default="post", help=f"comma-separated, from {NORMS}")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-kv-head", type=int, default=2)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=250)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--eval-iters", type=int, default=20)
+    p.add_argument("--skip-timing", type=int, default=3, help="first steps left out of the timings")
+    p.add_argument("--sample-tokens", type=int, default=120, help="bytes to sample after training (0: none)")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: bfloat16 on CUDA")
+    p.add_argument("--backend", default="auto", help="moda_attention backend")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads for torch")
+    p.add_argument("--out-dir", default="out", help="checkpoints and results.md go here")
+    args = p.parse_args(argv)
+    args.depth_kv = args.depth_kv.split(",")
+    args.norm = args.norm.split(",")
+    for flag, values, allowed in (("--depth-kv", args.depth_kv, DEPTH_KV), ("--norm", args.norm, NORMS)):
+        for value in values:
+            if value not in allowed:
+                p.error(f"{flag}: {value!r} is not one of {allowed}")
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    if args.steps <= args.skip_timing:
+        p.error(f"--steps ({args.steps}) must exceed --skip-timing ({args.skip_timing})")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    train, val = split(load_text(args.data))
+    print(f"data: {len(train):,} train and {len(val):,} validation bytes")
+    rows = []
+    for norm in args.norm:
+        for depth_kv in args.depth_kv:
+            config = GPTConfig(
+                n_embd=args.n_embd,
+                n_head=args.n_head,
+                n_kv_head=args.n_kv_head,
+                depth_kv=depth_kv,
+                norm=norm,
+                backend=args.backend,
+                block_size=args.block_size,
+                n_layer=args.n_layer,
+            )
+            rows.append(train_one(config, run_name(depth_kv, norm), train, val, args, device))
+    table = format_table(rows)
+    print()
+    print(table)
+    (Path(args.out_dir) / "results.md").write_text(table + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
