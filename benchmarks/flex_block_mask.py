@@ -29,7 +29,7 @@ def main():
     mask_mod = _mask_mod(variant, T, T, G, L)
 
     def build():
-        block_mask = _structural_block_mask(variant.structure, T, T, G, L, args.device, mask_mod, False)
+        block_mask = _structural_block_mask(variant.structure, T, T, G, L, args.device, mask_mod)
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
         return block_mask

@@ -17,8 +17,9 @@ decrease with ``p``, and so does its depth span. For a block of rows the union
 and the intersection of those intervals are read off its first and last
 token, which gives the partial and the full KV blocks directly; the
 transposed (KV-block to query-block) lists follow from ``searchsorted`` on the
-same monotone ends. Work and memory grow with the block lists, never with
-``Q_LEN x KV_LEN``.
+same monotone ends. Nothing is evaluated per element: the cost is that of
+the block grid, ``(Q_LEN / 128) x (KV_LEN / 128)`` index entries (FlexAttention
+reads a list's width as the block count), never ``Q_LEN x KV_LEN``.
 
 A variant without a structure (a user's own predicates) falls back to
 ``create_block_mask``, which evaluates the mask densely: O(Tq*G*(Tk + Tq*L))
@@ -30,8 +31,6 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import Optional
-
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
@@ -81,11 +80,7 @@ def flex_moda(
         out, lse = q.new_zeros(q.shape), q.new_zeros(B, Hq, 0, dtype=torch.float32)
         return (out, lse) if return_lse else out
 
-    # Compiled FlexAttention on CPU wants index lists as wide as the block grid.
-    full_width = compiled and not q.is_cuda
-    block_mask = moda_block_mask(
-        variant, batch=B, kv_heads=Hk, q_len=Tq, kv_len=Tk, groups=G, slots=L, device=q.device, full_width=full_width
-    )
+    block_mask = moda_block_mask(variant, batch=B, kv_heads=Hk, q_len=Tq, kv_len=Tk, groups=G, slots=L, device=q.device)
     kv_pad = block_mask.seq_lengths[1] - Tq * L - Tk
 
     # Fold the G query heads of each group into rows: row r = t * G + g.
@@ -157,15 +152,12 @@ def moda_block_mask(
     groups: int,
     slots: int,
     device,
-    full_width: bool = False,
 ) -> BlockMask:
     """The BlockMask of ``variant`` over folded rows and ``[sequence | depth]`` columns.
 
     Rows: ``q_len * groups``; columns: ``kv_len`` rounded up to ``BLOCK``, then
     ``q_len * slots`` depth entries. Built structurally (and cached per shape)
-    when the variant has a structure, densely otherwise. The block index lists
-    are as wide as the most blocks any row (column) visits, or as wide as the
-    whole block grid with ``full_width``.
+    when the variant has a structure, densely otherwise.
     """
     device = torch.device(device)
     mask_mod = _mask_mod(variant, q_len, kv_len, groups, slots)
@@ -178,11 +170,11 @@ def moda_block_mask(
         )
     if structure.doc_ids is not None:
         # Document ids are data, not shape: build, do not cache.
-        return _structural_block_mask(structure, q_len, kv_len, groups, slots, device, mask_mod, full_width)
-    key = (variant.name, q_len, kv_len, groups, slots, str(device), full_width)
+        return _structural_block_mask(structure, q_len, kv_len, groups, slots, device, mask_mod)
+    key = (variant.name, q_len, kv_len, groups, slots, str(device))
     block_mask = _BLOCK_MASK_CACHE.pop(key, None)
     if block_mask is None:
-        block_mask = _structural_block_mask(structure, q_len, kv_len, groups, slots, device, mask_mod, full_width)
+        block_mask = _structural_block_mask(structure, q_len, kv_len, groups, slots, device, mask_mod)
     _BLOCK_MASK_CACHE[key] = block_mask  # most recently used last
     while len(_BLOCK_MASK_CACHE) > _BLOCK_MASK_CACHE_SIZE:
         _BLOCK_MASK_CACHE.pop(next(iter(_BLOCK_MASK_CACHE)))
@@ -218,15 +210,16 @@ def _mask_mod(variant: Variant, q_len: int, kv_len: int, groups: int, slots: int
 
 
 def _structural_block_mask(
-    structure: Structure, q_len: int, kv_len: int, groups: int, slots: int, device, mask_mod, full_width: bool
+    structure: Structure, q_len: int, kv_len: int, groups: int, slots: int, device, mask_mod
 ) -> BlockMask:
     rows = q_len * groups
     q_blocks = _ceil_div(rows, BLOCK)
     kv_padded = _round_up(kv_len, BLOCK)
     seq_blocks = kv_padded // BLOCK
     depth_blocks = _ceil_div(q_len * slots, BLOCK)
-    kv_width = seq_blocks + depth_blocks if full_width else 1
-    q_width = q_blocks if full_width else 1
+    # FlexAttention's kernels take the width of an index list for the number
+    # of blocks on the other side, so the lists span the whole block grid.
+    kv_width, q_width = seq_blocks + depth_blocks, q_blocks
     offset = kv_len - q_len
 
     # First and last query token of every block of folded rows.
