@@ -34,8 +34,12 @@ import math
 from typing import Callable, Optional, Sequence, Union
 
 import torch
-from hypothesis import strategies as st
 from torch import Tensor
+
+try:
+    from hypothesis import strategies as st
+except ImportError as error:
+    raise ImportError("moda_flex.testing needs hypothesis: pip install hypothesis (or moda_flex[test])") from error
 
 from . import variants as _variants
 from .attention import moda_attention
@@ -437,6 +441,7 @@ def variants(
     *,
     kinds: Sequence[str] = BUILTIN_KINDS,
     max_terms: int = 2,
+    structured: bool = False,
 ) -> st.SearchStrategy[Variant]:
     """A hypothesis strategy of built-in variants valid for ``shape``.
 
@@ -451,6 +456,9 @@ def variants(
         shape: the sizes the variant must fit (``Tk``, ``L``, ``B``).
         kinds: which families to draw from, a subset of :data:`BUILTIN_KINDS`.
         max_terms: the most terms in one ``&`` composition.
+        structured: draw only variants that keep a
+            :class:`~moda_flex.Structure` (what block-sparse backends need):
+            no composition of two documents or of two different depth chunks.
     """
     if not isinstance(shape, MoDAShape):
         raise ValueError(f"shape must be a MoDAShape, got {type(shape).__name__}")
@@ -472,7 +480,8 @@ def variants(
         "document": st.builds(_documents, document_ids(B, Tk), st.booleans()),
     }
     term = st.one_of([families[kind] for kind in kinds])
-    return st.lists(term, min_size=1, max_size=max_terms).map(_intersect_all)
+    drawn = st.lists(term, min_size=1, max_size=max_terms).map(_intersect_all)
+    return drawn.filter(lambda variant: variant.structure is not None) if structured else drawn
 
 
 def document_ids(batch: int, kv_len: int, *, max_documents: int = 5) -> st.SearchStrategy[Tensor]:

@@ -1,0 +1,347 @@
+"""Variants: predicates against their definitions, composition, structures, and every backend.
+
+The hand-written masks below restate each built-in's definition one position
+at a time; the predicates must agree with them on every (query, key) and
+(query, token, slot) triple, with ``Tq < Tk`` offsets and ``L = 0`` included.
+"""
+
+import itertools
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moda_flex import moda_attention
+from moda_flex import variants as v
+from moda_flex.testing import BUILTIN_KINDS, MoDAShape, assert_matches_reference, make_inputs, moda_shapes, variants
+from moda_flex.variants import Structure, Variant
+
+B, H = 2, 3
+SIZES = [(1, 1, 0), (4, 4, 3), (3, 8, 4), (1, 7, 2), (6, 9, 1)]  # (Tq, Tk, L)
+DOC_IDS = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2], [0, 1, 1, 1, 1, 1, 2, 3, 3]])
+
+
+def _doc(b, p, k):
+    return DOC_IDS[b, p] == DOC_IDS[b, k]
+
+
+# name: (variant factory for Tk, sequence(b, h, p, k), depth(b, h, p, d, slot, L))
+DEFINITIONS = {
+    "causal": (lambda Tk: v.causal(), lambda b, h, p, k: k <= p, lambda b, h, p, d, s, L: d == p),
+    "full": (lambda Tk: v.full(), lambda b, h, p, k: True, lambda b, h, p, d, s, L: d == p),
+    "sliding_window(1)": (
+        lambda Tk: v.sliding_window(1),
+        lambda b, h, p, k: k == p,
+        lambda b, h, p, d, s, L: d == p,
+    ),
+    "sliding_window(3)": (
+        lambda Tk: v.sliding_window(3),
+        lambda b, h, p, k: p - 3 < k <= p,
+        lambda b, h, p, d, s, L: d == p,
+    ),
+    "depth_window(1)": (
+        lambda Tk: v.depth_window(1),
+        lambda b, h, p, k: k <= p,
+        lambda b, h, p, d, s, L: d == p and s == L - 1,
+    ),
+    "depth_window(2)": (
+        lambda Tk: v.depth_window(2),
+        lambda b, h, p, k: k <= p,
+        lambda b, h, p, d, s, L: d == p and s >= L - 2,
+    ),
+    "depth_window(9)": (
+        lambda Tk: v.depth_window(9),
+        lambda b, h, p, k: k <= p,
+        lambda b, h, p, d, s, L: d == p,
+    ),
+    "chunk_depth(1)": (
+        lambda Tk: v.chunk_depth(1),
+        lambda b, h, p, k: k <= p,
+        lambda b, h, p, d, s, L: d == p,
+    ),
+    "chunk_depth(3)": (
+        lambda Tk: v.chunk_depth(3),
+        lambda b, h, p, k: k <= p,
+        lambda b, h, p, d, s, L: d <= p and d // 3 == p // 3,
+    ),
+    "depth_only": (lambda Tk: v.depth_only(), lambda b, h, p, k: False, lambda b, h, p, d, s, L: d == p),
+    "document": (
+        lambda Tk: v.document(DOC_IDS[:, :Tk]),
+        lambda b, h, p, k: _doc(b, p, k),
+        lambda b, h, p, d, s, L: d == p,
+    ),
+    "document (one row for all)": (
+        lambda Tk: v.document(DOC_IDS[1, :Tk]),
+        lambda b, h, p, k: _doc(1, p, k),
+        lambda b, h, p, d, s, L: d == p,
+    ),
+}
+
+
+def _predicate_masks(variant: Variant, Tq: int, Tk: int, L: int):
+    """Evaluate both predicates on broadcast grids: (B, H, Tq, Tk) and (B, H, Tq, Tq, L)."""
+    b = torch.arange(B).view(B, 1, 1, 1)
+    h = torch.arange(H).view(1, H, 1, 1)
+    q_pos = (Tk - Tq + torch.arange(Tq)).view(1, 1, Tq, 1)
+    sequence = variant.sequence(b, h, q_pos, torch.arange(Tk).view(1, 1, 1, Tk)).expand(B, H, Tq, Tk)
+    d_pos = (Tk - Tq + torch.arange(Tq)).view(1, 1, 1, Tq, 1)
+    slot = torch.arange(L).view(1, 1, 1, 1, L)
+    depth = variant.depth_predicate(L)(b.unsqueeze(-1), h.unsqueeze(-1), q_pos.unsqueeze(-1), d_pos, slot)
+    return sequence, depth.expand(B, H, Tq, Tq, L)
+
+
+def _definition_masks(sequence_def, depth_def, Tq: int, Tk: int, L: int):
+    """The same masks, one position at a time from the written definition."""
+    sequence = torch.zeros(B, H, Tq, Tk, dtype=torch.bool)
+    depth = torch.zeros(B, H, Tq, Tq, L, dtype=torch.bool)
+    for b, h, i in itertools.product(range(B), range(H), range(Tq)):
+        p = Tk - Tq + i
+        for k in range(Tk):
+            sequence[b, h, i, k] = bool(sequence_def(b, h, p, k))
+        for t, s in itertools.product(range(Tq), range(L)):
+            depth[b, h, i, t, s] = bool(depth_def(b, h, p, Tk - Tq + t, s, L))
+    return sequence, depth
+
+
+@pytest.mark.parametrize("Tq, Tk, L", SIZES, ids=lambda x: str(x))
+@pytest.mark.parametrize("name", list(DEFINITIONS))
+def test_builtin_predicates_match_their_definitions(name, Tq, Tk, L):
+    factory, sequence_def, depth_def = DEFINITIONS[name]
+    sequence, depth = _predicate_masks(factory(Tk), Tq, Tk, L)
+    expected_sequence, expected_depth = _definition_masks(sequence_def, depth_def, Tq, Tk, L)
+    assert sequence.dtype == torch.bool and depth.dtype == torch.bool
+    assert torch.equal(sequence, expected_sequence)
+    assert torch.equal(depth, expected_depth)
+
+
+@pytest.mark.parametrize("name", list(DEFINITIONS))
+def test_own_depth_only_is_true_exactly_when_no_other_token_is_read(name):
+    factory, _, _ = DEFINITIONS[name]
+    variant = factory(9)
+    _, depth = _predicate_masks(variant, 6, 9, 3)
+    reads_others = bool((depth & ~torch.eye(6, dtype=torch.bool).view(1, 1, 6, 6, 1)).any())
+    if variant.own_depth_only:
+        assert not reads_others
+    assert variant.structure is not None
+    assert variant.own_depth_only == (variant.structure.depth_chunk is None)
+
+
+def _user_variant() -> Variant:
+    """Even query heads, keys at even distance, odd depth slots: touches every argument."""
+
+    def sequence(b, h, q_pos, k_pos):
+        return (h % 2 == 0) & ((q_pos - k_pos) % 2 == 0) & (k_pos <= q_pos)
+
+    def depth(b, h, q_pos, d_pos, slot):
+        return (d_pos == q_pos) & (slot % 2 == 1) & (b == 0)
+
+    return Variant("user", sequence, depth)
+
+
+COMPOSABLE = {
+    "causal": v.causal,
+    "full": v.full,
+    "sliding_window(2)": lambda: v.sliding_window(2),
+    "depth_window(1)": lambda: v.depth_window(1),
+    "chunk_depth(2)": lambda: v.chunk_depth(2),
+    "depth_only": v.depth_only,
+    "document": lambda: v.document(DOC_IDS),
+    "user": _user_variant,
+}
+
+
+@pytest.mark.parametrize("left, right", list(itertools.combinations(COMPOSABLE, 2)))
+def test_composition_is_elementwise(left, right):
+    a, b = COMPOSABLE[left](), COMPOSABLE[right]()
+    Tq, Tk, L = 5, 9, 3
+    seq_a, depth_a = _predicate_masks(a, Tq, Tk, L)
+    seq_b, depth_b = _predicate_masks(b, Tq, Tk, L)
+    seq_and, depth_and = _predicate_masks(a & b, Tq, Tk, L)
+    seq_or, depth_or = _predicate_masks(a | b, Tq, Tk, L)
+    assert torch.equal(seq_and, seq_a & seq_b) and torch.equal(depth_and, depth_a & depth_b)
+    assert torch.equal(seq_or, seq_a | seq_b) and torch.equal(depth_or, depth_a | depth_b)
+    assert (a & b).name == f"({a.name} & {b.name})"
+    assert (a | b).name == f"({a.name} | {b.name})"
+    assert (a | b).structure is None and not (a | b).own_depth_only
+
+
+def test_composition_structures():
+    window = v.causal() & v.sliding_window(4)
+    assert window.structure.causal and window.structure.window == 4 and window.own_depth_only
+    documents = v.causal() & v.document(DOC_IDS)
+    assert documents.structure.causal and documents.structure.doc_ids is DOC_IDS
+    chunked = v.chunk_depth(2) & (v.chunk_depth(2) | v.full())
+    assert chunked.structure is None
+    assert (v.causal() & _user_variant()).structure is None
+    assert (v.chunk_depth(2) & v.chunk_depth(3)).structure is None
+    assert (v.document(DOC_IDS) & v.document(DOC_IDS)).structure is None
+    nested = (v.causal() & v.depth_window(3)) & v.depth_window(1)
+    assert nested.structure.depth_window == 1
+    _, depth = _predicate_masks(nested, 2, 2, 3)
+    assert depth[0, 0].diagonal(dim1=0, dim2=1).t().tolist() == [[False, False, True]] * 2
+
+
+def _assert_structure_holds(variant: Variant, shape: MoDAShape) -> None:
+    """Every promise of ``variant.structure`` is true of its predicates at ``shape``."""
+    Tq, Tk, L = shape.q_len, shape.kv_len, shape.slots
+    s = variant.structure
+    sequence, depth = _predicate_masks(variant, Tq, Tk, L)  # (B, H, Tq, Tk), (B, H, Tq, Tq, L)
+    p = (Tk - Tq + torch.arange(Tq)).view(Tq, 1)
+    k = torch.arange(Tk).view(1, Tk)
+    if s.causal:
+        assert not sequence[..., k > p].any(), "a key after the query is visible"
+    if s.window is not None:
+        assert not sequence[..., k <= p - s.window].any(), "a key outside the window is visible"
+    if not s.sequence:
+        assert not sequence.any(), "a sequence key is visible"
+    if s.doc_ids is not None:
+        ids = s.doc_ids.expand(B, Tk)
+        same = ids[:, p.view(Tq)].unsqueeze(-1) == ids.unsqueeze(1)  # (B, Tq, Tk)
+        assert not (sequence & ~same.unsqueeze(1)).any(), "a key of another document is visible"
+    d = p.view(1, Tq)
+    if s.depth_chunk is None:
+        assert not depth[..., p != d, :].any(), "another token's depth is visible"
+    else:
+        outside = (d > p) | (d // s.depth_chunk != p // s.depth_chunk)
+        assert not depth[..., outside, :].any(), "depth outside the chunk is visible"
+    if s.depth_window is not None and L > s.depth_window:
+        assert not depth[..., : L - s.depth_window].any(), "a depth slot outside the window is visible"
+
+
+@settings(max_examples=150)
+@given(shape=moda_shapes(max_batch=B, max_kv_len=12, max_slots=4, max_groups=1, max_kv_heads=1), data=st.data())
+def test_structure_promises_hold_for_builtins_and_intersections(shape, data):
+    variant = data.draw(variants(shape, max_terms=3, structured=True))
+    _assert_structure_holds(variant, shape)
+
+
+@pytest.mark.parametrize(
+    "structure, message",
+    [
+        (Structure(causal=True), "after the query"),
+        (Structure(window=2), "outside the window"),
+        (Structure(sequence=False), "sequence key"),
+        (Structure(doc_ids=DOC_IDS), "another document"),
+        (Structure(depth_window=1), "depth slot outside"),
+    ],
+)
+def test_a_false_structure_is_caught(structure, message):
+    shape = MoDAShape(batch=B, q_heads=1, kv_heads=1, q_len=5, kv_len=9, slots=3, head_dim=8)
+    liar = Variant("liar", v.full().sequence, structure=structure)
+    with pytest.raises(AssertionError, match=message):
+        _assert_structure_holds(liar, shape)
+
+
+def test_a_false_own_depth_promise_is_caught():
+    shape = MoDAShape(batch=B, q_heads=1, kv_heads=1, q_len=2, kv_len=2, slots=1, head_dim=8)
+    reads_all = Variant("liar", v.full().sequence, lambda b, h, q_pos, d_pos, slot: d_pos >= 0, structure=Structure())
+    with pytest.raises(AssertionError, match="another token's depth"):
+        _assert_structure_holds(reads_all, shape)
+
+
+def test_structure_intersect():
+    a = Structure(causal=True, window=5, depth_window=3)
+    b = Structure(window=2, sequence=False, depth_window=7)
+    both = a.intersect(b)
+    assert (both.causal, both.window, both.sequence, both.depth_window) == (True, 2, False, 3)
+    assert both.doc_ids is None and both.depth_chunk is None and both.own_depth_only
+    assert Structure().intersect(Structure()).window is None
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    assert Structure(doc_ids=ids).intersect(Structure(causal=True)).doc_ids is ids
+    assert Structure(causal=True).intersect(Structure(doc_ids=ids)).doc_ids is ids
+    assert Structure(doc_ids=ids).intersect(Structure(doc_ids=ids)) is None
+    assert Structure(depth_chunk=2).intersect(Structure()) is None
+    chunked = Structure(depth_chunk=4).intersect(Structure(depth_chunk=4, causal=True))
+    assert chunked.depth_chunk == 4 and chunked.causal and not chunked.own_depth_only
+
+
+@pytest.mark.parametrize(
+    "make, argument",
+    [
+        (lambda: v.sliding_window(0), "window"),
+        (lambda: v.sliding_window(2.0), "window"),
+        (lambda: v.depth_window(-1), "slots"),
+        (lambda: v.chunk_depth(0), "chunk"),
+        (lambda: v.document(torch.zeros(4)), "doc_ids"),
+        (lambda: v.document(torch.zeros(1, 2, 4, dtype=torch.long)), "doc_ids"),
+        (lambda: v.document([0, 0, 1]), "doc_ids"),
+        (lambda: v.resolve("diagonal"), "variant"),
+        (lambda: Variant("x", v.causal().sequence, v.own_token, depth_for_slots=lambda L: v.own_token), "depth"),
+    ],
+)
+def test_bad_arguments_raise(make, argument):
+    with pytest.raises(ValueError, match=argument):
+        make()
+
+
+def test_named_variants_resolve():
+    assert v.resolve("causal").name == "causal" and v.resolve("full").name == "full"
+    custom = _user_variant()
+    assert v.resolve(custom) is custom
+
+
+# --- every built-in on every backend against the reference --------------------------
+
+FLEX_SHAPES = moda_shapes(max_batch=2, max_groups=3, max_kv_heads=2, max_kv_len=40, max_slots=6, head_dims=(8, 16))
+
+
+@pytest.mark.parametrize("kind", BUILTIN_KINDS)
+@settings(max_examples=8)
+@given(shape=FLEX_SHAPES, strided=st.booleans(), data=st.data())
+def test_flex_matches_reference(kind, shape, strided, data):
+    variant = data.draw(variants(shape, kinds=(kind,), max_terms=1))
+    assert_matches_reference(make_inputs(shape, strided_depth=strided), backend="flex", variant=variant)
+
+
+@settings(max_examples=25)
+@given(shape=FLEX_SHAPES, strided=st.booleans(), data=st.data())
+def test_flex_matches_reference_on_compositions(shape, strided, data):
+    with_user = st.builds(lambda builtin: builtin & _user_variant(), variants(shape, max_terms=1))
+    variant = data.draw(variants(shape, max_terms=3) | with_user)
+    assert_matches_reference(make_inputs(shape, strided_depth=strided), backend="flex", variant=variant)
+
+
+@settings(max_examples=6)
+@given(shape=moda_shapes(max_kv_len=24, max_slots=4, max_groups=2, head_dims=(8,)), data=st.data())
+def test_flex_matches_reference_in_float64(shape, data):
+    variant = data.draw(variants(shape))
+    assert_matches_reference(make_inputs(shape, dtype=torch.float64), backend="flex", variant=variant)
+
+
+def _triton():
+    """The triton backend module, or a skip when it cannot run here."""
+    triton_backend = pytest.importorskip("moda_flex.triton")
+    probe = torch.zeros(1, 1, 1, 16)
+    reason = triton_backend.unsupported_reason(probe, v.causal())
+    if reason is not None:
+        pytest.skip(f"the triton backend cannot run here: {reason}")
+    return triton_backend
+
+
+TRITON_KINDS = ("causal", "full", "sliding_window", "depth_window", "depth_only", "document")
+
+
+@pytest.mark.parametrize("kind", TRITON_KINDS)
+@settings(max_examples=2)
+@given(
+    shape=moda_shapes(max_batch=2, max_groups=2, max_kv_heads=2, max_kv_len=20, max_slots=4, head_dims=(16,)),
+    data=st.data(),
+)
+def test_triton_matches_reference(kind, shape, data):
+    triton_backend = _triton()
+    variant = data.draw(variants(shape, kinds=(kind,), max_terms=1))
+    inputs = make_inputs(shape, strided_depth=True)
+    assert triton_backend.unsupported_reason(inputs["q"], variant) is None, variant.name
+    assert_matches_reference(inputs, backend="triton", variant=variant)
+
+
+@pytest.mark.parametrize(
+    "variant", [v.chunk_depth(2), _user_variant(), v.causal() | v.sliding_window(2)], ids=lambda x: x.name
+)
+def test_triton_refuses_unsupported_variants_by_name(variant):
+    _triton()
+    inputs = make_inputs(MoDAShape(batch=1, q_heads=2, kv_heads=1, q_len=3, kv_len=5, slots=2, head_dim=16))
+    with pytest.raises(NotImplementedError, match=re.escape(f"variant {variant.name!r}")):
+        moda_attention(*inputs.values(), variant=variant, backend="triton")
