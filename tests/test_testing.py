@@ -1,7 +1,9 @@
 """The testing helpers: shapes, inputs, variant strategy and the reference assertion."""
 
+import importlib
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -367,3 +369,18 @@ def test_variants_respect_kinds():
         variants(shape, max_terms=0)
     with pytest.raises(ValueError, match="shape"):
         variants((1, 2))
+
+
+# --- the custom variant example ---------------------------------------------------
+
+
+def test_custom_variant_example_reads_attention_slots_and_matches_flex(capsys, monkeypatch):
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    monkeypatch.syspath_prepend(str(examples))
+    custom_variant = importlib.import_module("custom_variant")
+    variant = custom_variant.attention_slots_only()
+    depth = variant.depth_predicate(5)(0, 0, torch.tensor(3), torch.tensor([[3], [2]]), torch.arange(5))
+    assert depth.tolist() == [[True, False, True, False, True], [False] * 5]
+    custom_variant.main(["--examples", "3"])
+    out = capsys.readouterr().out
+    assert "attention_slots_only" in out and "|█·█·█·" in out and "on 3 random shapes" in out
