@@ -65,7 +65,11 @@ def moda_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     run = _pick_backend(backend, q, variant)
-    out, lse = run(q, k, v, depth_k, depth_v, variant, float(scale))
+    if q.shape[2] == 0:
+        # No query tokens: nothing to compute, on any backend.
+        out, lse = q.new_zeros(q.shape), q.new_zeros(q.shape[:3], dtype=torch.float32)
+    else:
+        out, lse = run(q, k, v, depth_k, depth_v, variant, float(scale))
     return (out, lse) if return_lse else out
 
 

@@ -76,10 +76,6 @@ def flex_moda(
     B, Hq, Tq, D = q.shape
     Hk, Tk, L = k.shape[1], k.shape[2], depth_k.shape[3]
     G = Hq // Hk
-    if Tq == 0:
-        out, lse = q.new_zeros(q.shape), q.new_zeros(B, Hq, 0, dtype=torch.float32)
-        return (out, lse) if return_lse else out
-
     block_mask = moda_block_mask(variant, batch=B, kv_heads=Hk, q_len=Tq, kv_len=Tk, groups=G, slots=L, device=q.device)
     kv_pad = block_mask.seq_lengths[1] - Tq * L - Tk
 
