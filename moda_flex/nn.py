@@ -49,7 +49,8 @@ class DepthStream:
     an alias of the buffers with its own version counter: they only ever fill
     the slot just past every earlier read, so no saved read changes. Gradients
     take a separate route: each read's backward adds its gradient into an
-    accumulator (float32, or float64 for float64 entries), and each append's backward, which autograd runs only
+    accumulator in the entries' dtype (as autograd would sum the gradients of
+    re-stacked entries), and each append's backward, which autograd runs only
     after every later read's (the appends and reads are chained by a scalar
     token), hands its slot of the accumulator to the appended tensors.
 
@@ -66,7 +67,7 @@ class DepthStream:
         self._v: Optional[Tensor] = None
         self._k_write: Optional[Tensor] = None  # the same memory, another version counter
         self._v_write: Optional[Tensor] = None
-        self._grad_k: Optional[Tensor] = None  # (B, Hk, T, Lmax, D), float32 or wider, filled in backward
+        self._grad_k: Optional[Tensor] = None  # (B, Hk, T, Lmax, D), filled in backward
         self._grad_v: Optional[Tensor] = None
         self._token: Optional[Tensor] = None
 
@@ -100,19 +101,18 @@ class DepthStream:
 
     def _add_grad(self, n: int, grad_k: Optional[Tensor], grad_v: Optional[Tensor]) -> None:
         if self._grad_k is None:
-            dtype = torch.promote_types(self._k.dtype, torch.float32)
-            self._grad_k = torch.zeros_like(self._k, dtype=dtype)
-            self._grad_v = torch.zeros_like(self._v, dtype=dtype)
+            self._grad_k = torch.zeros_like(self._k)
+            self._grad_v = torch.zeros_like(self._v)
         if grad_k is not None:
             self._grad_k[:, :, :, :n] += grad_k
         if grad_v is not None:
             self._grad_v[:, :, :, :n] += grad_v
 
-    def _take_grad(self, slot: int, grad: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    def _take_grad(self, slot: int, grad: Optional[Tensor]) -> Optional[Tensor]:
         """Slot ``slot`` of an accumulator as a fresh tensor, leaving zeros behind for a repeated backward."""
         if grad is None:
             return None
-        out = grad[:, :, :, slot].to(dtype, copy=True)  # (B, Hk, T, D)
+        out = grad[:, :, :, slot].clone()  # (B, Hk, T, D)
         grad[:, :, :, slot].zero_()
         return out
 
@@ -126,14 +126,14 @@ class _Append(torch.autograd.Function):
         stream._k_write[:, :, :, slot].copy_(k)
         stream._v_write[:, :, :, slot].copy_(v)
         stream.count += 1
-        ctx.stream, ctx.slot, ctx.dtype = stream, slot, k.dtype
+        ctx.stream, ctx.slot = stream, slot
         return token.new_zeros(())
 
     @staticmethod
     def backward(ctx, grad_token):
         stream = ctx.stream
-        grad_k = stream._take_grad(ctx.slot, stream._grad_k, ctx.dtype) if ctx.needs_input_grad[0] else None
-        grad_v = stream._take_grad(ctx.slot, stream._grad_v, ctx.dtype) if ctx.needs_input_grad[1] else None
+        grad_k = stream._take_grad(ctx.slot, stream._grad_k) if ctx.needs_input_grad[0] else None
+        grad_v = stream._take_grad(ctx.slot, stream._grad_v) if ctx.needs_input_grad[1] else None
         return grad_k, grad_v, grad_token, None
 
 
