@@ -106,7 +106,10 @@ def _config(q: Tensor, G: int, which: str) -> dict:
     if D == 128:
         cfg["BLOCK_M"] = min(cfg["BLOCK_M"], 64)
         cfg["num_stages"] = min(cfg["num_stages"], 2)
-    cfg["BLOCK_M"] = max(cfg["BLOCK_M"], GP)
+    if which != "dkdv":
+        # The depth phase holds (BLOCK_M / GP) * GPD padded rows: keep it at most 256.
+        cfg["BLOCK_M"] = min(cfg["BLOCK_M"], GP * max(1, 256 // max(GP, _MIN_DOT_ROWS)))
+    cfg["BLOCK_M"] = max(cfg["BLOCK_M"], GP, 16)
     return cfg
 
 
@@ -224,12 +227,21 @@ def _cdiv(a: int, b: int) -> int:
 # slot; ``sequence`` False drops the sequence keys (depth-only).
 
 
+def _interpreter_upcast(tensors):
+    """The Triton interpreter computes bfloat16 dots wrongly: on CPU run bfloat16 in float32."""
+    if tensors[0].device.type == "cpu" and tensors[0].dtype == torch.bfloat16:
+        return [None if t is None else t.float() for t in tensors], torch.bfloat16
+    return tensors, None
+
+
 @torch.library.custom_op("moda_flex::triton_forward", mutates_args=())
 def _forward_op(
     q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: Tensor, doc_ids: Optional[Tensor],
     scale: float, causal: bool, window: int, depth_first: int, sequence: bool,
 ) -> tuple[Tensor, Tensor]:
-    return _forward(q, k, v, depth_k, depth_v, doc_ids, scale, causal, window, depth_first, sequence)
+    (q, k, v, depth_k, depth_v), cast = _interpreter_upcast([q, k, v, depth_k, depth_v])
+    out, lse = _forward(q, k, v, depth_k, depth_v, doc_ids, scale, causal, window, depth_first, sequence)
+    return (out if cast is None else out.to(cast)), lse
 
 
 @_forward_op.register_fake
@@ -244,8 +256,10 @@ def _backward_op(
     depth_v: Tensor, out: Tensor, lse: Tensor, doc_ids: Optional[Tensor],
     scale: float, causal: bool, window: int, depth_first: int, sequence: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, scale, causal, window,
-                     depth_first, sequence)
+    (grad_out, q, k, v, depth_k, depth_v, out), cast = _interpreter_upcast([grad_out, q, k, v, depth_k, depth_v, out])
+    grads = _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, scale, causal, window,
+                      depth_first, sequence)
+    return tuple(grads) if cast is None else tuple(g.to(cast) for g in grads)
 
 
 @_backward_op.register_fake

@@ -1,0 +1,176 @@
+"""The Triton backend against the float64 reference.
+
+On CPU the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``,
+set by conftest.py), so shapes are small and example counts low.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("triton")
+
+from moda_flex import moda_attention  # noqa: E402
+from moda_flex import variants as v  # noqa: E402
+from moda_flex.reference import reference_attention  # noqa: E402
+from moda_flex.testing import (  # noqa: E402
+    MoDAShape,
+    assert_matches_reference,
+    make_inputs,
+    moda_shapes,
+    relative_error,
+    variants,
+)
+from moda_flex.triton import triton_attention, unsupported_reason  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FUSED_KINDS = ("causal", "full", "sliding_window", "depth_window", "depth_only", "document")
+
+
+def _inputs(shape, dtype=torch.float32, strided_depth=False, seed=0):
+    return make_inputs(shape, dtype=dtype, device=DEVICE, strided_depth=strided_depth, seed=seed)
+
+
+@settings(max_examples=30)
+@given(
+    shape=moda_shapes(max_kv_len=40, max_slots=9, max_kv_heads=2, head_dims=(16, 32)),
+    strided=st.booleans(),
+    data=st.data(),
+)
+def test_matches_reference(shape, strided, data):
+    """Output, lse and the five gradients, every fused variant, odd lengths, Tq <= Tk, strided depth."""
+    variant = data.draw(variants(shape, kinds=FUSED_KINDS))
+    assert_matches_reference(_inputs(shape, strided_depth=strided), backend="triton", variant=variant)
+
+
+@settings(max_examples=6)
+@given(
+    shape=moda_shapes(max_kv_len=24, max_slots=5, max_kv_heads=1, head_dims=(16,)),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+    causal=st.booleans(),
+)
+def test_half_precision(shape, dtype, causal):
+    assert_matches_reference(_inputs(shape, dtype=dtype), backend="triton", variant="causal" if causal else "full")
+
+
+@pytest.mark.parametrize(
+    "shape, variant",
+    [
+        (MoDAShape(1, 8, 1, 19, 37, 9, 64), v.causal()),  # G = 8: a full 16-row depth tile at 50%
+        (MoDAShape(1, 16, 1, 7, 7, 4, 16), v.full()),  # G = 16: no padding rows
+        (MoDAShape(2, 6, 2, 13, 13, 17, 128), v.depth_window(5)),  # G = 3, L over one depth block
+        (MoDAShape(1, 4, 2, 1, 29, 3, 32), v.sliding_window(4)),  # one-token decode
+    ],
+    ids=lambda x: str(x) if isinstance(x, MoDAShape) else x.name,
+)
+def test_named_cases(shape, variant):
+    assert_matches_reference(_inputs(shape, strided_depth=True, seed=3), backend="triton", variant=variant)
+
+
+def test_rows_with_no_key_give_zeros():
+    """Depth-only attention with L = 0: every row is empty, out = 0, lse = -inf, zero gradients."""
+    shape = MoDAShape(1, 4, 2, 5, 9, 0, 16)
+    assert_matches_reference(_inputs(shape), backend="triton", variant=v.depth_only())
+
+
+def test_lse_gradient():
+    """lse is differentiable: a loss on lse alone back-propagates like the reference."""
+    shape = MoDAShape(1, 4, 2, 11, 17, 5, 16)
+    inputs = _inputs(shape, strided_depth=True)
+    names = list(inputs)
+    ours = [inputs[n].detach().requires_grad_() for n in names]
+    ref = [inputs[n].detach().double().requires_grad_() for n in names]
+    weight = torch.randn(shape.batch, shape.q_heads, shape.q_len)
+    _, lse = triton_attention(*ours, v.causal(), 0.25)
+    _, ref_lse = reference_attention(*ref, v.causal(), 0.25)
+    (lse * weight).sum().backward()
+    (ref_lse * weight.double()).sum().backward()
+    for name, a, b in zip(names, ours, ref):
+        expected = torch.zeros_like(b) if b.grad is None else b.grad  # lse does not depend on v
+        assert relative_error(a.grad, expected) < 1e-4, name
+
+
+def test_backward_is_deterministic():
+    shape = MoDAShape(1, 8, 2, 21, 21, 6, 16)
+    inputs = _inputs(shape)
+    grads = []
+    for _ in range(2):
+        leaves = [t.detach().requires_grad_() for t in inputs.values()]
+        out = moda_attention(*leaves, backend="triton")
+        out.backward(torch.ones_like(out))
+        grads.append([t.grad for t in leaves])
+    for first, second in zip(*grads):
+        assert torch.equal(first, second)
+
+
+def test_depth_view_is_read_in_place():
+    """A slot-buffer view gives the same result as its contiguous copy, and its buffer gets no gradient copy."""
+    shape = MoDAShape(1, 4, 1, 9, 9, 3, 16)
+    inputs = _inputs(shape, strided_depth=True)
+    assert not inputs["depth_k"].is_contiguous()
+    out_view = moda_attention(*inputs.values(), backend="triton")
+    contiguous = [t.detach().contiguous() for t in inputs.values()]
+    out_copy = moda_attention(*contiguous, backend="triton")
+    assert torch.equal(out_view, out_copy)
+
+
+def test_compiles_fullgraph():
+    shape = MoDAShape(1, 4, 2, 7, 7, 3, 16)
+    inputs = _inputs(shape)
+
+    def step(q, k, vv, dk, dv):
+        return moda_attention(q, k, vv, dk, dv, backend="triton").sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    leaves = [t.detach().requires_grad_() for t in inputs.values()]
+    loss = compiled(*leaves)
+    loss.backward()
+    eager = [t.detach().requires_grad_() for t in inputs.values()]
+    eager_loss = step(*eager)
+    eager_loss.backward()
+    assert torch.allclose(loss, eager_loss)
+    for a, b in zip(leaves, eager):
+        assert torch.allclose(a.grad, b.grad)
+
+
+def test_runs_under_autocast():
+    shape = MoDAShape(1, 2, 1, 6, 6, 2, 16)
+    inputs = _inputs(shape, dtype=torch.bfloat16)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out = moda_attention(*inputs.values(), backend="triton")
+    out.float().sum().backward()
+    expected = reference_attention(*(t.detach().double() for t in inputs.values()), v.causal(), 0.25)[0]
+    assert out.dtype == torch.bfloat16
+    assert relative_error(out, expected) < 3e-2
+    assert all(t.grad is not None for t in inputs.values())
+
+
+@pytest.mark.parametrize(
+    "variant, dim, dtype, needle",
+    [
+        (v.chunk_depth(4), 16, torch.float32, "depth_chunk"),
+        (v.Variant("mine", lambda b, h, q, k: k <= q), 16, torch.float32, "Structure"),
+        (v.causal(), 24, torch.float32, "D=24"),
+        (v.causal(), 16, torch.float64, "float64"),
+    ],
+)
+def test_unsupported_reason(variant, dim, dtype, needle):
+    q = torch.zeros(1, 1, 1, dim, dtype=dtype, device=DEVICE)
+    reason = unsupported_reason(q, variant)
+    assert reason is not None and needle in reason
+    with pytest.raises(NotImplementedError, match=needle):
+        triton_attention(q, q, q, q[:, :, :, None], q[:, :, :, None], variant, 1.0)
+
+
+def test_supported_variants_have_no_reason():
+    q = torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16, device=DEVICE)
+    for variant in (v.causal(), v.full(), v.sliding_window(3), v.depth_window(2), v.depth_only()):
+        assert unsupported_reason(q, variant) is None
+
+
+def test_doc_ids_of_wrong_length_raise():
+    shape = MoDAShape(1, 2, 1, 5, 5, 1, 16)
+    inputs = _inputs(shape)
+    with pytest.raises(ValueError, match="doc_ids"):
+        triton_attention(*inputs.values(), v.document(torch.zeros(7, dtype=torch.long)), 0.25)

@@ -1,0 +1,103 @@
+"""The Triton backend on a GPU at the paper's sizes, bf16 against a float32 reference.
+
+Skipped without CUDA. Run: ``pytest tests/test_triton_gpu.py``.
+"""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+from moda_flex import variants as v  # noqa: E402
+from moda_flex.reference import reference_attention  # noqa: E402
+from moda_flex.testing import relative_error, tolerance  # noqa: E402
+
+BF16_TOL = tolerance(torch.bfloat16)
+
+
+def _inputs(B, Hq, Hk, T, L, D, lmax=None, seed=0):
+    """bf16 leaves; depth is the view ``buf[:, :, :, :L]`` of a (B, Hk, T, lmax, D) slot buffer."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def normal(*size):
+        return torch.randn(*size, device="cuda", generator=gen, dtype=torch.bfloat16)
+
+    lmax = L if lmax is None else lmax
+    q, k, vv = normal(B, Hq, T, D), normal(B, Hk, T, D), normal(B, Hk, T, D)
+    dk, dv = normal(B, Hk, T, lmax, D)[:, :, :, :L], normal(B, Hk, T, lmax, D)[:, :, :, :L]
+    return [t.requires_grad_() for t in (q, k, vv)] + [dk.requires_grad_(), dv.requires_grad_()]
+
+
+def _triton(inputs, variant, grad_out):
+    from moda_flex.triton import triton_attention
+
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    out, lse = triton_attention(*leaves, variant, inputs[0].shape[-1] ** -0.5)
+    out.backward(grad_out)
+    return out, lse, [t.grad for t in leaves]
+
+
+def _reference(inputs, variant, grad_out):
+    leaves = [t.detach().float().requires_grad_() for t in inputs]
+    out, lse = reference_attention(*leaves, variant, inputs[0].shape[-1] ** -0.5)
+    out.backward(grad_out.float())
+    return out, lse, [t.grad for t in leaves]
+
+
+def _assert_close(name, actual, expected, tol=BF16_TOL):
+    assert not torch.isnan(actual).any(), f"{name}: NaN"
+    error = relative_error(actual, expected)
+    assert error <= tol, f"{name}: relative RMS error {error:.3e} > {tol:.1e}"
+
+
+@pytest.mark.parametrize("variant", [v.causal(), v.full()], ids=lambda x: x.name)
+def test_paper_shape(variant):
+    """T=4096, G=8, Hq=64, Hk=8, L=64, D=64: output, lse and all five gradients."""
+    inputs = _inputs(1, 64, 8, 4096, 64, 64, lmax=80)
+    grad_out = torch.randn_like(inputs[0])
+    out, lse, grads = _triton(inputs, variant, grad_out)
+    ref_out, ref_lse, ref_grads = _reference(inputs, variant, grad_out)
+    _assert_close("out", out, ref_out)
+    _assert_close("lse", lse, ref_lse, 1e-3)
+    for name, g, r in zip(("q", "k", "v", "depth_k", "depth_v"), grads, ref_grads):
+        _assert_close(f"grad of {name}", g, r)
+
+
+@pytest.mark.parametrize(
+    "variant", [v.sliding_window(700), v.depth_window(20), v.causal() & v.document(torch.arange(2048) // 300)],
+    ids=lambda x: x.name,
+)
+def test_variants_at_size(variant):
+    inputs = _inputs(2, 16, 2, 2048, 33, 64)
+    grad_out = torch.randn_like(inputs[0])
+    out, lse, grads = _triton(inputs, variant, grad_out)
+    ref_out, ref_lse, ref_grads = _reference(inputs, variant, grad_out)
+    _assert_close("out", out, ref_out)
+    _assert_close("lse", lse, ref_lse, 1e-3)
+    for name, g, r in zip(("q", "k", "v", "depth_k", "depth_v"), grads, ref_grads):
+        _assert_close(f"grad of {name}", g, r)
+
+
+def test_offsets_past_int32():
+    """T * L * Hk * D > 2**31 elements per depth tensor: sampled token chunks match the reference.
+
+    Rows are independent in the output, lse, dq and the depth gradients, so a
+    chunk of query tokens [a, a + n) is checked against the reference on the
+    keys [0, a + n) (bottom-right aligned, so the chunk keeps its positions).
+    """
+    B, Hq, Hk, T, L, D = 1, 64, 8, 16384 + 64, 256, 64
+    assert T * L * Hk * D > 2**31
+    inputs = _inputs(B, Hq, Hk, T, L, D)
+    grad_out = torch.randn_like(inputs[0])
+    out, lse, grads = _triton(inputs, v.causal(), grad_out)
+    n = 48
+    for a in (0, 9001, T - n):
+        rows = slice(a, a + n)
+        q, k, vv, dk, dv = inputs
+        chunk = [q[:, :, rows], k[:, :, : a + n], vv[:, :, : a + n], dk[:, :, rows], dv[:, :, rows]]
+        ref_out, ref_lse, ref_grads = _reference(chunk, v.causal(), grad_out[:, :, rows])
+        _assert_close(f"out rows {a}+", out[:, :, rows], ref_out)
+        _assert_close(f"lse rows {a}+", lse[:, :, rows], ref_lse, 1e-3)
+        _assert_close(f"grad of q rows {a}+", grads[0][:, :, rows], ref_grads[0])
+        _assert_close(f"grad of depth_k rows {a}+", grads[3][:, :, rows], ref_grads[3])
+        _assert_close(f"grad of depth_v rows {a}+", grads[4][:, :, rows], ref_grads[4])
