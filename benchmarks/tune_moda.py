@@ -1,0 +1,96 @@
+"""Time the Triton kernels under candidate launch configurations (block sizes, warps, stages).
+
+Each candidate replaces one kernel's configuration; the others keep the
+defaults of ``moda_flex.triton.function._config``. Prints forward and backward
+medians (ms) for L = 0 and L = ``--slots`` at one (T, G), and the spread of
+timing the default twice. Usage::
+
+    python benchmarks/tune_moda.py --seq 16384 --groups 8 --slots 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import triton.testing
+
+from moda_flex.triton import function
+
+CANDIDATES = {
+    "fwd": [
+        dict(BLOCK_M=128, BLOCK_N=64, BLOCK_L=16, num_warps=8, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=128, BLOCK_L=16, num_warps=8, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=64, BLOCK_L=32, num_warps=8, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=64, BLOCK_L=16, num_warps=4, num_stages=3),
+        dict(BLOCK_M=64, BLOCK_N=64, BLOCK_L=16, num_warps=4, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=64, BLOCK_L=16, num_warps=8, num_stages=4),
+    ],
+    "dkdv": [
+        dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
+        dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+        dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3),
+    ],
+    "dq": [
+        dict(BLOCK_M=64, BLOCK_N=64, BLOCK_L=16, num_warps=4, num_stages=2),
+        dict(BLOCK_M=128, BLOCK_N=64, BLOCK_L=16, num_warps=8, num_stages=2),
+        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_L=16, num_warps=8, num_stages=2),
+        dict(BLOCK_M=128, BLOCK_N=32, BLOCK_L=16, num_warps=8, num_stages=3),
+    ],
+}
+
+
+def _timed(fn) -> float:
+    fn()
+    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def _times(T, G, L):
+    torch.manual_seed(0)
+    Hk, D, dev, dt = 8, 64, "cuda", torch.bfloat16
+    q = torch.randn(1, Hk * G, T, D, device=dev, dtype=dt)
+    k, v = torch.randn(1, Hk, T, D, device=dev, dtype=dt), torch.randn(1, Hk, T, D, device=dev, dtype=dt)
+    dk = torch.randn(1, Hk, T, L + 16, D, device=dev, dtype=dt)[:, :, :, :L]
+    dv = torch.randn(1, Hk, T, L + 16, D, device=dev, dtype=dt)[:, :, :, :L]
+    args = (None, 1 / math.sqrt(D), True, 0, 0, True)
+    out, lse = function._forward(q, k, v, dk, dv, *args)
+    do = torch.randn_like(q)
+    fwd = _timed(lambda: function._forward(q, k, v, dk, dv, *args))
+    bwd = _timed(lambda: function._backward(do, None, q, k, v, dk, dv, out, lse, *args))
+    return fwd, bwd
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=16384)
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--slots", type=int, default=64)
+    args = parser.parse_args()
+    default = function._config
+    print(f"{torch.cuda.get_device_name()}  T={args.seq} G={args.groups} L=0/{args.slots}; ms")
+    print(f"{'kernel':>6} {'config':<62} {'fwd L0':>8} {'bwd L0':>8} {'fwd L':>8} {'bwd L':>8}")
+    for which, candidates in CANDIDATES.items():
+        for cand in candidates:
+
+            def config(q, G, kind, which=which, cand=cand):
+                cfg = default(q, G, kind)
+                if kind == which:
+                    cfg.update(cand)
+                    cfg["BLOCK_M"] = max(cfg["BLOCK_M"], 1 << (G - 1).bit_length())
+                return cfg
+
+            function._config = config
+            try:
+                f0, b0 = _times(args.seq, args.groups, 0)
+                f1, b1 = _times(args.seq, args.groups, args.slots)
+                print(f"{which:>6} {str(cand):<62} {f0:8.3f} {b0:8.3f} {f1:8.3f} {b1:8.3f}", flush=True)
+            except Exception as err:  # a candidate that does not compile or fit is reported, not fatal
+                print(f"{which:>6} {str(cand):<62} failed: {type(err).__name__}: {str(err)[:80]}", flush=True)
+            finally:
+                function._config = default
+
+
+if __name__ == "__main__":
+    main()
