@@ -119,8 +119,9 @@ def train_one(config: GPTConfig, name: str, train, val, args, device) -> dict:
         if step >= args.skip_timing:  # leave out warm-up steps (allocator, kernel autotuning)
             train_time += time.perf_counter() - t0
             timed_steps += 1
-        tok_s = tokens_per_step * timed_steps / train_time if train_time else 0.0
-        print(f"\r  step {step + 1}/{args.steps} | loss {loss_value:.4f} | {tok_s:,.0f} tok/s", end="", flush=True)
+        if (step + 1) % args.log_interval == 0 or step + 1 == args.steps:
+            tok_s = tokens_per_step * timed_steps / train_time if train_time else 0.0
+            print(f"\r  step {step + 1}/{args.steps} | loss {loss_value:.4f} | {tok_s:,.0f} tok/s", end="", flush=True)
     print()
     val_loss = evaluate(model, val, args, device, autocast)
     peak_mb = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
@@ -183,6 +184,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--eval-iters", type=int, default=20)
+    p.add_argument("--log-interval", type=int, default=5, help="steps between progress-line updates")
     p.add_argument("--skip-timing", type=int, default=3, help="first steps left out of the timings")
     p.add_argument("--sample-tokens", type=int, default=120, help="bytes to sample after training (0: none)")
     p.add_argument("--seed", type=int, default=1337)
