@@ -182,10 +182,14 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, 
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), ddk.zero_(), ddv.zero_()
     # delta_i = rowsum(dO_i * O_i) - dLSE_i: dS = P * (dP - delta) also carries the lse gradient.
-    delta = (grad_out.float() * out.float()).sum(-1)
-    if grad_lse is not None:
-        delta = delta - torch.where(torch.isfinite(lse), grad_lse.float(), torch.zeros_like(delta))
-    delta = delta.contiguous()
+    delta = torch.empty_like(lse)
+    rows = B * Hq * Tq
+    glse = None if grad_lse is None else grad_lse.float().contiguous()
+    out2, grad_out2 = out.reshape(rows, D), grad_out.reshape(rows, D)
+    kernels._bwd_delta_kernel[(_cdiv(rows, 64),)](
+        out2, grad_out2, delta if glse is None else glse, delta, rows, *out2.stride(), *grad_out2.stride(),
+        HAS_GLSE=glse is not None, HEAD_DIM=D, BLOCK_R=64,
+    )
     doc, doc_lo, doc_hi, sdoc = _doc_args(doc_ids, q)
     qk_scale = scale * math.log2(math.e)
     has_seq = sequence and Tk > 0

@@ -522,3 +522,21 @@ def _bwd_dq_kernel(
     else:
         tl.store(DQO + grp[:, None] * sgqh + tok[:, None] * sgqt + offs_d[None, :] * sgqd,
                  (dq * scale).to(DQO.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _bwd_delta_kernel(
+    O, DO, GLSE, DELTA, R, sor, sod, sdor, sdod,
+    HAS_GLSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """delta = rowsum(dO * O) - dLSE over R = B * Hq * Tq rows (dS = P * (dP - delta))."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = rows < R
+    rows64 = rows.to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    o = tl.load(O + rows64[:, None] * sor + offs_d[None, :] * sod, mask=ok[:, None], other=0.0)
+    do = tl.load(DO + rows64[:, None] * sdor + offs_d[None, :] * sdod, mask=ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_GLSE:
+        delta -= tl.load(GLSE + rows, mask=ok, other=0.0)
+    tl.store(DELTA + rows, delta, mask=ok)
