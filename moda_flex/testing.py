@@ -442,6 +442,7 @@ def variants(
     kinds: Sequence[str] = BUILTIN_KINDS,
     max_terms: int = 2,
     structured: bool = False,
+    device: Union[str, torch.device] = "cpu",
 ) -> st.SearchStrategy[Variant]:
     """A hypothesis strategy of built-in variants valid for ``shape``.
 
@@ -459,6 +460,7 @@ def variants(
         structured: draw only variants that keep a
             :class:`~moda_flex.Structure` (what block-sparse backends need):
             no composition of two documents or of two different depth chunks.
+        device: where document ids live: the device of the inputs.
     """
     if not isinstance(shape, MoDAShape):
         raise ValueError(f"shape must be a MoDAShape, got {type(shape).__name__}")
@@ -477,24 +479,26 @@ def variants(
         "depth_window": st.builds(_variants.depth_window, st.integers(1, max(L, 1))),
         "chunk_depth": st.builds(_variants.chunk_depth, st.integers(1, Tk)),
         "depth_only": st.builds(_variants.depth_only),
-        "document": st.builds(_documents, document_ids(B, Tk), st.booleans()),
+        "document": st.builds(_documents, document_ids(B, Tk, device=device), st.booleans()),
     }
     term = st.one_of([families[kind] for kind in kinds])
     drawn = st.lists(term, min_size=1, max_size=max_terms).map(_intersect_all)
     return drawn.filter(lambda variant: variant.structure is not None) if structured else drawn
 
 
-def document_ids(batch: int, kv_len: int, *, max_documents: int = 5) -> st.SearchStrategy[Tensor]:
-    """(batch, kv_len) int64 document ids: every row split into contiguous runs of random lengths."""
+def document_ids(
+    batch: int, kv_len: int, *, max_documents: int = 5, device: Union[str, torch.device] = "cpu"
+) -> st.SearchStrategy[Tensor]:
+    """(batch, kv_len) int64 document ids on ``device``: every row split into contiguous runs of random lengths."""
     if kv_len == 1:
-        return st.just(torch.zeros(batch, 1, dtype=torch.long))
+        return st.just(torch.zeros(batch, 1, dtype=torch.long, device=device))
     starts = st.sets(st.integers(1, kv_len - 1), max_size=max_documents - 1)
 
     def ids(rows: list) -> Tensor:
         new_document = torch.zeros(batch, kv_len, dtype=torch.long)  # (B, Tk)
         for b, row_starts in enumerate(rows):
             new_document[b, sorted(row_starts)] = 1
-        return new_document.cumsum(dim=1)
+        return new_document.cumsum(dim=1).to(device)
 
     return st.lists(starts, min_size=batch, max_size=batch).map(ids)
 
