@@ -1,6 +1,6 @@
 """Property-test a backend, or a variant of your own, against the dense reference.
 
-Four pieces, meant to be combined with `hypothesis`_::
+Five pieces, meant to be combined with `hypothesis`_::
 
     from hypothesis import given, settings, strategies as st
     from moda_flex.testing import assert_matches_reference, make_inputs, moda_shapes, variants
