@@ -57,7 +57,12 @@ class Structure:
 
     def intersect(self, other: "Structure") -> Optional["Structure"]:
         """The structure of ``self & other``, or None if it is not expressible."""
-        if self.depth_chunk != other.depth_chunk:
+        if self.depth_chunk is None or other.depth_chunk is None:
+            # A chunk always holds the token itself: own-token reads win.
+            depth_chunk = None
+        elif self.depth_chunk == other.depth_chunk:
+            depth_chunk = self.depth_chunk
+        else:
             return None
         if self.doc_ids is not None and other.doc_ids is not None:
             return None
@@ -66,7 +71,7 @@ class Structure:
             window=_min_optional(self.window, other.window),
             sequence=self.sequence and other.sequence,
             doc_ids=self.doc_ids if self.doc_ids is not None else other.doc_ids,
-            depth_chunk=self.depth_chunk,
+            depth_chunk=depth_chunk,
             depth_window=_min_optional(self.depth_window, other.depth_window),
         )
 
@@ -255,9 +260,10 @@ def document(doc_ids: Tensor) -> Variant:
     last = ids.shape[1] - 1
 
     def sequence(b, h, q_pos, k_pos):
+        on_device = ids if ids.device == q_pos.device else ids.to(q_pos.device)
         row = b if ids.shape[0] > 1 else torch.zeros_like(b)
         # Clamp so that padded positions a kernel may probe never index out of range.
-        return ids[row, q_pos.clamp(0, last)] == ids[row, k_pos.clamp(0, last)]
+        return on_device[row, q_pos.clamp(0, last)] == on_device[row, k_pos.clamp(0, last)]
 
     return Variant("document", sequence, structure=Structure(doc_ids=ids))
 

@@ -252,7 +252,9 @@ def test_structure_intersect():
     assert Structure(doc_ids=ids).intersect(Structure(causal=True)).doc_ids is ids
     assert Structure(causal=True).intersect(Structure(doc_ids=ids)).doc_ids is ids
     assert Structure(doc_ids=ids).intersect(Structure(doc_ids=ids)) is None
-    assert Structure(depth_chunk=2).intersect(Structure()) is None
+    # A chunk holds the token itself, so own-token & chunk reads the own token only.
+    assert Structure(depth_chunk=2).intersect(Structure()).own_depth_only
+    assert Structure(depth_chunk=2).intersect(Structure(depth_chunk=3)) is None
     chunked = Structure(depth_chunk=4).intersect(Structure(depth_chunk=4, causal=True))
     assert chunked.depth_chunk == 4 and chunked.causal and not chunked.own_depth_only
 
