@@ -1,5 +1,6 @@
 """moda_flex: Mixture-of-Depths Attention for PyTorch."""
 
+from . import nn  # layers: MoDAAttention, DepthKVProjection, DepthStream, KVCache, Block
 from .attention import moda_attention
 from .variants import (
     Structure,
