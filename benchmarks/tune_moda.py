@@ -75,8 +75,8 @@ def main() -> None:
     for which, candidates in CANDIDATES.items():
         for cand in candidates:
 
-            def config(q, G, kind, which=which, cand=cand):
-                cfg = default(q, G, kind)
+            def config(q, G, kind, has_depth=True, which=which, cand=cand):
+                cfg = default(q, G, kind, has_depth)
                 if kind == which:
                     cfg.update(cand)
                     cfg["BLOCK_M"] = max(cfg["BLOCK_M"], 1 << (G - 1).bit_length())

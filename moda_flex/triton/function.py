@@ -90,19 +90,25 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _config(q: Tensor, G: int, which: str) -> dict:
-    """Block sizes and launch options for ``which`` in {"fwd", "dkdv", "dq"}."""
+def _config(q: Tensor, G: int, which: str, has_depth: bool = True) -> dict:
+    """Block sizes and launch options for ``which`` in {"fwd", "dkdv", "dq"}.
+
+    Chosen on an H200 at T=16384, G=8, D=64 (benchmarks/tune_moda.py,
+    benchmarks/NOTES.md).
+    """
     GP = _next_pow2(G)
     if q.device.type != "cuda":
         # The interpreter: few, small programs.
         return dict(BLOCK_M=max(16, GP), BLOCK_N=16, BLOCK_L=16)
     D = q.shape[-1]
-    if which == "fwd":
+    if which == "fwd" and has_depth:
+        cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_L=16, num_warps=4, num_stages=3)
+    elif which == "fwd":
         cfg = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_L=16, num_warps=8, num_stages=3)
     elif which == "dkdv":
-        cfg = dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)
     else:
-        cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_L=16, num_warps=4, num_stages=2)
+        cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_L=16, num_warps=4, num_stages=3)
     if D == 128:
         cfg["BLOCK_M"] = min(cfg["BLOCK_M"], 64)
         cfg["num_stages"] = min(cfg["num_stages"], 2)
@@ -147,7 +153,7 @@ def _forward(q, k, v, depth_k, depth_v, doc_ids, scale, causal, window, depth_fi
     lse = torch.empty((B, Hq, Tq), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))
-    cfg = _config(q, G, "fwd")
+    cfg = _config(q, G, "fwd", has_depth=L > depth_first)
     GP = _next_pow2(G)
     block_t = cfg["BLOCK_M"] // GP
     doc, doc_lo, doc_hi, sdoc = _doc_args(doc_ids, q)
