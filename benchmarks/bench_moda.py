@@ -69,6 +69,9 @@ def _fwd_bwd(run, leaves, grad_out):
 def measure(T: int, G: int, L: int, with_flex: bool) -> dict:
     """Milliseconds of each column for one (T, G, L); None where a column cannot run."""
     torch.manual_seed(0)
+    # Each shape compiles flex afresh; without a reset dynamo stops recompiling after
+    # its recompile limit and flex falls back to an unfused path that materializes scores.
+    torch._dynamo.reset()
     Hq = HK * G
     dev, dt = "cuda", torch.bfloat16
     q = torch.randn(1, Hq, T, D, device=dev, dtype=dt, requires_grad=True)
