@@ -112,7 +112,7 @@ def _config(q: Tensor, G: int, which: str, has_depth: bool = True) -> dict:
     if D == 128:
         cfg["BLOCK_M"] = min(cfg["BLOCK_M"], 64)
         cfg["num_stages"] = min(cfg["num_stages"], 2)
-    if which != "dkdv":
+    if which != "dkdv" and has_depth:
         # The depth phase holds (BLOCK_M / GP) * GPD padded rows: keep it at most 256.
         cfg["BLOCK_M"] = min(cfg["BLOCK_M"], GP * max(1, 256 // max(GP, _MIN_DOT_ROWS)))
     cfg["BLOCK_M"] = max(cfg["BLOCK_M"], GP, 16)
@@ -213,7 +213,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, 
     else:
         dk.zero_()
         dv.zero_()
-    cfg = _config(q, G, "dq")
+    cfg = _config(q, G, "dq", has_depth=L > depth_first)
     grid = (_cdiv(Tq, cfg["BLOCK_M"] // GP), B * Hk)
     kernels._bwd_dq_kernel[grid](
         q, k, v, depth_k, depth_v, grad_out, lse, delta, doc, doc_lo, doc_hi, dq, ddk, ddv,
