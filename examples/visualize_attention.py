@@ -1,7 +1,7 @@
 """Heatmaps of a trained model's attention over ``[Sequence KV | Depth KV]``, and the mask it obeys.
 
     python examples/train_gpt.py
-    python examples/visualize_attention.py --ckpt out/moda-post.pt
+    python examples/visualize_attention.py --ckpt out/moda-pre.pt
 
 Writes two PNGs:
 
