@@ -42,12 +42,17 @@ HK, D = 8, 64
 
 
 def depth_utilization(G: int, L: int) -> float:
-    """Useful / computed MACs of the depth phase: G of max(pow2(G), 16) rows, L of the padded slots."""
+    """Useful / computed MACs of the fused depth phase.
+
+    A tile of R = max(pow2(G), 16) rows (P = R / pow2(G) tokens) meets P tokens x BLOCK_S slots;
+    each row keeps its own token's BLOCK_S columns.
+    """
     from moda_flex.triton.function import _MIN_DOT_ROWS, _config, _next_pow2
 
-    block_l = _config(torch.empty(0, device="cuda"), G, "fwd")["BLOCK_L"]
+    block_c = _config(torch.empty(0, device="cuda"), G, "fwd")["BLOCK_C"]
     rows = max(_next_pow2(G), _MIN_DOT_ROWS)
-    return G / rows * L / (block_l * math.ceil(L / block_l))
+    block_s = block_c // (rows // _next_pow2(G))
+    return G / rows * L / (block_s * math.ceil(L / block_s))
 
 
 def _bench(fn) -> float:

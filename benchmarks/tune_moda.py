@@ -20,25 +20,16 @@ from moda_flex.triton import function
 
 CANDIDATES = {
     "fwd": [
-        dict(BLOCK_M=128, BLOCK_N=128, BLOCK_L=16, num_warps=8, num_stages=2),
-        dict(BLOCK_M=128, BLOCK_N=128, BLOCK_L=16, num_warps=8, num_stages=3),
-        dict(BLOCK_M=128, BLOCK_N=128, BLOCK_L=16, num_warps=8, num_stages=4),
-        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_L=16, num_warps=4, num_stages=3),
-        dict(BLOCK_M=128, BLOCK_N=64, BLOCK_L=16, num_warps=8, num_stages=2),
-    ],
-    "dkdv": [
-        dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
-        dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
-        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
-        dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=5),
-        dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
+        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_C=32, num_warps=4, num_stages=3),
+        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_C=16, num_warps=4, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=64, BLOCK_C=32, num_warps=8, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=128, BLOCK_C=32, num_warps=8, num_stages=3),
     ],
     "dq": [
-        dict(BLOCK_M=64, BLOCK_N=64, BLOCK_L=16, num_warps=4, num_stages=3),
-        dict(BLOCK_M=64, BLOCK_N=32, BLOCK_L=16, num_warps=4, num_stages=2),
-        dict(BLOCK_M=32, BLOCK_N=64, BLOCK_L=16, num_warps=4, num_stages=2),
-        dict(BLOCK_M=64, BLOCK_N=64, BLOCK_L=32, num_warps=4, num_stages=2),
-        dict(BLOCK_M=128, BLOCK_N=32, BLOCK_L=16, num_warps=4, num_stages=5),
+        dict(BLOCK_M=64, BLOCK_N=64, BLOCK_C=32, num_warps=4, num_stages=3),
+        dict(BLOCK_M=64, BLOCK_N=64, BLOCK_C=16, num_warps=4, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=64, BLOCK_C=32, num_warps=8, num_stages=3),
+        dict(BLOCK_M=64, BLOCK_N=64, BLOCK_C=64, num_warps=4, num_stages=3),
     ],
 }
 

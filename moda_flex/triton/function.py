@@ -19,8 +19,8 @@ from ..variants import Variant
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# The smallest M of a Tensor Core dot: each token's G query rows are padded to
-# this many rows in the depth phase.
+# The smallest M of a Tensor Core dot: the depth phase works on tiles of
+# max(pow2(G), 16) rows, the rows of 16 / pow2(G) consecutive tokens when G < 16.
 _MIN_DOT_ROWS = 16
 
 
@@ -99,23 +99,20 @@ def _config(q: Tensor, G: int, which: str, has_depth: bool = True) -> dict:
     GP = _next_pow2(G)
     if q.device.type != "cuda":
         # The interpreter: few, small programs.
-        return dict(BLOCK_M=max(16, GP), BLOCK_N=16, BLOCK_L=16)
+        return dict(BLOCK_M=max(16, GP), BLOCK_N=16, BLOCK_C=16)
     D = q.shape[-1]
     if which == "fwd" and has_depth:
-        cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_L=16, num_warps=4, num_stages=3)
+        cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_C=32, num_warps=4, num_stages=3)
     elif which == "fwd":
-        cfg = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_L=16, num_warps=8, num_stages=3)
+        cfg = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_C=32, num_warps=8, num_stages=3)
     elif which == "dkdv":
         cfg = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)
     else:
-        cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_L=16, num_warps=4, num_stages=3)
+        cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_C=32, num_warps=4, num_stages=3)
     if D == 128:
         cfg["BLOCK_M"] = min(cfg["BLOCK_M"], 64)
         cfg["num_stages"] = min(cfg["num_stages"], 2)
-    if which != "dkdv" and has_depth:
-        # The depth phase holds (BLOCK_M / GP) * GPD padded rows: keep it at most 256.
-        cfg["BLOCK_M"] = min(cfg["BLOCK_M"], GP * max(1, 256 // max(GP, _MIN_DOT_ROWS)))
-    cfg["BLOCK_M"] = max(cfg["BLOCK_M"], GP, 16)
+    cfg["BLOCK_M"] = max(cfg["BLOCK_M"], GP, _MIN_DOT_ROWS)
     return cfg
 
 
@@ -163,7 +160,7 @@ def _forward(q, k, v, depth_k, depth_v, doc_ids, scale, causal, window, depth_fi
         *q.stride(), *k.stride(), *v.stride(), *depth_k.stride(), *depth_v.stride(),
         sdoc, *out.stride(), *lse.stride(),
         Hk, Tq, Tk, L, depth_first, window, scale * math.log2(math.e),
-        G=G, GP=GP, GPD=max(GP, _MIN_DOT_ROWS), HEAD_DIM=D,
+        G=G, GP=GP, DEPTH_ROWS=max(GP, _MIN_DOT_ROWS), HEAD_DIM=D,
         CAUSAL=causal, WINDOW=window > 0, DOC=doc_ids is not None,
         HAS_SEQ=sequence and Tk > 0, HAS_DEPTH=L > depth_first,
         **cfg,
@@ -220,7 +217,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, 
         *q.stride(), *k.stride(), *v.stride(), *depth_k.stride(), *depth_v.stride(),
         *grad_out.stride(), *lse.stride(), sdoc, *dq.stride(), *ddk.stride(),
         Hk, Tq, Tk, L, depth_first, window, scale, qk_scale,
-        G=G, GP=GP, GPD=max(GP, _MIN_DOT_ROWS), HEAD_DIM=D,
+        G=G, GP=GP, DEPTH_ROWS=max(GP, _MIN_DOT_ROWS), HEAD_DIM=D,
         CAUSAL=causal, WINDOW=window > 0, DOC=doc_ids is not None,
         HAS_SEQ=has_seq, HAS_DEPTH=L > depth_first,
         **cfg,

@@ -14,14 +14,17 @@ blocks (keys every row of the block may see).
 
 Depth phase (group-aware, beyond the paper): a token's depth logits are the
 ``G x L`` product of its own ``G`` query rows with its own ``L`` depth keys.
-The paper multiplies the whole ``BLOCK_M`` rows by whole depth blocks and masks
+The paper multiplies the whole block's rows by whole depth blocks and masks
 all but ``G / BLOCK_M`` of the products away (12.5% at ``G = 8``). Here the
-phase runs as batched 3D dots over tokens: ``[BLOCK_T, GPD, D] x [BLOCK_T, D,
-BLOCK_L]``, where ``GPD = max(GP, 16)`` rows per token (the smallest M a Tensor
-Core dot takes). Depth utilization is therefore ``G / GPD`` (times
-``L / (BLOCK_L * ceil(L / BLOCK_L))``): 50% at ``G = 8``, 100% at ``G >= 16``.
-The state ``(m, l, acc)`` is re-laid out from ``[BLOCK_M]`` rows to
-``[BLOCK_T, GPD]`` once when the phase starts.
+block's rows are cut into tiles of ``R = max(GP, 16)`` rows (16 is the least
+M of a Tensor Core dot), i.e. the rows of ``P = R / GP`` consecutive tokens,
+and each tile is multiplied only by the depth keys of its own ``P`` tokens:
+batched 3D dots ``[BLOCK_M / R, R, D] x [BLOCK_M / R, D, P * BLOCK_S]`` over
+``BLOCK_S`` slots per token per step. A row keeps the ``BLOCK_S`` columns of
+its own token, so depth utilization is ``G / R`` (times ``L / (BLOCK_S *
+ceil(L / BLOCK_S))``): 50% at ``G = 8``, 100% at ``G >= 16``. The tiles are
+a reshape of the block's rows, so the online-softmax state carries over from
+the sequence phase in place.
 
 Scores are kept in base 2: ``qk_scale = scale * log2(e)``; LSE is stored in
 natural log.
@@ -32,21 +35,6 @@ import triton.language as tl
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
-
-
-@triton.jit
-def _pad_rows_3d(x, BLOCK_T: tl.constexpr, GP: tl.constexpr, GPD: tl.constexpr, N: tl.constexpr):
-    """[BLOCK_T * GP, N] rows -> [BLOCK_T, GPD, N], the extra rows of each token zero."""
-    x = tl.reshape(x, (BLOCK_T, 1, GP, N))
-    x = tl.reshape(tl.broadcast_to(x, (BLOCK_T, GPD // GP, GP, N)), (BLOCK_T, GPD, N))
-    j = tl.arange(0, GPD)
-    return tl.where((j < GP)[None, :, None], x, 0.0)
-
-
-@triton.jit
-def _pad_rows_2d(x, BLOCK_T: tl.constexpr, GP: tl.constexpr, GPD: tl.constexpr):
-    """[BLOCK_T * GP] rows -> [BLOCK_T, GPD], the extra rows of each token zero."""
-    return tl.reshape(_pad_rows_3d(tl.reshape(x, (BLOCK_T * GP, 1)), BLOCK_T, GP, GPD, 1), (BLOCK_T, GPD))
 
 
 @triton.jit
@@ -134,6 +122,27 @@ def _fwd_seq_blocks(
 
 
 @triton.jit
+def _depth_tiles(t0, DEPTH_ROWS: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_C: tl.constexpr):
+    """Column bookkeeping of the depth tiles of one query block.
+
+    Tile ``u`` holds rows ``u * DEPTH_ROWS ...`` of the block: the rows of
+    tokens ``t0 + u * P + i`` (``i < P``). Its ``BLOCK_C`` depth columns are
+    ``P`` tokens x ``BLOCK_S`` slots. Returns the token of every column
+    (U, BLOCK_C), the slot offset of every column (BLOCK_C,) and the
+    own-token mask (DEPTH_ROWS, BLOCK_C).
+    """
+    P: tl.constexpr = DEPTH_ROWS // GP
+    BLOCK_S: tl.constexpr = BLOCK_C // P
+    U: tl.constexpr = BLOCK_M // DEPTH_ROWS
+    offs_c = tl.arange(0, BLOCK_C)
+    col_tok = offs_c // BLOCK_S  # token of a column inside its tile
+    col_token = t0 + tl.arange(0, U)[:, None] * P + col_tok[None, :]  # (U, BLOCK_C)
+    own = (tl.arange(0, DEPTH_ROWS) // GP)[:, None] == col_tok[None, :]  # (DEPTH_ROWS, BLOCK_C)
+    return col_token, offs_c % BLOCK_S, own
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, DK, DV, DOC_IDS, DOC_LO, DOC_HI, O, LSE,
     sqb, sqh, sqt, sqd,
@@ -145,8 +154,8 @@ def _fwd_kernel(
     sob, soh, sot, sod,
     slb, slh, slt,
     Hk, Tq, Tk, L, depth_first, window, qk_scale,
-    G: tl.constexpr, GP: tl.constexpr, GPD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_DEPTH: tl.constexpr,
 ):
@@ -203,51 +212,41 @@ def _fwd_kernel(
                                         b_, hi, Tk, window, qk_scale, True, CAUSAL, WINDOW, DOC, BLOCK_N)
 
     if HAS_DEPTH:
-        # Depth phase (Alg. 1 lines 24-29), per token: [G, D] x [D, L] batched over tokens.
-        offs_t = tl.arange(0, BLOCK_T)
-        offs_j = tl.arange(0, GPD)
-        offs_l = tl.arange(0, BLOCK_L)
-        tok3 = t0 + offs_t
-        tok_ok = tok3 < Tq
-        row_ok3 = tok_ok[:, None] & (offs_j < G)[None, :]  # (BLOCK_T, GPD)
-        q3 = tl.load(
-            Q + offs_j[None, :, None] * sqh + tok3[:, None, None] * sqt + offs_d[None, None, :] * sqd,
-            mask=row_ok3[:, :, None], other=0.0,
-        )  # (BLOCK_T, GPD, D)
-        acc3 = _pad_rows_3d(acc, BLOCK_T, GP, GPD, HEAD_DIM)  # (BLOCK_T, GPD, D)
-        m3 = _pad_rows_2d(m_i, BLOCK_T, GP, GPD)  # (BLOCK_T, GPD)
-        l3 = _pad_rows_2d(l_i, BLOCK_T, GP, GPD)
-        tok64 = tok3.to(tl.int64)
-        dk_ptrs = DK + tok64[:, None, None] * sdkt + offs_d[None, :, None] * sdkd
-        dv_ptrs = DV + tok64[:, None, None] * sdvt + offs_d[None, None, :] * sdvd
-        for l0 in range(depth_first, L, BLOCK_L):
-            slot = l0 + offs_l
-            slot_ok = slot < L
-            dkT = tl.load(dk_ptrs + slot[None, None, :] * sdkl,
-                          mask=tok_ok[:, None, None] & slot_ok[None, None, :], other=0.0)  # (BLOCK_T, D, BLOCK_L)
-            s = tl.dot(q3, dkT) * qk_scale  # (BLOCK_T, GPD, BLOCK_L)
-            s = tl.where(slot_ok[None, None, :], s, float("-inf"))
+        # Depth phase (Alg. 1 lines 24-29): each tile of DEPTH_ROWS rows against its own tokens' slots.
+        U: tl.constexpr = BLOCK_M // DEPTH_ROWS
+        BLOCK_S: tl.constexpr = BLOCK_C // (DEPTH_ROWS // GP)
+        col_token, col_slot, own = _depth_tiles(t0, DEPTH_ROWS, GP, BLOCK_M, BLOCK_C)
+        col_token64 = col_token.to(tl.int64)
+        dk_ptrs = DK + col_token64[:, None, :] * sdkt + offs_d[None, :, None] * sdkd  # (U, D, BLOCK_C)
+        dv_ptrs = DV + col_token64[:, :, None] * sdvt + offs_d[None, None, :] * sdvd  # (U, BLOCK_C, D)
+        q3 = tl.reshape(q, (U, DEPTH_ROWS, HEAD_DIM))
+        acc3 = tl.reshape(acc, (U, DEPTH_ROWS, HEAD_DIM))
+        m3 = tl.reshape(m_i, (U, DEPTH_ROWS))
+        l3 = tl.reshape(l_i, (U, DEPTH_ROWS))
+        for l0 in range(depth_first, L, BLOCK_S):
+            slot = l0 + col_slot  # (BLOCK_C,)
+            col_ok = (col_token < Tq) & (slot < L)[None, :]  # (U, BLOCK_C)
+            dkT = tl.load(dk_ptrs + slot[None, None, :] * sdkl, mask=col_ok[:, None, :], other=0.0)
+            s = tl.dot(q3, dkT) * qk_scale  # (U, DEPTH_ROWS, BLOCK_C)
+            s = tl.where(own[None, :, :] & (slot < L)[None, None, :], s, float("-inf"))
             m_new = tl.maximum(m3, tl.max(s, 2))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - m_use[:, :, None])
             alpha = tl.math.exp2(m3 - m_use)
             l3 = l3 * alpha + tl.sum(p, 2)
-            dv = tl.load(dv_ptrs + slot[None, :, None] * sdvl,
-                         mask=tok_ok[:, None, None] & slot_ok[None, :, None], other=0.0)  # (BLOCK_T, BLOCK_L, D)
+            dv = tl.load(dv_ptrs + slot[None, :, None] * sdvl, mask=col_ok[:, :, None], other=0.0)
             acc3 = acc3 * alpha[:, :, None] + tl.dot(p.to(dv.dtype), dv)
             m3 = m_new
-        # normalize once and store O and LSE (Alg. 1 lines 30-31); an empty row gives 0 and -inf
-        out = acc3 / tl.where(l3 == 0.0, 1.0, l3)[:, :, None]
-        lse = tl.where(l3 == 0.0, float("-inf"), (m3 + tl.math.log2(l3)) * _LN2)
-        tl.store(O + offs_j[None, :, None] * soh + tok3[:, None, None] * sot + offs_d[None, None, :] * sod,
-                 out.to(O.dtype.element_ty), mask=row_ok3[:, :, None])
-        tl.store(LSE + offs_j[None, :] * slh + tok3[:, None] * slt, lse, mask=row_ok3)
-    else:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_i)) * _LN2)
-        tl.store(O + grp[:, None] * soh + tok[:, None] * sot + offs_d[None, :] * sod,
-                 out.to(O.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(LSE + grp * slh + tok * slt, lse, mask=row_ok)
+        acc = tl.reshape(acc3, (BLOCK_M, HEAD_DIM))
+        m_i = tl.reshape(m3, (BLOCK_M,))
+        l_i = tl.reshape(l3, (BLOCK_M,))
+
+    # normalize once and store O and LSE (Alg. 1 lines 30-31); an empty row gives 0 and -inf
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_i)) * _LN2)
+    tl.store(O + grp[:, None] * soh + tok[:, None] * sot + offs_d[None, :] * sod,
+             out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(LSE + grp * slh + tok * slt, lse, mask=row_ok)
 
 
 @triton.jit
@@ -416,8 +415,8 @@ def _bwd_dq_kernel(
     sgqb, sgqh, sgqt, sgqd,
     sgdb, sgdh, sgdt, sgdl, sgdd,
     Hk, Tq, Tk, L, depth_first, window, scale, qk_scale,
-    G: tl.constexpr, GP: tl.constexpr, GPD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_DEPTH: tl.constexpr,
 ):
@@ -454,15 +453,16 @@ def _bwd_dq_kernel(
     grp = offs_m % GP
     row_ok = (tok < Tq) & (grp < G)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    q = tl.load(Q + grp[:, None] * sqh + tok[:, None] * sqt + offs_d[None, :] * sqd,
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + grp[:, None] * sdoh + tok[:, None] * sdot + offs_d[None, :] * sdod,
+                 mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE + grp * slh + tok * slt, mask=row_ok, other=float("inf"))
+    # a row that saw no key has lse = -inf: give it zero probability, not inf
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * _LOG2E
+    delta = tl.load(DELTA + grp * slh + tok * slt, mask=row_ok, other=0.0)
 
     if HAS_SEQ:
-        q = tl.load(Q + grp[:, None] * sqh + tok[:, None] * sqt + offs_d[None, :] * sqd,
-                    mask=row_ok[:, None], other=0.0)
-        do = tl.load(DO + grp[:, None] * sdoh + tok[:, None] * sdot + offs_d[None, :] * sdod,
-                     mask=row_ok[:, None], other=0.0)
-        lse = tl.load(LSE + grp * slh + tok * slt, mask=row_ok, other=float("inf"))
-        lse = tl.where(lse == float("-inf"), float("inf"), lse) * _LOG2E
-        delta = tl.load(DELTA + grp * slh + tok * slt, mask=row_ok, other=0.0)
         q_pos = tok + shift
         if DOC:
             q_doc = tl.load(DOC_IDS + q_pos, mask=tok < Tq, other=0)
@@ -481,47 +481,40 @@ def _bwd_dq_kernel(
                                 b_, hi, Tk, window, qk_scale, True, CAUSAL, WINDOW, DOC, BLOCK_N)
 
     if HAS_DEPTH:
-        # Depth phase, per token and in the padded [BLOCK_T, GPD] row layout of the forward.
-        offs_t = tl.arange(0, BLOCK_T)
-        offs_j = tl.arange(0, GPD)
-        offs_l = tl.arange(0, BLOCK_L)
-        tok3 = t0 + offs_t
-        tok_ok = tok3 < Tq
-        row_ok3 = tok_ok[:, None] & (offs_j < G)[None, :]  # (BLOCK_T, GPD)
-        rows3 = offs_j[None, :, None] * sqh + tok3[:, None, None] * sqt + offs_d[None, None, :] * sqd
-        q3 = tl.load(Q + rows3, mask=row_ok3[:, :, None], other=0.0)  # (BLOCK_T, GPD, D)
-        do3 = tl.load(DO + offs_j[None, :, None] * sdoh + tok3[:, None, None] * sdot + offs_d[None, None, :] * sdod,
-                      mask=row_ok3[:, :, None], other=0.0)
-        lse3 = tl.load(LSE + offs_j[None, :] * slh + tok3[:, None] * slt, mask=row_ok3, other=float("inf"))
-        lse3 = tl.where(lse3 == float("-inf"), float("inf"), lse3) * _LOG2E
-        delta3 = tl.load(DELTA + offs_j[None, :] * slh + tok3[:, None] * slt, mask=row_ok3, other=0.0)
-        dq3 = _pad_rows_3d(dq, BLOCK_T, GP, GPD, HEAD_DIM)  # (BLOCK_T, GPD, D)
-        tok64 = tok3.to(tl.int64)
-        dk_ptrs = DK + tok64[:, None, None] * sdkt + offs_d[None, None, :] * sdkd
-        dv_ptrs = DV + tok64[:, None, None] * sdvt + offs_d[None, None, :] * sdvd
-        gk_ptrs = DDKO + tok64[:, None, None] * sgdt + offs_d[None, None, :] * sgdd
-        gv_ptrs = DDVO + tok64[:, None, None] * sgdt + offs_d[None, None, :] * sgdd
-        for l0 in range(depth_first, L, BLOCK_L):
-            slot = l0 + offs_l
-            slot_ok = slot < L
-            ld_ok = tok_ok[:, None, None] & slot_ok[None, :, None]
-            kd = tl.load(dk_ptrs + slot[None, :, None] * sdkl, mask=ld_ok, other=0.0)  # (BLOCK_T, BLOCK_L, D)
-            vd = tl.load(dv_ptrs + slot[None, :, None] * sdvl, mask=ld_ok, other=0.0)
+        # Depth phase in the forward's tiles: each tile of DEPTH_ROWS rows against its own tokens' slots.
+        U: tl.constexpr = BLOCK_M // DEPTH_ROWS
+        BLOCK_S: tl.constexpr = BLOCK_C // (DEPTH_ROWS // GP)
+        col_token, col_slot, own = _depth_tiles(t0, DEPTH_ROWS, GP, BLOCK_M, BLOCK_C)
+        col_token64 = col_token.to(tl.int64)
+        rows = col_token64[:, :, None]
+        dk_ptrs = DK + rows * sdkt + offs_d[None, None, :] * sdkd  # (U, BLOCK_C, D)
+        dv_ptrs = DV + rows * sdvt + offs_d[None, None, :] * sdvd
+        gk_ptrs = DDKO + rows * sgdt + offs_d[None, None, :] * sgdd
+        gv_ptrs = DDVO + rows * sgdt + offs_d[None, None, :] * sgdd
+        q3 = tl.reshape(q, (U, DEPTH_ROWS, HEAD_DIM))
+        do3 = tl.reshape(do, (U, DEPTH_ROWS, HEAD_DIM))
+        lse3 = tl.reshape(lse, (U, DEPTH_ROWS))
+        delta3 = tl.reshape(delta, (U, DEPTH_ROWS))
+        dq3 = tl.reshape(dq, (U, DEPTH_ROWS, HEAD_DIM))
+        for l0 in range(depth_first, L, BLOCK_S):
+            slot = l0 + col_slot  # (BLOCK_C,)
+            col_ok = ((col_token < Tq) & (slot < L)[None, :])[:, :, None]  # (U, BLOCK_C, 1)
+            kd = tl.load(dk_ptrs + slot[None, :, None] * sdkl, mask=col_ok, other=0.0)  # (U, BLOCK_C, D)
+            vd = tl.load(dv_ptrs + slot[None, :, None] * sdvl, mask=col_ok, other=0.0)
             p = tl.math.exp2(tl.dot(q3, tl.permute(kd, (0, 2, 1))) * qk_scale - lse3[:, :, None])
-            p = tl.where(slot_ok[None, None, :], p, 0.0)  # (BLOCK_T, GPD, BLOCK_L)
+            p = tl.where(own[None, :, :] & (slot < L)[None, None, :], p, 0.0)  # (U, DEPTH_ROWS, BLOCK_C)
             dp = tl.dot(do3, tl.permute(vd, (0, 2, 1)))
             ds = p * (dp - delta3[:, :, None])
             dq3 += tl.dot(ds.to(kd.dtype), kd)
-            # each token's G rows sum into its own depth gradients
-            gv = tl.dot(tl.permute(p, (0, 2, 1)).to(do3.dtype), do3)  # (BLOCK_T, BLOCK_L, D)
+            # a column's gradient sums over its own token's G rows (p and ds are zero elsewhere)
+            gv = tl.dot(tl.permute(p, (0, 2, 1)).to(do3.dtype), do3)  # (U, BLOCK_C, D)
             gk = tl.dot(tl.permute(ds, (0, 2, 1)).to(q3.dtype), q3) * scale
-            tl.store(gk_ptrs + slot[None, :, None] * sgdl, gk.to(DDKO.dtype.element_ty), mask=ld_ok)
-            tl.store(gv_ptrs + slot[None, :, None] * sgdl, gv.to(DDVO.dtype.element_ty), mask=ld_ok)
-        tl.store(DQO + offs_j[None, :, None] * sgqh + tok3[:, None, None] * sgqt + offs_d[None, None, :] * sgqd,
-                 (dq3 * scale).to(DQO.dtype.element_ty), mask=row_ok3[:, :, None])
-    else:
-        tl.store(DQO + grp[:, None] * sgqh + tok[:, None] * sgqt + offs_d[None, :] * sgqd,
-                 (dq * scale).to(DQO.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(gk_ptrs + slot[None, :, None] * sgdl, gk.to(DDKO.dtype.element_ty), mask=col_ok)
+            tl.store(gv_ptrs + slot[None, :, None] * sgdl, gv.to(DDVO.dtype.element_ty), mask=col_ok)
+        dq = tl.reshape(dq3, (BLOCK_M, HEAD_DIM))
+
+    tl.store(DQO + grp[:, None] * sgqh + tok[:, None] * sgqt + offs_d[None, :] * sgqd,
+             (dq * scale).to(DQO.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
