@@ -127,7 +127,8 @@ def train_one(config: GPTConfig, name: str, train, val, args, device) -> dict:
     print()
     val_loss = evaluate(model, val, args, device, autocast)
     peak_mb = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
-    print(f"  val loss {val_loss:.4f}")
+    step_ms = 1000 * train_time / timed_steps
+    print(f"  val loss {val_loss:.4f} | {step_ms:.1f} ms/step" + (f" | peak {peak_mb:,.0f} MiB" if device.type == "cuda" else ""))
 
     path = Path(args.out_dir) / f"{name}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -146,8 +147,8 @@ def train_one(config: GPTConfig, name: str, train, val, args, device) -> dict:
         "name": name,
         "params_m": model.num_params() / 1e6,
         "val_loss": val_loss,
-        "tok_s": tokens_per_step * timed_steps / train_time if train_time else float("nan"),
-        "step_ms": 1000 * train_time / timed_steps if timed_steps else float("nan"),
+        "tok_s": tokens_per_step * timed_steps / train_time,
+        "step_ms": step_ms,
         "peak_mb": peak_mb,
     }
 

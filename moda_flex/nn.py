@@ -63,19 +63,14 @@ class DepthStream:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
         self.count = 0
-        self._k: Optional[Tensor] = None  # (B, Hk, T, Lmax, D)
-        self._v: Optional[Tensor] = None
-        self._k_write: Optional[Tensor] = None  # the same memory, another version counter
-        self._v_write: Optional[Tensor] = None
-        self._grad_k: Optional[Tensor] = None  # (B, Hk, T, Lmax, D), filled in backward
-        self._grad_v: Optional[Tensor] = None
+        self._buffers: Optional[_DepthBuffers] = None
         self._token: Optional[Tensor] = None
 
     def read(self) -> tuple[Optional[Tensor], Optional[Tensor]]:
         """The entries written so far: two (B, Hk, T, count, D) views, or (None, None) if none."""
         if self.count == 0:
             return None, None
-        return _Read.apply(self._token, self)
+        return _Read.apply(self._token, self._buffers, self.count)
 
     def append(self, k: Tensor, v: Tensor) -> None:
         """Write one entry per token: ``k``, ``v`` of shape (B, Hk, T, D)."""
@@ -85,30 +80,43 @@ class DepthStream:
             )
         if self.count == self.capacity:
             raise ValueError(f"the depth stream is full: all {self.capacity} entries were appended")
-        if self._k is None:
-            B, Hk, T, D = k.shape
-            self._k = k.new_empty(B, Hk, T, self.capacity, D)
-            self._v = v.new_empty(B, Hk, T, self.capacity, D)
-            self._k_write, self._v_write = self._k.data, self._v.data
+        if self._buffers is None:
+            self._buffers = _DepthBuffers(k, v, self.capacity)
             self._token = k.new_zeros(())
-        expected = self._k.shape[:3] + self._k.shape[4:]
-        if k.shape != expected or k.dtype != self._k.dtype or k.device != self._k.device:
+        k_buf = self._buffers.k
+        expected = k_buf.shape[:3] + k_buf.shape[4:]
+        if k.shape != expected or k.dtype != k_buf.dtype or k.device != k_buf.device:
             raise ValueError(
-                f"k must have shape {tuple(expected)}, dtype {self._k.dtype} and device {self._k.device} like "
+                f"k must have shape {tuple(expected)}, dtype {k_buf.dtype} and device {k_buf.device} like "
                 f"the entries already in the stream, got {tuple(k.shape)}, {k.dtype}, {k.device}"
             )
-        self._token = _Append.apply(k, v, self._token, self)
+        self._token = _Append.apply(k, v, self._token, self._buffers, self.count)
+        self.count += 1
 
-    def _add_grad(self, n: int, grad_k: Optional[Tensor], grad_v: Optional[Tensor]) -> None:
-        if self._grad_k is None:
-            self._grad_k = torch.zeros_like(self._k)
-            self._grad_v = torch.zeros_like(self._v)
+
+class _DepthBuffers:
+    """The memory behind a DepthStream. Autograd nodes hold this, never the stream or its
+    token, so that no reference cycle keeps the buffers alive after backward."""
+
+    def __init__(self, k: Tensor, v: Tensor, capacity: int):
+        B, Hk, T, D = k.shape
+        self.k = k.new_empty(B, Hk, T, capacity, D)  # (B, Hk, T, Lmax, D)
+        self.v = v.new_empty(B, Hk, T, capacity, D)
+        self.k_write, self.v_write = self.k.data, self.v.data  # the same memory, another version counter
+        self.grad_k: Optional[Tensor] = None  # (B, Hk, T, Lmax, D), filled in backward
+        self.grad_v: Optional[Tensor] = None
+
+    def add_grad(self, n: int, grad_k: Optional[Tensor], grad_v: Optional[Tensor]) -> None:
+        if self.grad_k is None:
+            self.grad_k = torch.zeros_like(self.k)
+            self.grad_v = torch.zeros_like(self.v)
         if grad_k is not None:
-            self._grad_k[:, :, :, :n] += grad_k
+            self.grad_k[:, :, :, :n] += grad_k
         if grad_v is not None:
-            self._grad_v[:, :, :, :n] += grad_v
+            self.grad_v[:, :, :, :n] += grad_v
 
-    def _take_grad(self, slot: int, grad: Optional[Tensor]) -> Optional[Tensor]:
+    @staticmethod
+    def take_grad(grad: Optional[Tensor], slot: int) -> Optional[Tensor]:
         """Slot ``slot`` of an accumulator as a fresh tensor, leaving zeros behind for a repeated backward."""
         if grad is None:
             return None
@@ -118,39 +126,37 @@ class DepthStream:
 
 
 class _Append(torch.autograd.Function):
-    """Write (k, v) into the next slot; the returned token orders the backward passes."""
+    """Write (k, v) into slot ``slot``; the returned token orders the backward passes."""
 
     @staticmethod
-    def forward(ctx, k, v, token, stream: DepthStream):
-        slot = stream.count
-        stream._k_write[:, :, :, slot].copy_(k)
-        stream._v_write[:, :, :, slot].copy_(v)
-        stream.count += 1
-        ctx.stream, ctx.slot = stream, slot
+    def forward(ctx, k, v, token, buffers: _DepthBuffers, slot: int):
+        buffers.k_write[:, :, :, slot].copy_(k)
+        buffers.v_write[:, :, :, slot].copy_(v)
+        ctx.buffers, ctx.slot = buffers, slot
         return token.new_zeros(())
 
     @staticmethod
     def backward(ctx, grad_token):
-        stream = ctx.stream
-        grad_k = stream._take_grad(ctx.slot, stream._grad_k) if ctx.needs_input_grad[0] else None
-        grad_v = stream._take_grad(ctx.slot, stream._grad_v) if ctx.needs_input_grad[1] else None
-        return grad_k, grad_v, grad_token, None
+        buffers = ctx.buffers
+        grad_k = buffers.take_grad(buffers.grad_k, ctx.slot) if ctx.needs_input_grad[0] else None
+        grad_v = buffers.take_grad(buffers.grad_v, ctx.slot) if ctx.needs_input_grad[1] else None
+        return grad_k, grad_v, grad_token, None, None
 
 
 class _Read(torch.autograd.Function):
-    """The first ``count`` slots as views; backward accumulates into the stream's gradient buffers."""
+    """The first ``count`` slots as views; backward accumulates into the gradient buffers."""
 
     @staticmethod
-    def forward(ctx, token, stream: DepthStream):
+    def forward(ctx, token, buffers: _DepthBuffers, count: int):
         ctx.set_materialize_grads(False)
-        ctx.stream, ctx.count = stream, stream.count
+        ctx.buffers, ctx.count = buffers, count
         ctx.token_shape = token.shape
-        return stream._k[:, :, :, : stream.count], stream._v[:, :, :, : stream.count]
+        return buffers.k[:, :, :, :count], buffers.v[:, :, :, :count]
 
     @staticmethod
     def backward(ctx, grad_k, grad_v):
-        ctx.stream._add_grad(ctx.count, grad_k, grad_v)
-        return ctx.stream._k.new_zeros(ctx.token_shape), None
+        ctx.buffers.add_grad(ctx.count, grad_k, grad_v)
+        return ctx.buffers.k.new_zeros(ctx.token_shape), None, None
 
 
 class KVCache:
@@ -344,8 +350,8 @@ class MoDAAttention(nn.Module):
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
         kv = self.kv_proj(x).view(B, T, 2, self.n_kv_head, self.head_dim)  # (B, T, 2, Hk, D)
         k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, Hk, T, D) each
-        # RMSNorm may run in float32 under autocast: come back to v's dtype.
-        q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
+        # Normalize in float32 (the norms' weights are float32 under autocast), then back to v's dtype.
+        q, k = self.q_norm(q.float()).to(v.dtype), self.k_norm(k.float()).to(v.dtype)
         if self.rope:
             q, k = apply_rope(q, start, self.rope_base), apply_rope(k, start, self.rope_base)
         return q, k, v
@@ -386,7 +392,7 @@ class DepthKVProjection(nn.Module):
         B, T, _ = x.shape
         kv = self.kv_proj(x).view(B, T, 2, self.n_kv_head, self.head_dim)  # (B, T, 2, Hk, D)
         k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, Hk, T, D) each
-        k = self.k_norm(k).to(v.dtype)
+        k = self.k_norm(k.float()).to(v.dtype)
         if self.rope:
             k = apply_rope(k, start, self.rope_base)
         depth.append(k, v)

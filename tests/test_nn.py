@@ -1,8 +1,10 @@
 """moda_flex.nn: DepthStream against re-stacking, blocks against the reference path, decoding, checkpoints."""
 
 import dataclasses
+import gc
 import io
 import math
+import weakref
 
 import pytest
 import torch
@@ -106,6 +108,25 @@ def test_depth_stream_repeated_backward():
     first = torch.autograd.grad(loss, k, retain_graph=True)[0]
     second = torch.autograd.grad(loss, k)[0]
     torch.testing.assert_close(first, second)
+
+
+def test_depth_stream_memory_is_freed_after_backward():
+    """No reference cycle: the buffers go as soon as the graph does, without the garbage collector."""
+    k = torch.randn(1, 2, 3, 4, requires_grad=True)
+    stream = DepthStream(2)
+    stream.append(k * 2.0, k)
+    depth_k, depth_v = stream.read()
+    stream.append(k, k)
+    buffer = weakref.ref(depth_k._base)
+    loss = moda_attention(k, k, k, depth_k, depth_v).sum()
+    gc.disable()
+    try:
+        del stream, depth_k, depth_v
+        loss.backward()
+        del loss
+        assert buffer() is None
+    finally:
+        gc.enable()
 
 
 def test_depth_stream_bfloat16_grads_keep_dtype():
