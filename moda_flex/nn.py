@@ -205,6 +205,11 @@ def apply_rope(x: Tensor, start: int, base: float = 10000.0) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
+def _upcast(x: Tensor) -> Tensor:
+    """``x`` in float32 if its dtype is narrower, else unchanged."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 @dataclasses.dataclass
 class BlockConfig:
     """Everything a :class:`Block` needs.
@@ -350,8 +355,8 @@ class MoDAAttention(nn.Module):
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
         kv = self.kv_proj(x).view(B, T, 2, self.n_kv_head, self.head_dim)  # (B, T, 2, Hk, D)
         k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, Hk, T, D) each
-        # Normalize in float32 (the norms' weights are float32 under autocast), then back to v's dtype.
-        q, k = self.q_norm(q.float()).to(v.dtype), self.k_norm(k.float()).to(v.dtype)
+        # Normalize in float32 at least (the norms' weights are float32 under autocast), then back to v's dtype.
+        q, k = self.q_norm(_upcast(q)).to(v.dtype), self.k_norm(_upcast(k)).to(v.dtype)
         if self.rope:
             q, k = apply_rope(q, start, self.rope_base), apply_rope(k, start, self.rope_base)
         return q, k, v
@@ -392,7 +397,7 @@ class DepthKVProjection(nn.Module):
         B, T, _ = x.shape
         kv = self.kv_proj(x).view(B, T, 2, self.n_kv_head, self.head_dim)  # (B, T, 2, Hk, D)
         k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, Hk, T, D) each
-        k = self.k_norm(k.float()).to(v.dtype)
+        k = self.k_norm(_upcast(k)).to(v.dtype)
         if self.rope:
             k = apply_rope(k, start, self.rope_base)
         depth.append(k, v)
