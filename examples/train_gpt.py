@@ -182,7 +182,7 @@ def parse_args(argv=None):
     p.add_argument("--n-kv-head", type=int, default=2)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--steps", type=int, default=250)
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--weight-decay", type=float, default=0.1)
