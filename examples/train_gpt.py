@@ -145,6 +145,7 @@ def train_one(config: GPTConfig, name: str, train, val, args, device) -> dict:
         print("  sample: " + text.replace("\n", "\n          "))
     return {
         "name": name,
+        "norm": config.norm,
         "params_m": model.num_params() / 1e6,
         "val_loss": val_loss,
         "tok_s": tokens_per_step * timed_steps / train_time,
@@ -154,13 +155,14 @@ def train_one(config: GPTConfig, name: str, train, val, args, device) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    """A Markdown table of the runs, with step time and memory relative to the first run."""
+    """A Markdown table of the runs; step time and memory relative to the baseline of the same norm."""
     lines = [
-        "| model | params (M) | val loss | tokens/s | step (ms) | peak mem (MiB) | step vs first | mem vs first |",
+        "| model | params (M) | val loss | tokens/s | step (ms) | peak mem (MiB) | step vs baseline | mem vs baseline |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    first = rows[0]
+    baselines = {r["norm"]: r for r in rows if r["name"].startswith("baseline")}
     for r in rows:
+        first = baselines.get(r["norm"], rows[0])
         has_mem = not math.isnan(r["peak_mb"])
         mem = f"{r['peak_mb']:.0f}" if has_mem else "-"
         mem_ratio = f"{r['peak_mb'] / first['peak_mb']:.2f}x" if has_mem else "-"
