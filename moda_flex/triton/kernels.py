@@ -14,8 +14,8 @@ blocks (keys every row of the block may see).
 
 Depth phase (group-aware, beyond the paper): a token's depth logits are the
 ``G x L`` product of its own ``G`` query rows with its own ``L`` depth keys.
-The paper multiplies the whole block's rows by whole depth blocks and masks
-all but ``G / BLOCK_M`` of the products away (12.5% at ``G = 8``). Here the
+The paper multiplies a whole block of ``C`` query rows by whole depth blocks
+and masks all but ``G / C`` of the products away (12.5% at ``G = 8``, ``C = 64``). Here the
 block's rows are cut into tiles of ``R = max(GP, 16)`` rows (16 is the least
 M of a Tensor Core dot), i.e. the rows of ``P = R / GP`` consecutive tokens,
 and each tile is multiplied only by the depth keys of its own ``P`` tokens:
@@ -27,7 +27,8 @@ a reshape of the block's rows, so the online-softmax state carries over from
 the sequence phase in place.
 
 Scores are kept in base 2: ``qk_scale = scale * log2(e)``; LSE is stored in
-natural log.
+natural log. Batch/head base offsets and depth token offsets are int64: one
+depth tensor may hold more than 2**31 elements (T=16384, L=256, Hk=8, D=64).
 """
 
 import triton
