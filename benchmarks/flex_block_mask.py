@@ -26,7 +26,7 @@ def main():
 
     variant = variants.causal()
     T, G, L = args.tokens, args.groups, args.slots
-    mask_mod = _mask_mod(variant, T, T, G, L)
+    mask_mod = _mask_mod(variant, T, T, G, L, args.device)
 
     def build():
         block_mask = _structural_block_mask(variant.structure, T, T, G, L, args.device, mask_mod)

@@ -134,8 +134,10 @@ def _no_score_mod(score, b, h, q_idx, kv_idx):
 
 @functools.lru_cache(maxsize=None)
 def _compiled_flex():
-    # Compiled once, on first use, never at import time.
-    return torch.compile(flex_attention, dynamic=False)
+    # Compiled once, on first use, never at import time. Dynamic shapes (after
+    # the first new length) and tensor-held shape numbers in the mask keep one
+    # compiled kernel for many lengths instead of one per length.
+    return torch.compile(flex_attention)
 
 
 def moda_block_mask(
@@ -156,24 +158,21 @@ def moda_block_mask(
     when the variant has a structure, densely otherwise.
     """
     device = torch.device(device)
-    mask_mod = _mask_mod(variant, q_len, kv_len, groups, slots)
-    kv_padded = _round_up(kv_len, BLOCK)
-    lengths = (q_len * groups, kv_padded + q_len * slots)
     structure = variant.structure
     if structure is None:
-        return create_block_mask(
-            mask_mod, batch, kv_heads, lengths[0], lengths[1], device=device, BLOCK_SIZE=BLOCK
-        )
-    if structure.doc_ids is not None:
-        # Document ids are data, not shape: build, do not cache.
-        return _structural_block_mask(structure, q_len, kv_len, groups, slots, device, mask_mod)
+        lengths = (q_len * groups, _round_up(kv_len, BLOCK) + q_len * slots)
+        mask_mod = _mask_mod(variant, q_len, kv_len, groups, slots, device)
+        return create_block_mask(mask_mod, batch, kv_heads, *lengths, device=device, BLOCK_SIZE=BLOCK)
     key = (variant.name, q_len, kv_len, groups, slots, str(device))
-    block_mask = _BLOCK_MASK_CACHE.pop(key, None)
+    # Document ids are data, not shape: such masks are built every time.
+    block_mask = _BLOCK_MASK_CACHE.pop(key, None) if structure.doc_ids is None else None
     if block_mask is None:
+        mask_mod = _mask_mod(variant, q_len, kv_len, groups, slots, device)
         block_mask = _structural_block_mask(structure, q_len, kv_len, groups, slots, device, mask_mod)
-    _BLOCK_MASK_CACHE[key] = block_mask  # most recently used last
-    while len(_BLOCK_MASK_CACHE) > _BLOCK_MASK_CACHE_SIZE:
-        _BLOCK_MASK_CACHE.pop(next(iter(_BLOCK_MASK_CACHE)))
+    if structure.doc_ids is None:
+        _BLOCK_MASK_CACHE[key] = block_mask  # most recently used last
+        while len(_BLOCK_MASK_CACHE) > _BLOCK_MASK_CACHE_SIZE:
+            _BLOCK_MASK_CACHE.pop(next(iter(_BLOCK_MASK_CACHE)))
     return block_mask
 
 
@@ -183,18 +182,24 @@ _BLOCK_MASK_CACHE: dict = {}
 _BLOCK_MASK_CACHE_SIZE = 16
 
 
-def _mask_mod(variant: Variant, q_len: int, kv_len: int, groups: int, slots: int):
+def _mask_mod(variant: Variant, q_len: int, kv_len: int, groups: int, slots: int, device="cpu"):
     """The element mask over folded rows and ``[sequence | pad | depth]`` columns."""
-    kv_padded = _round_up(kv_len, BLOCK)
-    offset = kv_len - q_len  # absolute position of query token 0
+    has_depth = slots > 0
     sequence = variant.sequence
     depth = variant.depth_predicate(slots)
+    # Shape numbers live in tensors, not Python ints: a compiled flex_attention
+    # then reads them as inputs and need not recompile for every length.
+    dims = torch.tensor(
+        [groups, kv_len - q_len, kv_len, max(kv_len - 1, 0), _round_up(kv_len, BLOCK), max(slots, 1)],
+        device=device,
+    )
 
     def moda_mask(b, h, row, col):
-        q_pos = row // groups + offset
+        groups, offset, kv_len, last_key, kv_padded, slots = dims.unbind()
+        q_pos = row // groups + offset  # offset: absolute position of query token 0
         q_head = h * groups + row % groups
-        key_ok = (col < kv_len) & sequence(b, q_head, q_pos, col.clamp(max=max(kv_len - 1, 0)))
-        if slots == 0:
+        key_ok = (col < kv_len) & sequence(b, q_head, q_pos, torch.minimum(col, last_key))
+        if not has_depth:
             return key_ok
         depth_col = (col - kv_padded).clamp(min=0)
         d_pos = depth_col // slots + offset

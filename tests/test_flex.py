@@ -125,3 +125,20 @@ def test_compiled_flex_skips_only_masked_blocks(variant, q_len, kv_len, groups, 
     out = flex_moda(*args, compiled=True, return_lse=False)
     ref, _ = reference_attention(*args)
     assert ((out - ref).norm() / ref.norm()).item() < 1e-4
+
+
+def test_compiled_flex_serves_many_lengths_without_recompiling_each():
+    """Shape numbers reach the mask as tensors, so new lengths do not exhaust dynamo's recompiles."""
+    from torch._dynamo.utils import counters  # dynamo's own tally of compiled graphs
+
+    lengths = [(40, 70), (41, 75), (30, 90), (55, 100), (20, 110), (33, 120), (44, 130), (50, 140), (60, 150),
+               (61, 160), (62, 170), (63, 180)]
+    graphs_before = counters["stats"]["unique_graphs"]
+    for step, (q_len, kv_len) in enumerate(lengths):
+        inputs = make_inputs(MoDAShape(1, 4, 2, q_len, kv_len, 3, 16), requires_grad=False, seed=step)
+        args = list(inputs.values()) + [moda_flex.causal(), 0.25]
+        out = flex_moda(*args, compiled=True, return_lse=False)
+        ref, _ = reference_attention(*args)
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-4, (q_len, kv_len)
+    # Each recompile is a new graph; past dynamo's limit of 8 it would run eagerly.
+    assert counters["stats"]["unique_graphs"] - graphs_before < 8
