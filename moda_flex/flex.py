@@ -135,7 +135,7 @@ def _no_score_mod(score, b, h, q_idx, kv_idx):
 @functools.lru_cache(maxsize=None)
 def _compiled_flex():
     # Compiled once, on first use, never at import time. Dynamic shapes (after
-    # the first new length) and tensor-held shape numbers in the mask keep one
+    # the first new length) and tensor-held lengths in the mask keep one
     # compiled kernel for many lengths instead of one per length.
     return torch.compile(flex_attention)
 
@@ -185,25 +185,34 @@ _BLOCK_MASK_CACHE_SIZE = 16
 def _mask_mod(variant: Variant, q_len: int, kv_len: int, groups: int, slots: int, device="cpu"):
     """The element mask over folded rows and ``[sequence | pad | depth]`` columns."""
     has_depth = slots > 0
+    own_depth = variant.own_depth_only
     sequence = variant.sequence
     depth = variant.depth_predicate(slots)
-    # Shape numbers live in tensors, not Python ints: a compiled flex_attention
-    # then reads them as inputs and need not recompile for every length.
+    # Lengths live in tensors, not Python ints, so that a compiled
+    # flex_attention reads them as inputs instead of recompiling for every
+    # length (and every layer's L). G stays an int: it is fixed per model, and
+    # dividing by a constant is cheap.
     dims = torch.tensor(
-        [groups, kv_len - q_len, kv_len, max(kv_len - 1, 0), _round_up(kv_len, BLOCK), max(slots, 1)],
-        device=device,
+        [kv_len - q_len, kv_len, max(kv_len - 1, 0), _round_up(kv_len, BLOCK), max(slots, 1)], device=device
     )
 
     def moda_mask(b, h, row, col):
-        groups, offset, kv_len, last_key, kv_padded, slots = dims.unbind()
-        q_pos = row // groups + offset  # offset: absolute position of query token 0
+        offset, kv_len, last_key, kv_padded, slots = dims.unbind()
+        token = row // groups
+        q_pos = token + offset  # offset: absolute position of query token 0
         q_head = h * groups + row % groups
         key_ok = (col < kv_len) & sequence(b, q_head, q_pos, torch.minimum(col, last_key))
         if not has_depth:
             return key_ok
-        depth_col = (col - kv_padded).clamp(min=0)
-        d_pos = depth_col // slots + offset
-        depth_ok = (col >= kv_padded) & depth(b, q_head, q_pos, d_pos, depth_col % slots)
+        depth_col = col - kv_padded
+        if own_depth:
+            # The row's own depth span, found without dividing by L.
+            slot = depth_col - token * slots
+            depth_ok = (slot >= 0) & (slot < slots) & depth(b, q_head, q_pos, q_pos, slot)
+        else:
+            depth_col = depth_col.clamp(min=0)
+            d_pos = depth_col // slots + offset
+            depth_ok = (col >= kv_padded) & depth(b, q_head, q_pos, d_pos, depth_col % slots)
         return torch.where(col < kv_padded, key_ok, depth_ok)
 
     moda_mask.__name__ = f"moda_{variant.name}"
