@@ -77,12 +77,13 @@ def flex_moda(
     Hk, Tk, L = k.shape[1], k.shape[2], depth_k.shape[3]
     G = Hq // Hk
     block_mask = moda_block_mask(variant, batch=B, kv_heads=Hk, q_len=Tq, kv_len=Tk, groups=G, slots=L, device=q.device)
-    kv_padded = block_mask.seq_lengths[1] - Tq * L
+    kv_pad = block_mask.seq_lengths[1] - Tq * L - Tk
 
     # Fold the G query heads of each group into rows: row r = t * G + g.
     rows = q.view(B, Hk, G, Tq, D).transpose(2, 3).reshape(B, Hk, Tq * G, D)  # (B, Hk, Tq*G, D)
-    keys = _pack(k, depth_k, kv_padded)  # (B, Hk, Tk_pad + Tq*L, D)
-    values = _pack(v, depth_v, kv_padded)
+    pad = k.new_zeros(B, Hk, kv_pad, D)
+    keys = torch.cat([k, pad, depth_k.reshape(B, Hk, Tq * L, D)], dim=2)  # (B, Hk, Tk_pad + Tq*L, D)
+    values = torch.cat([v, pad, depth_v.reshape(B, Hk, Tq * L, D)], dim=2)
 
     out, lse = _run_flex(rows, keys, values, block_mask, scale, compiled, return_lse)
     out = out.view(B, Hk, Tq, G, D).transpose(2, 3).reshape(B, Hq, Tq, D)  # (B, Hq, Tq, D)
@@ -90,25 +91,6 @@ def flex_moda(
         return out
     lse = lse.view(B, Hk, Tq, G).transpose(2, 3).reshape(B, Hq, Tq)  # (B, Hq, Tq)
     return out, lse.float()
-
-
-def _pack(seq: Tensor, depth: Tensor, kv_padded: int) -> Tensor:
-    """``[seq | zeros | depth flattened (token, slot)]`` along the key axis, one copy of each part.
-
-    Args:
-        seq: (B, Hk, Tk, D); depth: (B, Hk, Tq, L, D), any strides.
-
-    Returns:
-        (B, Hk, kv_padded + Tq * L, D).
-    """
-    B, Hk, Tk, D = seq.shape
-    Tq, L = depth.shape[2], depth.shape[3]
-    packed = seq.new_empty(B, Hk, kv_padded + Tq * L, D)
-    packed[:, :, :Tk] = seq
-    packed[:, :, Tk:kv_padded] = 0
-    # A strided depth view is copied once, straight into place.
-    packed[:, :, kv_padded:].view(B, Hk, Tq, L, D).copy_(depth)
-    return packed
 
 
 def _run_flex(rows, keys, values, block_mask, scale, compiled, return_lse):
