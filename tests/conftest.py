@@ -1,7 +1,8 @@
 """Test settings: hypothesis profiles and the Triton interpreter on CPU.
 
 Profiles: ``ci`` (default) is derandomized so that a landing never flakes;
-``dev`` explores more examples: ``pytest --hypothesis-profile=dev``.
+``dev`` explores more, with fresh random examples and ten times each test's
+count (``tests/budget.py``): ``HYPOTHESIS_PROFILE=dev python -m pytest -q``.
 """
 
 import os

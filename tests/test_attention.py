@@ -12,6 +12,8 @@ import moda_flex
 from moda_flex import moda_attention
 from moda_flex.testing import MoDAShape, make_inputs, moda_shapes
 
+from budget import examples
+
 BACKENDS = ["reference", "flex"]
 
 
@@ -21,7 +23,7 @@ def _bottom_right_causal(q_len, kv_len):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=15)
+@settings(max_examples=examples(15))
 @given(shape=moda_shapes(max_slots=0), causal=st.booleans())
 def test_no_depth_equals_sdpa(backend, shape, causal):
     inputs = make_inputs(shape, dtype=torch.float64, requires_grad=False)
@@ -36,7 +38,7 @@ def test_no_depth_equals_sdpa(backend, shape, causal):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(shape=moda_shapes(max_kv_len=30), data=st.data())
 def test_permuting_depth_slots_permutes_only_depth_gradients(backend, shape, data):
     inputs = make_inputs(shape, dtype=torch.float64)
@@ -58,7 +60,7 @@ def test_permuting_depth_slots_permutes_only_depth_gradients(backend, shape, dat
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(shape=moda_shapes(max_kv_len=40), data=st.data())
 def test_prefill_then_decode_equals_full_call(backend, shape, data):
     """Chunked prefill and one-token decode are the same call, bottom-right aligned."""

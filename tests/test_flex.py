@@ -11,8 +11,10 @@ from moda_flex.flex import BLOCK, _mask_mod, flex_moda, moda_block_mask
 from moda_flex.reference import reference_attention
 from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs, moda_shapes
 
+from budget import examples
 
-@settings(max_examples=40)
+
+@settings(max_examples=examples(40))
 @given(
     shape=moda_shapes(),
     dtype=st.sampled_from([torch.float32, torch.float64]),
@@ -24,7 +26,7 @@ def test_flex_matches_reference(shape, dtype, variant, strided):
     assert_matches_reference(inputs, backend="flex", variant=variant)
 
 
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(shape=moda_shapes(max_kv_len=40, head_dims=(16, 32)))
 def test_flex_bfloat16_matches_reference(shape):
     assert_matches_reference(make_inputs(shape, dtype=torch.bfloat16, strided_depth=True), backend="flex")
@@ -58,7 +60,7 @@ structured_variants = st.one_of(
 )
 
 
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 @given(
     kv_len=st.integers(1, 700),
     data=st.data(),

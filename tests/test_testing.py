@@ -25,6 +25,8 @@ from moda_flex.testing import (
     variants,
 )
 
+from budget import examples
+
 SMALL = MoDAShape(batch=2, q_heads=4, kv_heads=2, q_len=5, kv_len=9, slots=3, head_dim=8)
 
 
@@ -53,7 +55,7 @@ def test_shape_rejects_bad_fields(fields, argument):
         MoDAShape(**{**base, **fields})
 
 
-@settings(max_examples=100)
+@settings(max_examples=examples(100))
 @given(shape=moda_shapes())
 def test_drawn_shapes_are_valid(shape):
     assert 1 <= shape.batch <= 2
@@ -309,7 +311,7 @@ def _is_contiguous_runs(ids: torch.Tensor) -> bool:
     return bool((changes == distinct).all())
 
 
-@settings(max_examples=50)
+@settings(max_examples=examples(50))
 @given(shape=moda_shapes(max_kv_len=30, max_slots=5), data=st.data())
 def test_drawn_variants_fit_the_shape(shape, data):
     variant = data.draw(variants(shape))
@@ -329,7 +331,7 @@ def test_drawn_variants_fit_the_shape(shape, data):
             assert low <= int(size) <= high, variant.name
 
 
-@settings(max_examples=50)
+@settings(max_examples=examples(50))
 @given(batch=st.integers(1, 3), kv_len=st.integers(1, 40), data=st.data())
 def test_document_ids_are_contiguous_runs(batch, kv_len, data):
     ids = data.draw(document_ids(batch, kv_len))

@@ -24,6 +24,8 @@ from moda_flex.testing import (  # noqa: E402
 )
 from moda_flex.triton import triton_attention, unsupported_reason  # noqa: E402
 
+from budget import examples  # noqa: E402
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FUSED_KINDS = ("causal", "full", "sliding_window", "depth_window", "depth_only", "document")
 
@@ -32,7 +34,7 @@ def _inputs(shape, dtype=torch.float32, strided_depth=False, seed=0):
     return make_inputs(shape, dtype=dtype, device=DEVICE, strided_depth=strided_depth, seed=seed)
 
 
-@settings(max_examples=30)
+@settings(max_examples=examples(30))
 @given(
     shape=moda_shapes(max_kv_len=40, max_slots=9, max_kv_heads=2, head_dims=(16, 32)),
     strided=st.booleans(),
@@ -44,7 +46,7 @@ def test_matches_reference(shape, strided, data):
     assert_matches_reference(_inputs(shape, strided_depth=strided), backend="triton", variant=variant)
 
 
-@settings(max_examples=6)
+@settings(max_examples=examples(6))
 @given(
     shape=moda_shapes(max_kv_len=24, max_slots=5, max_kv_heads=1, head_dims=(16,)),
     dtype=st.sampled_from([torch.float16, torch.bfloat16]),

@@ -18,6 +18,8 @@ from moda_flex import variants as v
 from moda_flex.testing import BUILTIN_KINDS, MoDAShape, assert_matches_reference, make_inputs, moda_shapes, variants
 from moda_flex.variants import Structure, Variant
 
+from budget import examples
+
 B, H = 2, 3
 SIZES = [(1, 1, 0), (4, 4, 3), (3, 8, 4), (1, 7, 2), (6, 9, 1)]  # (Tq, Tk, L)
 DOC_IDS = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2], [0, 1, 1, 1, 1, 1, 2, 3, 3]])
@@ -210,7 +212,7 @@ def _assert_structure_holds(variant: Variant, shape: MoDAShape) -> None:
         assert not depth[..., : L - s.depth_window].any(), "a depth slot outside the window is visible"
 
 
-@settings(max_examples=150)
+@settings(max_examples=examples(150))
 @given(shape=moda_shapes(max_batch=B, max_kv_len=12, max_slots=4, max_groups=1, max_kv_heads=1), data=st.data())
 def test_structure_promises_hold_for_builtins_and_intersections(shape, data):
     variant = data.draw(variants(shape, max_terms=3, structured=True))
@@ -290,14 +292,14 @@ FLEX_SHAPES = moda_shapes(max_batch=2, max_groups=3, max_kv_heads=2, max_kv_len=
 
 
 @pytest.mark.parametrize("kind", BUILTIN_KINDS)
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(shape=FLEX_SHAPES, strided=st.booleans(), data=st.data())
 def test_flex_matches_reference(kind, shape, strided, data):
     variant = data.draw(variants(shape, kinds=(kind,), max_terms=1))
     assert_matches_reference(make_inputs(shape, strided_depth=strided), backend="flex", variant=variant)
 
 
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 @given(shape=FLEX_SHAPES, strided=st.booleans(), data=st.data())
 def test_flex_matches_reference_on_compositions(shape, strided, data):
     with_user = st.builds(lambda builtin: builtin & _user_variant(), variants(shape, max_terms=1))
@@ -305,7 +307,7 @@ def test_flex_matches_reference_on_compositions(shape, strided, data):
     assert_matches_reference(make_inputs(shape, strided_depth=strided), backend="flex", variant=variant)
 
 
-@settings(max_examples=6)
+@settings(max_examples=examples(6))
 @given(shape=moda_shapes(max_kv_len=24, max_slots=4, max_groups=2, head_dims=(8,)), data=st.data())
 def test_flex_matches_reference_in_float64(shape, data):
     variant = data.draw(variants(shape))
@@ -326,7 +328,7 @@ TRITON_KINDS = ("causal", "full", "sliding_window", "depth_window", "depth_only"
 
 
 @pytest.mark.parametrize("kind", TRITON_KINDS)
-@settings(max_examples=2)
+@settings(max_examples=examples(2))
 @given(
     shape=moda_shapes(max_batch=2, max_groups=2, max_kv_heads=2, max_kv_len=20, max_slots=4, head_dims=(16,)),
     data=st.data(),
