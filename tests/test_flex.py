@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask
 
 import moda_flex
-from moda_flex.flex import BLOCK, _mask_mod, flex_moda, moda_block_mask
+from moda_flex.flex import BLOCK, _mask_mod, _round_up, flex_moda, moda_block_mask
 from moda_flex.reference import reference_attention
 from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs, moda_shapes
 
@@ -90,10 +90,17 @@ def test_structural_block_mask_equals_dense_evaluation(kv_len, data, groups, slo
         BLOCK_SIZE=BLOCK,
     )
     q_blocks, kv_blocks = dense.kv_num_blocks.shape[-1], dense.q_num_blocks.shape[-1]
-    assert _block_grids(mine, q_blocks, kv_blocks)[0].equal(_block_grids(dense, q_blocks, kv_blocks)[0])
-    assert _block_grids(mine, q_blocks, kv_blocks)[1].equal(_block_grids(dense, q_blocks, kv_blocks)[1])
-    # The KV-block -> row-block lists are the transpose of the row-block lists.
     partial, full = _block_grids(mine, q_blocks, kv_blocks)
+    dense_partial, dense_full = _block_grids(dense, q_blocks, kv_blocks)
+    # The same blocks are visited; sequence blocks are full exactly when they
+    # are, depth blocks are always treated as partial (a chunk_depth block can
+    # be wholly visible; the mask is then merely evaluated there).
+    assert (partial | full).equal(dense_partial | dense_full)
+    depth_cols = slice(_round_up(kv_len, BLOCK) // BLOCK, None)
+    assert not full[..., depth_cols].any()
+    sequence_cols = slice(0, _round_up(kv_len, BLOCK) // BLOCK)
+    assert full[..., sequence_cols].equal(dense_full[..., sequence_cols])
+    # The KV-block -> row-block lists are the transpose of the row-block lists.
     q_partial = _dense_blocks(mine.q_num_blocks, mine.q_indices, q_blocks).transpose(1, 2)
     q_full = _dense_blocks(mine.full_q_num_blocks, mine.full_q_indices, q_blocks).transpose(1, 2)
     assert q_partial.equal(partial) and q_full.equal(full)
