@@ -16,6 +16,7 @@ from .variants import (
 
 __all__ = [
     "moda_attention",
+    "nn",
     "Variant",
     "Structure",
     "causal",
