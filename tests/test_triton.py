@@ -42,7 +42,7 @@ def _inputs(shape, dtype=torch.float32, strided_depth=False, seed=0):
 )
 def test_matches_reference(shape, strided, data):
     """Output, lse and the five gradients, every fused variant, odd lengths, Tq <= Tk, strided depth."""
-    variant = data.draw(variants(shape, kinds=FUSED_KINDS))
+    variant = data.draw(variants(shape, kinds=FUSED_KINDS, structured=True))
     assert_matches_reference(_inputs(shape, strided_depth=strided), backend="triton", variant=variant)
 
 
