@@ -290,24 +290,21 @@ def _structural_block_mask(
     full_end_q = torch.where(full_q > 0, full_end, touch_end)
     seq_left = (full_start_q - touch_start).clamp(min=0)
     seq_right = (touch_end - full_end_q).clamp(min=0)
-    if slots > 0:
-        jd = torch.arange(seq_blocks, seq_blocks + depth_blocks, device=device).expand(bm, -1).contiguous()
-        depth_start = _first_at_least(depth_hi.contiguous(), jd)
-        depth_rows = (_count_at_most(depth_lo.contiguous(), jd) - depth_start).clamp(min=0)
-        q_num, q_idx = _concat_ranges(
-            [
-                (torch.cat([touch_start, depth_start], 1), torch.cat([seq_left, depth_rows], 1)),
-                (torch.cat([full_end_q, depth_start], 1), torch.cat([seq_right, torch.zeros_like(depth_rows)], 1)),
-            ],
-            q_width,
-        )
-        full_q_num, full_q_idx = _concat_ranges(
-            [(torch.cat([full_start, depth_start], 1), torch.cat([full_q, torch.zeros_like(depth_rows)], 1))],
-            q_width,
-        )
-    else:
-        q_num, q_idx = _concat_ranges([(touch_start, seq_left), (full_end_q, seq_right)], q_width)
-        full_q_num, full_q_idx = _concat_ranges([(full_start, full_q)], q_width)
+    # Depth blocks (none when L = 0) are visited by a contiguous range of row blocks, always as partial.
+    jd = torch.arange(seq_blocks, seq_blocks + depth_blocks, device=device).expand(bm, -1).contiguous()
+    depth_start = _first_at_least(depth_hi.contiguous(), jd)
+    depth_rows = (_count_at_most(depth_lo.contiguous(), jd) - depth_start).clamp(min=0)
+    no_rows = torch.zeros_like(depth_rows)
+    q_num, q_idx = _concat_ranges(
+        [
+            (torch.cat([touch_start, depth_start], 1), torch.cat([seq_left, depth_rows], 1)),
+            (torch.cat([full_end_q, depth_start], 1), torch.cat([seq_right, no_rows], 1)),
+        ],
+        q_width,
+    )
+    full_q_num, full_q_idx = _concat_ranges(
+        [(torch.cat([full_start, depth_start], 1), torch.cat([full_q, no_rows], 1))], q_width
+    )
 
     def heads(t):  # (Bm, N, ...) -> (Bm, 1, N, ...): the same blocks for every head
         return t.unsqueeze(1).to(torch.int32).contiguous()
