@@ -205,6 +205,23 @@ def apply_rope(x: Tensor, start: int, base: float = 10000.0) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
+def _keys_and_values(
+    kv: Tensor, k_norm: nn.Module, n_kv_head: int, head_dim: int, rope_base: Optional[float], start: int
+) -> tuple[Tensor, Tensor]:
+    """Split a (B, T, 2 * Hk * D) projection into k, v (B, Hk, T, D); normalize and rotate k.
+
+    Attention layers and FFN depth projections share this, so both kinds of
+    depth key are treated alike.
+    """
+    B, T, _ = kv.shape
+    k, v = kv.view(B, T, 2, n_kv_head, head_dim).permute(2, 0, 3, 1, 4).unbind(0)  # (B, Hk, T, D) each
+    # Normalize in float32 at least (the norms' weights are float32 under autocast), then back to v's dtype.
+    k = k_norm(_upcast(k)).to(v.dtype)
+    if rope_base is not None:
+        k = apply_rope(k, start, rope_base)
+    return k, v
+
+
 def _upcast(x: Tensor) -> Tensor:
     """``x`` in float32 if its dtype is narrower, else unchanged."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
@@ -353,12 +370,11 @@ class MoDAAttention(nn.Module):
         """q (B, Hq, T, D) and k, v (B, Hk, T, D), normalized and rotated."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
-        kv = self.kv_proj(x).view(B, T, 2, self.n_kv_head, self.head_dim)  # (B, T, 2, Hk, D)
-        k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, Hk, T, D) each
-        # Normalize in float32 at least (the norms' weights are float32 under autocast), then back to v's dtype.
-        q, k = self.q_norm(_upcast(q)).to(v.dtype), self.k_norm(_upcast(k)).to(v.dtype)
+        rope_base = self.rope_base if self.rope else None
+        k, v = _keys_and_values(self.kv_proj(x), self.k_norm, self.n_kv_head, self.head_dim, rope_base, start)
+        q = self.q_norm(_upcast(q)).to(v.dtype)
         if self.rope:
-            q, k = apply_rope(q, start, self.rope_base), apply_rope(k, start, self.rope_base)
+            q = apply_rope(q, start, self.rope_base)
         return q, k, v
 
 
@@ -394,13 +410,8 @@ class DepthKVProjection(nn.Module):
 
     def forward(self, x: Tensor, depth: DepthStream, start: int = 0) -> None:
         """Append the K/V of (B, T, C) ``x``, tokens at positions ``start ..``, to ``depth``."""
-        B, T, _ = x.shape
-        kv = self.kv_proj(x).view(B, T, 2, self.n_kv_head, self.head_dim)  # (B, T, 2, Hk, D)
-        k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, Hk, T, D) each
-        k = self.k_norm(_upcast(k)).to(v.dtype)
-        if self.rope:
-            k = apply_rope(k, start, self.rope_base)
-        depth.append(k, v)
+        rope_base = self.rope_base if self.rope else None
+        depth.append(*_keys_and_values(self.kv_proj(x), self.k_norm, self.n_kv_head, self.head_dim, rope_base, start))
 
 
 class SwiGLU(nn.Module):
