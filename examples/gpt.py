@@ -4,9 +4,9 @@
     config.depth_kv = "attn"       attention layers also write their K/V as depth
     config.depth_kv = "attn+ffn"   FFN layers write a projected K/V too (MoDA's default)
 
-The forward pass creates one DepthStream and hands it to every block: each
-block's attention reads what the blocks below wrote for the same token, then
-writes its own.
+The forward pass starts an empty DepthStream and threads it through the
+blocks: each block's attention reads what the blocks below wrote for the same
+token, and the block returns the stream with its own entries appended.
 """
 
 from __future__ import annotations
@@ -18,17 +18,29 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from moda_flex.nn import Block, BlockConfig, DepthStream, KVCache
 
 
 @dataclasses.dataclass
 class GPTConfig(BlockConfig):
-    """:class:`moda_flex.nn.BlockConfig` plus the model's vocabulary, context and depth."""
+    """:class:`moda_flex.nn.BlockConfig` plus the model's vocabulary, context, depth and checkpointing.
+
+    Attributes:
+        checkpoint: recompute each block's activations in the backward pass
+            (``torch.utils.checkpoint``) instead of storing them.
+    """
 
     vocab_size: int = 256
     block_size: int = 256
     n_layer: int = 6
+    checkpoint: bool = False
+
+    @property
+    def depth_slots(self) -> int:
+        """Depth entries one forward pass writes: every block's, less the last FFN's (nothing reads it)."""
+        return max(0, self.n_layer * self.depth_writes - (self.depth_kv == "attn+ffn"))
 
 
 class GPT(nn.Module):
@@ -37,7 +49,9 @@ class GPT(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = None if config.rope else nn.Embedding(config.block_size, config.n_embd)
-        self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.blocks = nn.ModuleList(
+            [Block(config, ffn_depth=i < config.n_layer - 1) for i in range(config.n_layer)]
+        )
         self.norm_f = nn.RMSNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying
@@ -77,9 +91,13 @@ class GPT(nn.Module):
         x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(start, start + T, device=idx.device))
-        depth = DepthStream(self.config.n_layer * self.config.depth_writes) if self.config.depth_writes else None
+        depth = DepthStream(capacity=self.config.depth_slots) if self.config.depth_writes else None
         for i, block in enumerate(self.blocks):
-            x = block(x, depth, caches[i] if caches is not None else None)
+            cache = caches[i] if caches is not None else None
+            if self.config.checkpoint and self.training and cache is None:
+                x, depth = checkpoint(block, x, depth, use_reentrant=False)
+            else:
+                x, depth = block(x, depth, cache)
         logits = self.lm_head(self.norm_f(x))  # (B, T, vocab_size)
         loss = None
         if targets is not None:

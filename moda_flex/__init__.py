@@ -1,6 +1,7 @@
 """moda_flex: Mixture-of-Depths Attention for PyTorch."""
 
-from . import nn  # layers: MoDAAttention, DepthKVProjection, DepthStream, KVCache, Block
+from . import nn  # layers: MoDAAttention, DepthKVProjection, KVCache, Block
+from .depth import DepthStream
 from .attention import moda_attention
 from .variants import (
     Structure,
@@ -16,6 +17,7 @@ from .variants import (
 
 __all__ = [
     "moda_attention",
+    "DepthStream",
     "nn",
     "Variant",
     "Structure",

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from . import variants as _variants
+from .depth import DepthKV, as_tensor, is_entries
 from .reference import reference_attention
 from .variants import Variant
 
@@ -19,8 +20,8 @@ def moda_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    depth_k: Optional[Tensor] = None,
-    depth_v: Optional[Tensor] = None,
+    depth_k: Optional[DepthKV] = None,
+    depth_v: Optional[DepthKV] = None,
     *,
     variant: Union[str, Variant] = "causal",
     scale: Optional[float] = None,
@@ -42,10 +43,11 @@ def moda_attention(
             ``G = Hq // Hk``, ``Tq <= Tk``; query ``i`` sits at absolute
             position ``Tk - Tq + i`` (bottom-right aligned), so prefill,
             chunked prefill and one-token decode are the same call.
-        depth_k, depth_v: (B, Hk, Tq, L, D) or None (L = 0): the L depth
-            keys/values that earlier layers wrote for each query token. Any
-            strides: ``buf[:, :, :, :L]`` of a preallocated buffer is read
-            without a copy by the triton backend.
+        depth_k, depth_v: (B, Hk, Tq, L, D), or a sequence of L entries
+            (B, Hk, Tq, D) (slot ``l`` is entry ``l``), or None (L = 0): the
+            depth keys/values that earlier layers wrote for each query token.
+            Any strides; the triton backend reads both forms in place, and
+            gives each entry of a sequence its own gradient.
         variant: ``"causal"``, ``"full"`` or a :class:`moda_flex.Variant`.
         scale: logit scale, default ``1 / sqrt(D)``.
         backend: ``"auto"`` | ``"reference"`` | ``"flex"`` | ``"triton"``.
@@ -65,6 +67,9 @@ def moda_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     run = _pick_backend(backend, q, variant)
+    if is_entries(depth_k) and not getattr(run, "reads_depth_entries", False):
+        empty = k.new_empty(q.shape[0], k.shape[1], q.shape[2], q.shape[3])  # (B, Hk, Tq, D)
+        depth_k, depth_v = as_tensor(depth_k, empty), as_tensor(depth_v, empty)
     if q.shape[2] == 0:
         # No query tokens: nothing to compute, on any backend.
         out, lse = q.new_zeros(q.shape), q.new_zeros(q.shape[:3], dtype=torch.float32)
@@ -137,27 +142,46 @@ def _check_inputs(q, k, v, depth_k, depth_v):
         raise ValueError("depth_k and depth_v must both be given or both be None")
     if depth_k is None:
         depth_k = depth_v = q.new_empty(B, Hk, Tq, 0, D)
-    for name, t in (("depth_k", depth_k), ("depth_v", depth_v)):
-        if not isinstance(t, Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 5:
-            raise ValueError(f"{name} must have shape (B, Hk, Tq, L, D), got {tuple(t.shape)}")
-        expected = (B, Hk, Tq, D)
-        seen = (t.shape[0], t.shape[1], t.shape[2], t.shape[4])
-        if seen != expected:
-            raise ValueError(
-                f"{name} must have shape (B={B}, Hk={Hk}, Tq={Tq}, L, D={D}) for q {tuple(q.shape)} and "
-                f"k {tuple(k.shape)}, got {tuple(t.shape)}"
-            )
-    if depth_k.shape != depth_v.shape:
+    tensors = {"q": q, "k": k, "v": v}
+    if is_entries(depth_k) != is_entries(depth_v):
         raise ValueError(
-            f"depth_k and depth_v must have the same shape, got {tuple(depth_k.shape)} and {tuple(depth_v.shape)}"
+            "depth_k and depth_v must take the same form: both (B, Hk, Tq, L, D) tensors or both sequences of "
+            f"(B, Hk, Tq, D) entries, got {type(depth_k).__name__} and {type(depth_v).__name__}"
         )
+    if is_entries(depth_k):
+        depth_k, depth_v = tuple(depth_k), tuple(depth_v)
+        if len(depth_k) != len(depth_v):
+            raise ValueError(f"depth_k and depth_v must hold as many entries, got {len(depth_k)} and {len(depth_v)}")
+        for side, entries in (("depth_k", depth_k), ("depth_v", depth_v)):
+            for i, t in enumerate(entries):
+                _check_depth(f"{side}[{i}]", t, False, q, k)
+                tensors[f"{side}[{i}]"] = t
+    else:
+        for name, t in (("depth_k", depth_k), ("depth_v", depth_v)):
+            _check_depth(name, t, True, q, k)
+        if depth_k.shape != depth_v.shape:
+            raise ValueError(
+                f"depth_k and depth_v must have the same shape, got {tuple(depth_k.shape)} and {tuple(depth_v.shape)}"
+            )
+        tensors.update(depth_k=depth_k, depth_v=depth_v)
 
-    tensors = {"q": q, "k": k, "v": v, "depth_k": depth_k, "depth_v": depth_v}
     for name, t in tensors.items():
         if t.dtype != q.dtype:
             raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}; all inputs must share one dtype")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share one device")
     return depth_k, depth_v
+
+
+def _check_depth(name: str, t, slot_axis: bool, q: Tensor, k: Tensor) -> None:
+    """One depth tensor: (B, Hk, Tq, L, D) with ``slot_axis``, else one entry (B, Hk, Tq, D), matching q and k."""
+    if not isinstance(t, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    B, Tq, D = q.shape[0], q.shape[2], q.shape[3]
+    Hk = k.shape[1]
+    dims = 5 if slot_axis else 4
+    if t.dim() != dims or (t.shape[0], t.shape[1], t.shape[2], t.shape[-1]) != (B, Hk, Tq, D):
+        layout = f"(B={B}, Hk={Hk}, Tq={Tq}, {'L, ' if slot_axis else ''}D={D})"
+        raise ValueError(
+            f"{name} must have shape {layout} for q {tuple(q.shape)} and k {tuple(k.shape)}, got {tuple(t.shape)}"
+        )

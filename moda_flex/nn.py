@@ -1,16 +1,16 @@
 """Layers for MoDA models: attention that reads and writes the depth stream.
 
-A MoDA transformer threads one :class:`DepthStream` through its blocks. Per
-block (``depth_kv="attn+ffn"``, the paper's default variant)::
+A MoDA transformer threads one :class:`~moda_flex.depth.DepthStream` through
+its blocks. Per block (``depth_kv="attn+ffn"``, the paper's default variant)::
 
     attention  reads  the stream: its own sequence K/V | every depth entry so far
                writes its K/V (the very tensors its sequence attention used)
     FFN        writes one K/V projected from its input (DepthKVProjection)
 
 so the attention of block ``l`` sees ``2 l`` depth entries per token. The
-stream holds preallocated buffers; each write copies one (B, Hk, T, D) entry
-and each read is a strided slice, so a forward pass moves O(L) depth data
-rather than re-stacking O(L^2).
+stream is a value: a layer returns the stream with its entry appended
+(``x, depth = block(x, depth)``). Entries are never copied: the attention
+reads them in place, so a forward pass moves only the depth bytes it reads.
 
 Decoding keeps one :class:`KVCache` of sequence K/V per attention layer.
 Depth entries need no cache: a token reads only its own depth, which the
@@ -29,134 +29,15 @@ from torch import Tensor, nn
 
 from . import variants as _variants
 from .attention import moda_attention
+from .depth import DepthStream, as_tensor
 from .reference import attention_probabilities
 from .variants import Variant
 
+__all__ = ["DepthStream", "KVCache", "MoDAAttention", "DepthKVProjection", "SwiGLU", "Block", "BlockConfig",
+           "apply_rope"]
+
 DEPTH_KV = ("none", "attn", "attn+ffn")
 NORMS = ("pre", "post")
-
-
-class DepthStream:
-    """The depth K/V that layers write for the tokens of one forward pass.
-
-    Buffers of shape (B, Hk, T, capacity, D) are allocated at the first
-    :meth:`append`, in that entry's dtype and device. :meth:`read` returns the
-    strided views ``buf[:, :, :, :count]``, the layout ``moda_attention``
-    takes as ``depth_k``/``depth_v`` without a copy.
-
-    Autograd: entries are written in place, which would normally invalidate
-    the earlier reads that a backward pass saved. Writes therefore go through
-    an alias of the buffers with its own version counter: they only ever fill
-    the slot just past every earlier read, so no saved read changes. Gradients
-    take a separate route: each read's backward adds its gradient into an
-    accumulator in the entries' dtype (as autograd would sum the gradients of
-    re-stacked entries), and each append's backward, which autograd runs only
-    after every later read's (the appends and reads are chained by a scalar
-    token), hands its slot of the accumulator to the appended tensors.
-
-    Args:
-        capacity: the number of entries the pass will append (``Lmax``).
-    """
-
-    def __init__(self, capacity: int):
-        if capacity < 0:
-            raise ValueError(f"capacity must be >= 0, got {capacity}")
-        self.capacity = capacity
-        self.count = 0
-        self._buffers: Optional[_DepthBuffers] = None
-        self._token: Optional[Tensor] = None
-
-    def read(self) -> tuple[Optional[Tensor], Optional[Tensor]]:
-        """The entries written so far: two (B, Hk, T, count, D) views, or (None, None) if none."""
-        if self.count == 0:
-            return None, None
-        return _Read.apply(self._token, self._buffers, self.count)
-
-    def append(self, k: Tensor, v: Tensor) -> None:
-        """Write one entry per token: ``k``, ``v`` of shape (B, Hk, T, D)."""
-        if k.dim() != 4 or k.shape != v.shape:
-            raise ValueError(
-                f"k and v must both have shape (B, Hk, T, D), got k {tuple(k.shape)} and v {tuple(v.shape)}"
-            )
-        if self.count == self.capacity:
-            raise ValueError(f"the depth stream is full: all {self.capacity} entries were appended")
-        if self._buffers is None:
-            self._buffers = _DepthBuffers(k, v, self.capacity)
-            self._token = k.new_zeros(())
-        k_buf = self._buffers.k
-        expected = k_buf.shape[:3] + k_buf.shape[4:]
-        if k.shape != expected or k.dtype != k_buf.dtype or k.device != k_buf.device:
-            raise ValueError(
-                f"k must have shape {tuple(expected)}, dtype {k_buf.dtype} and device {k_buf.device} like "
-                f"the entries already in the stream, got {tuple(k.shape)}, {k.dtype}, {k.device}"
-            )
-        self._token = _Append.apply(k, v, self._token, self._buffers, self.count)
-        self.count += 1
-
-
-class _DepthBuffers:
-    """The memory behind a DepthStream. Autograd nodes hold this, never the stream or its
-    token, so that no reference cycle keeps the buffers alive after backward."""
-
-    def __init__(self, k: Tensor, v: Tensor, capacity: int):
-        B, Hk, T, D = k.shape
-        self.k = k.new_empty(B, Hk, T, capacity, D)  # (B, Hk, T, Lmax, D)
-        self.v = v.new_empty(B, Hk, T, capacity, D)
-        self.k_write, self.v_write = self.k.data, self.v.data  # the same memory, another version counter
-        self.grad_k: Optional[Tensor] = None  # (B, Hk, T, Lmax, D), filled in backward
-        self.grad_v: Optional[Tensor] = None
-
-    def add_grad(self, n: int, grad_k: Optional[Tensor], grad_v: Optional[Tensor]) -> None:
-        if self.grad_k is None:
-            self.grad_k = torch.zeros_like(self.k)
-            self.grad_v = torch.zeros_like(self.v)
-        if grad_k is not None:
-            self.grad_k[:, :, :, :n] += grad_k
-        if grad_v is not None:
-            self.grad_v[:, :, :, :n] += grad_v
-
-    @staticmethod
-    def take_grad(grad: Optional[Tensor], slot: int) -> Optional[Tensor]:
-        """Slot ``slot`` of an accumulator as a fresh tensor, leaving zeros behind for a repeated backward."""
-        if grad is None:
-            return None
-        out = grad[:, :, :, slot].clone()  # (B, Hk, T, D)
-        grad[:, :, :, slot].zero_()
-        return out
-
-
-class _Append(torch.autograd.Function):
-    """Write (k, v) into slot ``slot``; the returned token orders the backward passes."""
-
-    @staticmethod
-    def forward(ctx, k, v, token, buffers: _DepthBuffers, slot: int):
-        buffers.k_write[:, :, :, slot].copy_(k)
-        buffers.v_write[:, :, :, slot].copy_(v)
-        ctx.buffers, ctx.slot = buffers, slot
-        return token.new_zeros(())
-
-    @staticmethod
-    def backward(ctx, grad_token):
-        buffers = ctx.buffers
-        grad_k = buffers.take_grad(buffers.grad_k, ctx.slot) if ctx.needs_input_grad[0] else None
-        grad_v = buffers.take_grad(buffers.grad_v, ctx.slot) if ctx.needs_input_grad[1] else None
-        return grad_k, grad_v, grad_token, None, None
-
-
-class _Read(torch.autograd.Function):
-    """The first ``count`` slots as views; backward accumulates into the gradient buffers."""
-
-    @staticmethod
-    def forward(ctx, token, buffers: _DepthBuffers, count: int):
-        ctx.set_materialize_grads(False)
-        ctx.buffers, ctx.count = buffers, count
-        ctx.token_shape = token.shape
-        return buffers.k[:, :, :, :count], buffers.v[:, :, :, :count]
-
-    @staticmethod
-    def backward(ctx, grad_k, grad_v):
-        ctx.buffers.add_grad(ctx.count, grad_k, grad_v)
-        return ctx.buffers.k.new_zeros(ctx.token_shape), None, None
 
 
 class KVCache:
@@ -323,17 +204,20 @@ class MoDAAttention(nn.Module):
         self.q_norm = nn.RMSNorm(self.head_dim) if qk_norm else nn.Identity()
         self.k_norm = nn.RMSNorm(self.head_dim) if qk_norm else nn.Identity()
 
-    def forward(self, x: Tensor, depth: Optional[DepthStream] = None, cache: Optional[KVCache] = None) -> Tensor:
-        """Attend, then append this layer's keys/values to ``depth``.
+    def forward(
+        self, x: Tensor, depth: Optional[DepthStream] = None, cache: Optional[KVCache] = None
+    ) -> tuple[Tensor, Optional[DepthStream]]:
+        """Attend over ``[sequence | depth]``, then append this layer's keys/values to the stream.
 
         Args:
             x: (B, T, C) input; its tokens sit at positions ``cache.length ..``
                 (0 .. without a cache).
-            depth: the stream to read before attending and to write after, or None.
+            depth: the stream to read, or None (no depth).
             cache: this layer's sequence K/V of earlier tokens, updated in place.
 
         Returns:
-            (B, T, C).
+            (B, T, C), and ``depth`` with this layer's k, v (B, Hk, T, D)
+            appended (None if ``depth`` is None).
         """
         B, T, C = x.shape
         q, k, v = self._project(x, cache.length if cache is not None else 0)
@@ -343,10 +227,8 @@ class MoDAAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k_all, v_all, is_causal=self.variant == "causal", enable_gqa=True)
         else:
             y = moda_attention(q, k_all, v_all, depth_k, depth_v, variant=self.variant, backend=self.backend)
-        if depth is not None:
-            depth.append(k, v)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, Hq*D)
-        return self.o_proj(y)
+        return self.o_proj(y), (depth.append(k, v) if depth is not None else None)
 
     @torch.no_grad()
     def probabilities(self, x: Tensor, depth: Optional[DepthStream] = None) -> Tensor:
@@ -361,8 +243,7 @@ class MoDAAttention(nn.Module):
         """
         q, k, v = self._project(x, 0)
         depth_k, depth_v = depth.read() if depth is not None else (None, None)
-        if depth_k is None:
-            depth_k = depth_v = k.new_empty(*k.shape[:3], 0, k.shape[3])  # (B, Hk, T, 0, D)
+        depth_k, depth_v = as_tensor(depth_k or [], k), as_tensor(depth_v or [], v)  # (B, Hk, T, L, D)
         variant = _variants.resolve(self.variant)
         return attention_probabilities(q, k, v, depth_k, depth_v, variant, 1.0 / math.sqrt(self.head_dim))
 
@@ -408,10 +289,11 @@ class DepthKVProjection(nn.Module):
         self.kv_proj = nn.Linear(n_embd, 2 * n_kv_head * head_dim, bias=bias)
         self.k_norm = nn.RMSNorm(head_dim) if qk_norm else nn.Identity()
 
-    def forward(self, x: Tensor, depth: DepthStream, start: int = 0) -> None:
-        """Append the K/V of (B, T, C) ``x``, tokens at positions ``start ..``, to ``depth``."""
+    def forward(self, x: Tensor, depth: DepthStream, start: int = 0) -> DepthStream:
+        """``depth`` with the K/V of (B, T, C) ``x`` appended, its tokens at positions ``start ..``."""
         rope_base = self.rope_base if self.rope else None
-        depth.append(*_keys_and_values(self.kv_proj(x), self.k_norm, self.n_kv_head, self.head_dim, rope_base, start))
+        k, v = _keys_and_values(self.kv_proj(x), self.k_norm, self.n_kv_head, self.head_dim, rope_base, start)
+        return depth.append(k, v)
 
 
 class SwiGLU(nn.Module):
@@ -434,9 +316,15 @@ class Block(nn.Module):
     ``norm="post"``: ``norm(x + attn(x))``, then ``norm(x + ffn(x))``. With
     ``depth_kv="attn+ffn"`` the FFN's input (what ``ffn`` is applied to) is
     also projected to a depth K/V.
+
+    Args:
+        config: the block's sizes and options.
+        ffn_depth: write the FFN's depth entry (with ``depth_kv="attn+ffn"``).
+            Pass False for a model's last block: no later layer would read the
+            entry, and its projection would never get a gradient.
     """
 
-    def __init__(self, config: BlockConfig):
+    def __init__(self, config: BlockConfig, ffn_depth: bool = True):
         super().__init__()
         self.config = config
         C = config.n_embd
@@ -460,7 +348,7 @@ class Block(nn.Module):
                 qk_norm=config.qk_norm,
                 bias=config.bias,
             )
-            if config.depth_kv == "attn+ffn"
+            if config.depth_kv == "attn+ffn" and ffn_depth
             else None
         )
         hidden = config.mlp_hidden or 64 * math.ceil(8 * C / 3 / 64)
@@ -468,19 +356,30 @@ class Block(nn.Module):
         self.norm_1 = nn.RMSNorm(C)
         self.norm_2 = nn.RMSNorm(C)
 
-    def forward(self, x: Tensor, depth: Optional[DepthStream] = None, cache: Optional[KVCache] = None) -> Tensor:
-        """(B, T, C) -> (B, T, C); ``depth`` is read and written unless ``depth_kv == "none"``."""
+    def forward(
+        self, x: Tensor, depth: Optional[DepthStream] = None, cache: Optional[KVCache] = None
+    ) -> tuple[Tensor, Optional[DepthStream]]:
+        """(B, T, C) -> (B, T, C), and the stream with this block's entries appended.
+
+        ``depth`` is read and extended unless ``depth_kv == "none"``, in which
+        case it is returned as given.
+        """
         start = cache.length if cache is not None else 0
         if self.config.depth_kv == "none":
-            depth = None
+            stream = None
         elif depth is None:
             raise ValueError(f"a block with depth_kv={self.config.depth_kv!r} needs a DepthStream")
+        else:
+            stream = depth
         if self.config.norm == "pre":
-            x = x + self.attn(self.norm_1(x), depth, cache)
+            y, stream = self.attn(self.norm_1(x), stream, cache)
+            x = x + y
             h = self.norm_2(x)
         else:
-            x = h = self.norm_1(x + self.attn(x, depth, cache))
+            y, stream = self.attn(x, stream, cache)
+            x = h = self.norm_1(x + y)
         if self.ffn_kv is not None:
-            self.ffn_kv(h, depth, start)
+            stream = self.ffn_kv(h, stream, start)
         x = x + self.mlp(h)
-        return x if self.config.norm == "pre" else self.norm_2(x)
+        x = x if self.config.norm == "pre" else self.norm_2(x)
+        return x, (depth if stream is None else stream)

@@ -183,6 +183,7 @@ def make_inputs(
     dtype: torch.dtype = torch.float32,
     device: Union[str, torch.device] = "cpu",
     strided_depth: bool = False,
+    depth_entries: bool = False,
     seed: int = 0,
     requires_grad: bool = True,
 ) -> dict:
@@ -199,12 +200,16 @@ def make_inputs(
             ``buf[:, :, :, 1:1 + L]`` of a (B, Hk, Tq, L + 2, D) slot buffer,
             as a model with a preallocated depth cache passes them: not
             contiguous, token stride ``(L + 2) * D``.
+        depth_entries: give depth as lists of L entries (B, Hk, Tq, D), the
+            form a model's depth stream passes (with ``strided_depth``, each
+            entry a transposed view, as a projection yields).
         seed: seed of the values.
         requires_grad: make every tensor a leaf that requires grad.
 
     Returns:
         ``{"q": (B, Hq, Tq, D), "k": (B, Hk, Tk, D), "v": (B, Hk, Tk, D),
-        "depth_k": (B, Hk, Tq, L, D), "depth_v": (B, Hk, Tq, L, D)}``.
+        "depth_k": (B, Hk, Tq, L, D), "depth_v": (B, Hk, Tq, L, D)}``, or
+        depth as lists of L (B, Hk, Tq, D) leaves with ``depth_entries``.
     """
     if not isinstance(shape, MoDAShape):
         raise ValueError(f"shape must be a MoDAShape, got {type(shape).__name__}")
@@ -224,7 +229,11 @@ def make_inputs(
     def normal(*size: int) -> Tensor:
         return torch.randn(*size, generator=generator).to(device=device, dtype=dtype)
 
-    def depth() -> Tensor:
+    def depth():
+        if depth_entries:
+            if strided_depth:  # (B, Tq, Hk, D) memory seen as (B, Hk, Tq, D)
+                return [normal(B, Tq, Hk, D).transpose(1, 2) for _ in range(L)]
+            return [normal(B, Hk, Tq, D) for _ in range(L)]
         if not strided_depth:
             return normal(B, Hk, Tq, L, D)
         buf = normal(B, Hk, Tq, L + 2, D)  # (B, Hk, Tq, Lmax, D) slot buffer
@@ -237,9 +246,33 @@ def make_inputs(
         "depth_k": depth(),
         "depth_v": depth(),
     }
-    for t in inputs.values():
+    for t in _leaves(inputs).values():
         t.requires_grad_(requires_grad)
     return inputs
+
+
+def _leaves(inputs: dict) -> dict:
+    """Every tensor of ``inputs`` by name; depth entries as ``depth_k[0]``, ``depth_k[1]``, ..."""
+    leaves = {}
+    for name in INPUT_NAMES:
+        value = inputs.get(name)
+        if isinstance(value, (list, tuple)):
+            leaves.update({f"{name}[{i}]": t for i, t in enumerate(value)})
+        elif value is not None:
+            leaves[name] = value
+    return leaves
+
+
+def _rebuild(inputs: dict, leaves: dict) -> dict:
+    """``inputs`` with every tensor replaced by the leaf of the same name."""
+    rebuilt = {}
+    for name in INPUT_NAMES:
+        value = inputs.get(name)
+        if isinstance(value, (list, tuple)):
+            rebuilt[name] = [leaves[f"{name}[{i}]"] for i in range(len(value))]
+        elif value is not None:
+            rebuilt[name] = leaves[name]
+    return rebuilt
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -284,7 +317,7 @@ def assert_matches_reference(
     Args:
         inputs: ``{"q", "k", "v", "depth_k", "depth_v"}`` as from
             :func:`make_inputs`; q (B, Hq, Tq, D), k and v (B, Hk, Tk, D),
-            depth (B, Hk, Tq, L, D) or None.
+            depth (B, Hk, Tq, L, D), a list of L (B, Hk, Tq, D) entries, or None.
         backend: a name ``moda_attention`` accepts, or a callable with the
             backend signature ``(q, k, v, depth_k, depth_v, variant, scale)
             -> (out, lse)``.
@@ -304,18 +337,19 @@ def assert_matches_reference(
         scale = 1.0 / math.sqrt(q.shape[-1])
     if rtol is None:
         rtol = tolerance(q.dtype)
-    names = [name for name in INPUT_NAMES if inputs.get(name) is not None]
+    leaves = _leaves(inputs)
+    names = list(leaves)
     run = backend if callable(backend) else _named_backend(backend)
     label = backend.__name__ if callable(backend) and hasattr(backend, "__name__") else repr(backend)
     where = f"backend {label}, variant {variant.name!r}, {_describe(inputs)}, dtype {q.dtype}"
 
     # Detached leaves keep the caller's strides and leave the caller's .grad alone.
-    actual_in = {name: inputs[name].detach().requires_grad_(check_grads) for name in names}
+    actual_in = {name: leaves[name].detach().requires_grad_(check_grads) for name in names}
     reference_in = {
-        name: inputs[name].detach().to(torch.float64).requires_grad_(check_grads) for name in names
+        name: leaves[name].detach().to(torch.float64).requires_grad_(check_grads) for name in names
     }
-    out, lse = _call(run, actual_in, variant, scale)
-    ref_out, ref_lse = _call(_named_backend("reference"), reference_in, variant, scale)
+    out, lse = _call(run, _rebuild(inputs, actual_in), variant, scale)
+    ref_out, ref_lse = _call(_named_backend("reference"), _rebuild(inputs, reference_in), variant, scale)
 
     _check_form("out", out, ref_out.shape, q.dtype, where)
     _check_form("lse", lse, ref_lse.shape, torch.float32, where)
@@ -338,7 +372,7 @@ def assert_matches_reference(
     grads = _grads(out, grad_out, actual_in, names)
     ref_grads = _grads(ref_out, grad_out.to(torch.float64), reference_in, names)
     for name in names:
-        _check_form(f"grad of {name}", grads[name], inputs[name].shape, q.dtype, where)
+        _check_form(f"grad of {name}", grads[name], leaves[name].shape, q.dtype, where)
         _check_close(f"grad of {name}", grads[name], ref_grads[name], rtol, where)
 
 
@@ -380,12 +414,14 @@ def _grads(out: Tensor, grad_out: Tensor, tensors: dict, names: list) -> dict:
 def _describe(inputs: dict) -> str:
     q, k = inputs["q"], inputs["k"]
     depth = inputs.get("depth_k")
-    slots = 0 if depth is None else depth.shape[3]
+    entries = isinstance(depth, (list, tuple))
+    slots = len(depth) if entries else 0 if depth is None else depth.shape[3]
+    form = f", depth as {slots} entries" if entries else ""
     try:
         shape = MoDAShape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], slots, q.shape[3])
     except ValueError:
-        return f"q {tuple(q.shape)}, k {tuple(k.shape)}, depth_k {None if depth is None else tuple(depth.shape)}"
-    return f"shape {shape}"
+        return f"q {tuple(q.shape)}, k {tuple(k.shape)}, L {slots}{form}"
+    return f"shape {shape}{form}"
 
 
 def _check_form(name: str, t, shape, dtype: torch.dtype, where: str) -> None:

@@ -139,7 +139,23 @@ BAD_INPUTS = {
         _with(depth_k=torch.randn(2, 2, 5, 2, 8), depth_v=torch.randn(2, 2, 5, 2, 8)),
         r"depth_k must have shape \(B=2, Hk=2, Tq=3, L, D=8\).*got \(2, 2, 5, 2, 8\)",
     ),
-    "depth rank": (_with(depth_k=torch.randn(2, 2, 3, 8)), r"depth_k must have shape \(B, Hk, Tq, L, D\)"),
+    "depth rank": (_with(depth_k=torch.randn(2, 2, 3, 8)), r"depth_k must have shape \(B=2, Hk=2, Tq=3, L, D=8\)"),
+    "entry shape": (
+        _with(depth_k=[torch.randn(2, 2, 3, 8), torch.randn(2, 2, 4, 8)], depth_v=[torch.randn(2, 2, 3, 8)] * 2),
+        r"depth_k\[1\] must have shape \(B=2, Hk=2, Tq=3, D=8\)",
+    ),
+    "entry count": (
+        _with(depth_k=[torch.randn(2, 2, 3, 8)], depth_v=[torch.randn(2, 2, 3, 8)] * 2),
+        r"depth_k and depth_v must hold as many entries, got 1 and 2",
+    ),
+    "mixed forms": (
+        _with(depth_k=[torch.randn(2, 2, 3, 8)], depth_v=torch.randn(2, 2, 3, 1, 8)),
+        r"depth_k and depth_v must take the same form",
+    ),
+    "entry dtype": (
+        _with(depth_k=[torch.randn(2, 2, 3, 8, dtype=torch.float64)], depth_v=[torch.randn(2, 2, 3, 8)]),
+        r"depth_k\[0\] has dtype torch.float64 but q has torch.float32",
+    ),
     "depth L": (_with(depth_v=torch.randn(2, 2, 3, 1, 8)), r"depth_k and depth_v must have the same shape"),
     "one depth": (_with(depth_v=None), r"depth_k and depth_v must both be given"),
     "dtype": (_with(k=torch.randn(2, 2, 5, 8, dtype=torch.float64)), r"k has dtype torch.float64 but q has torch.float32"),

@@ -30,8 +30,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FUSED_KINDS = ("causal", "full", "sliding_window", "depth_window", "depth_only", "document")
 
 
-def _inputs(shape, dtype=torch.float32, strided_depth=False, seed=0):
-    return make_inputs(shape, dtype=dtype, device=DEVICE, strided_depth=strided_depth, seed=seed)
+def _inputs(shape, dtype=torch.float32, strided_depth=False, seed=0, depth_entries=False):
+    return make_inputs(
+        shape, dtype=dtype, device=DEVICE, strided_depth=strided_depth, seed=seed, depth_entries=depth_entries
+    )
 
 
 @settings(max_examples=examples(30))
@@ -44,6 +46,19 @@ def test_matches_reference(shape, strided, data):
     """Output, lse and the five gradients, every fused variant, odd lengths, Tq <= Tk, strided depth."""
     variant = data.draw(variants(shape, kinds=FUSED_KINDS, structured=True))
     assert_matches_reference(_inputs(shape, strided_depth=strided), backend="triton", variant=variant)
+
+
+@settings(max_examples=examples(12))
+@given(
+    shape=moda_shapes(max_kv_len=30, max_slots=9, max_kv_heads=2, head_dims=(16, 32)),
+    strided=st.booleans(),
+    data=st.data(),
+)
+def test_depth_entries_match_reference(shape, strided, data):
+    """Depth as a list of per-layer entries, read in place through the slot table: output, lse, every gradient."""
+    variant = data.draw(variants(shape, kinds=FUSED_KINDS, structured=True))
+    inputs = _inputs(shape, strided_depth=strided, depth_entries=True)
+    assert_matches_reference(inputs, backend="triton", variant=variant)
 
 
 @settings(max_examples=examples(6))

@@ -4,18 +4,25 @@ Layers: ``kernels.py`` (``@triton.jit``) -> the launchers here (grid, block
 sizes) -> two custom ops ``moda_flex::triton_forward`` / ``triton_backward``
 with registered autograd and fake implementations (so ``torch.compile(...,
 fullgraph=True)`` traces through them) -> :func:`triton_attention`.
+
+Depth K/V reach the ops as a list: either one (B, Hk, Tq, L, D) tensor, or L
+per-slot (B, Hk, Tq, D) tensors (the entries earlier layers wrote). The
+kernels read slot ``l`` through a table of slot addresses, so neither form is
+copied, and autograd hands each entry its own gradient.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
 from ..variants import Variant
+
+DepthKV = Union[Tensor, Sequence[Tensor]]
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -49,14 +56,15 @@ def unsupported_reason(q: Tensor, variant: Variant) -> Optional[str]:
 
 
 def triton_attention(
-    q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: Tensor, variant: Variant, scale: float
+    q: Tensor, k: Tensor, v: Tensor, depth_k: DepthKV, depth_v: DepthKV, variant: Variant, scale: float
 ) -> tuple[Tensor, Tensor]:
     """Fused MoDA through the Triton kernels. Inputs are already validated.
 
     Args:
         q: (B, Hq, Tq, D), fp16 / bf16 / fp32 (fp32 matmuls run as TF32 on GPU).
         k, v: (B, Hk, Tk, D), ``Tq <= Tk``, query ``i`` at position ``Tk - Tq + i``.
-        depth_k, depth_v: (B, Hk, Tq, L, D), any strides (read in place); L may be 0.
+        depth_k, depth_v: (B, Hk, Tq, L, D), or a list of L (B, Hk, Tq, D)
+            entries; any strides (read in place); L may be 0.
         variant: a variant with a supported structure (see :func:`unsupported_reason`).
         scale: logit scale.
 
@@ -78,12 +86,52 @@ def triton_attention(
                 f"variant {variant.name!r}: doc_ids must have shape (1 or B={B}, Tk={Tk}), got {tuple(doc_ids.shape)}"
             )
         doc_ids = doc_ids.to(device=q.device, dtype=torch.int32).contiguous()
-    L = depth_k.shape[3]
+    depth_k, depth_v = _as_list(depth_k), _as_list(depth_v)
+    L = _num_slots(depth_k)
     depth_first = 0 if s.depth_window is None else max(0, L - s.depth_window)
     window = 0 if s.window is None else int(s.window)
     return torch.ops.moda_flex.triton_forward(
         q, k, v, depth_k, depth_v, doc_ids, float(scale), bool(s.causal), window, depth_first, bool(s.sequence)
     )
+
+
+# moda_attention hands this backend the per-slot form as it is, without stacking.
+triton_attention.reads_depth_entries = True
+
+
+def _as_list(depth: DepthKV) -> list[Tensor]:
+    """The op's form of depth K/V: ``[(B, Hk, Tq, L, D)]`` or L entries (B, Hk, Tq, D)."""
+    return [depth] if isinstance(depth, Tensor) else list(depth)
+
+
+def _num_slots(depth: list[Tensor]) -> int:
+    return depth[0].shape[3] if len(depth) == 1 and depth[0].dim() == 5 else len(depth)
+
+
+def _slot_table(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device):
+    """Addresses of the L key slots then the L value slots, (2L,) int64 on the device, and each side's strides.
+
+    Returns:
+        table, key strides (b, h, t, d), value strides (b, h, t, d). Entries of
+        one side that disagree on strides are made contiguous first.
+    """
+    addresses, strides = [], []
+    for depth in (depth_k, depth_v):
+        if len(depth) == 1 and depth[0].dim() == 5:
+            t = depth[0]  # (B, Hk, Tq, L, D): slot l sits l slot-strides after slot 0
+            step = t.stride(3) * t.element_size()
+            addresses += range(t.data_ptr(), t.data_ptr() + L * step, step) if step else [t.data_ptr()] * L
+            strides.append((t.stride(0), t.stride(1), t.stride(2), t.stride(4)))
+            continue
+        first = depth[0].stride() if depth else (0, 0, 0, 0)
+        if any(t.stride() != first for t in depth):
+            depth = [t.contiguous() for t in depth]
+            first = depth[0].stride()
+        addresses += [t.data_ptr() for t in depth]
+        strides.append(first)
+    # From pageable memory, a non-blocking copy is staged at once and never waits for the GPU.
+    table = torch.tensor(addresses or [0], dtype=torch.int64).to(device, non_blocking=True)
+    return table, strides[0], strides[1]
 
 
 def _next_pow2(n: int) -> int:
@@ -144,7 +192,7 @@ def _forward(q, k, v, depth_k, depth_v, doc_ids, scale, causal, window, depth_fi
     from . import kernels
 
     B, Hq, Tq, D = q.shape
-    Hk, Tk, L = k.shape[1], k.shape[2], depth_k.shape[3]
+    Hk, Tk, L = k.shape[1], k.shape[2], _num_slots(depth_k)
     G = Hq // Hk
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, Hq, Tq), device=q.device, dtype=torch.float32)
@@ -154,10 +202,11 @@ def _forward(q, k, v, depth_k, depth_v, doc_ids, scale, causal, window, depth_fi
     GP = _next_pow2(G)
     block_t = cfg["BLOCK_M"] // GP
     doc, doc_lo, doc_hi, sdoc = _doc_args(doc_ids, q)
+    table, sdk, sdv = _slot_table(depth_k, depth_v, L, q.device)
     grid = (_cdiv(Tq, block_t), B * Hk)
     kernels._fwd_kernel[grid](
-        q, k, v, depth_k, depth_v, doc, doc_lo, doc_hi, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), *depth_k.stride(), *depth_v.stride(),
+        q, k, v, table, table[L:], doc, doc_lo, doc_hi, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *sdk, *sdv,
         sdoc, *out.stride(), *lse.stride(),
         Hk, Tq, Tk, L, depth_first, window, scale * math.log2(math.e),
         G=G, GP=GP, DEPTH_ROWS=max(GP, _MIN_DOT_ROWS), HEAD_DIM=D,
@@ -173,15 +222,15 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, 
     from . import kernels
 
     B, Hq, Tq, D = q.shape
-    Hk, Tk, L = k.shape[1], k.shape[2], depth_k.shape[3]
+    Hk, Tk, L = k.shape[1], k.shape[2], _num_slots(depth_k)
     G = Hq // Hk
     GP = _next_pow2(G)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     alloc = torch.zeros if depth_first > 0 else torch.empty  # masked slots get a zero gradient
-    ddk = alloc(depth_k.shape, device=q.device, dtype=q.dtype)
-    ddv = alloc(depth_k.shape, device=q.device, dtype=q.dtype)
+    ddk = alloc((B, Hk, Tq, L, D), device=q.device, dtype=q.dtype)
+    ddv = alloc((B, Hk, Tq, L, D), device=q.device, dtype=q.dtype)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), ddk.zero_(), ddv.zero_()
     # delta_i = rowsum(dO_i * O_i) - dLSE_i: dS = P * (dP - delta) also carries the lse gradient.
@@ -211,10 +260,11 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, 
         dk.zero_()
         dv.zero_()
     cfg = _config(q, G, "dq", has_depth=L > depth_first)
+    table, sdk, sdv = _slot_table(depth_k, depth_v, L, q.device)
     grid = (_cdiv(Tq, cfg["BLOCK_M"] // GP), B * Hk)
     kernels._bwd_dq_kernel[grid](
-        q, k, v, depth_k, depth_v, grad_out, lse, delta, doc, doc_lo, doc_hi, dq, ddk, ddv,
-        *q.stride(), *k.stride(), *v.stride(), *depth_k.stride(), *depth_v.stride(),
+        q, k, v, table, table[L:], grad_out, lse, delta, doc, doc_lo, doc_hi, dq, ddk, ddv,
+        *q.stride(), *k.stride(), *v.stride(), *sdk, *sdv,
         *grad_out.stride(), *lse.stride(), sdoc, *dq.stride(), *ddk.stride(),
         Hk, Tq, Tk, L, depth_first, window, scale, qk_scale,
         G=G, GP=GP, DEPTH_ROWS=max(GP, _MIN_DOT_ROWS), HEAD_DIM=D,
@@ -234,19 +284,19 @@ def _cdiv(a: int, b: int) -> int:
 # slot; ``sequence`` False drops the sequence keys (depth-only).
 
 
-def _interpreter_upcast(tensors):
+def _interpreter_upcast(tensors, depth_k, depth_v):
     """The Triton interpreter computes bfloat16 dots wrongly: on CPU run bfloat16 in float32."""
     if tensors[0].device.type == "cpu" and tensors[0].dtype == torch.bfloat16:
-        return [None if t is None else t.float() for t in tensors], torch.bfloat16
-    return tensors, None
+        return [t.float() for t in tensors], [t.float() for t in depth_k], [t.float() for t in depth_v], torch.bfloat16
+    return tensors, depth_k, depth_v, None
 
 
 @torch.library.custom_op("moda_flex::triton_forward", mutates_args=())
 def _forward_op(
-    q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: Tensor, doc_ids: Optional[Tensor],
+    q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], doc_ids: Optional[Tensor],
     scale: float, causal: bool, window: int, depth_first: int, sequence: bool,
 ) -> tuple[Tensor, Tensor]:
-    (q, k, v, depth_k, depth_v), cast = _interpreter_upcast([q, k, v, depth_k, depth_v])
+    (q, k, v), depth_k, depth_v, cast = _interpreter_upcast([q, k, v], depth_k, depth_v)
     out, lse = _forward(q, k, v, depth_k, depth_v, doc_ids, scale, causal, window, depth_first, sequence)
     return (out if cast is None else out.to(cast)), lse
 
@@ -259,11 +309,12 @@ def _forward_fake(q, k, v, depth_k, depth_v, doc_ids, scale, causal, window, dep
 
 @torch.library.custom_op("moda_flex::triton_backward", mutates_args=())
 def _backward_op(
-    grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor,
-    depth_v: Tensor, out: Tensor, lse: Tensor, doc_ids: Optional[Tensor],
+    grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor],
+    depth_v: list[Tensor], out: Tensor, lse: Tensor, doc_ids: Optional[Tensor],
     scale: float, causal: bool, window: int, depth_first: int, sequence: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    (grad_out, q, k, v, depth_k, depth_v, out), cast = _interpreter_upcast([grad_out, q, k, v, depth_k, depth_v, out])
+    """dq, dk, dv and the depth gradients as two (B, Hk, Tq, L, D) tensors, whatever the depth form."""
+    (grad_out, q, k, v, out), depth_k, depth_v, cast = _interpreter_upcast([grad_out, q, k, v, out], depth_k, depth_v)
     grads = _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, scale, causal, window,
                       depth_first, sequence)
     return tuple(grads) if cast is None else tuple(g.to(cast) for g in grads)
@@ -273,30 +324,39 @@ def _backward_op(
 def _backward_fake(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, scale, causal, window,
                    depth_first, sequence):
     fmt = torch.contiguous_format
+    B, Hk, Tq, D = k.shape[0], k.shape[1], q.shape[2], q.shape[3]
+    depth_shape = (B, Hk, Tq, _num_slots(depth_k), D)
     return (
         torch.empty_like(q, memory_format=fmt),
         torch.empty_like(k, memory_format=fmt),
         torch.empty_like(v, memory_format=fmt),
-        q.new_empty(depth_k.shape),
-        q.new_empty(depth_k.shape),
+        q.new_empty(depth_shape),
+        q.new_empty(depth_shape),
     )
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, depth_k, depth_v, doc_ids, scale, causal, window, depth_first, sequence = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, depth_k, depth_v, out, lse, doc_ids)
+    ctx.save_for_backward(q, k, v, out, lse, doc_ids, *depth_k, *depth_v)
+    ctx.num_depth = len(depth_k)
     ctx.options = (scale, causal, window, depth_first, sequence)
 
 
 def _autograd_backward(ctx, grad_out, grad_lse):
-    q, k, v, depth_k, depth_v, out, lse, doc_ids = ctx.saved_tensors
+    (q, k, v, out, lse, doc_ids), depth = ctx.saved_tensors[:6], ctx.saved_tensors[6:]
+    depth_k, depth_v = list(depth[: ctx.num_depth]), list(depth[ctx.num_depth :])
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    grads = torch.ops.moda_flex.triton_backward(
+    dq, dk, dv, ddk, ddv = torch.ops.moda_flex.triton_backward(
         grad_out.contiguous(), grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, *ctx.options
     )
-    return (*grads, None, None, None, None, None, None)
+    return (dq, dk, dv, _depth_grads(ddk, depth_k), _depth_grads(ddv, depth_v), None, None, None, None, None, None)
+
+
+def _depth_grads(grad: Tensor, depth: list[Tensor]) -> list[Tensor]:
+    """(B, Hk, Tq, L, D) depth gradient in the form of the depth input: itself, or one view per entry."""
+    return [grad] if len(depth) == 1 and depth[0].dim() == 5 else list(grad.unbind(3))
 
 
 _forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)

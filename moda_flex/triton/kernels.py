@@ -144,13 +144,22 @@ def _depth_tiles(t0, DEPTH_ROWS: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.con
 
 
 @triton.jit
+def _slot_bases(DK_TAB, DV_TAB, slot, L, ELEM: tl.constexpr):
+    """Base pointers of the depth key and value slots ``slot`` (BLOCK_C,), read from the address tables."""
+    ok = slot < L
+    dk_slot = tl.load(DK_TAB + slot, mask=ok, other=0).to(tl.pointer_type(ELEM))
+    dv_slot = tl.load(DV_TAB + slot, mask=ok, other=0).to(tl.pointer_type(ELEM))
+    return dk_slot, dv_slot
+
+
+@triton.jit
 def _fwd_kernel(
-    Q, K, V, DK, DV, DOC_IDS, DOC_LO, DOC_HI, O, LSE,
+    Q, K, V, DK_TAB, DV_TAB, DOC_IDS, DOC_LO, DOC_HI, O, LSE,
     sqb, sqh, sqt, sqd,
     skb, skh, skt, skd,
     svb, svh, svt, svd,
-    sdkb, sdkh, sdkt, sdkl, sdkd,
-    sdvb, sdvh, sdvt, sdvl, sdvd,
+    sdkb, sdkh, sdkt, sdkd,
+    sdvb, sdvh, sdvt, sdvd,
     sdoc,
     sob, soh, sot, sod,
     slb, slh, slt,
@@ -160,7 +169,11 @@ def _fwd_kernel(
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_DEPTH: tl.constexpr,
 ):
-    """Fused MoDA forward: writes O (B, Hq, Tq, D) and LSE (B, Hq, Tq)."""
+    """Fused MoDA forward: writes O (B, Hq, Tq, D) and LSE (B, Hq, Tq).
+
+    Depth slot ``l`` of every token lives at address ``DK_TAB[l]`` (``DV_TAB[l]``)
+    plus the (b, h, t, d) strides: the slots may be separate tensors.
+    """
     BLOCK_T: tl.constexpr = BLOCK_M // GP
     # Causal blocks at the end of the sequence are the longest: launch them first.
     block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -172,8 +185,6 @@ def _fwd_kernel(
     Q += b * sqb + hk * G * sqh
     K += b * skb + hk * skh
     V += b * svb + hk * svh
-    DK += b * sdkb + hk * sdkh
-    DV += b * sdvb + hk * sdvh
     O += b * sob + hk * G * soh
     LSE += b * slb + hk * G * slh
     DOC_IDS += b * sdoc
@@ -218,8 +229,9 @@ def _fwd_kernel(
         BLOCK_S: tl.constexpr = BLOCK_C // (DEPTH_ROWS // GP)
         col_token, col_slot, own = _depth_tiles(t0, DEPTH_ROWS, GP, BLOCK_M, BLOCK_C)
         col_token64 = col_token.to(tl.int64)
-        dk_ptrs = DK + col_token64[:, None, :] * sdkt + offs_d[None, :, None] * sdkd  # (U, D, BLOCK_C)
-        dv_ptrs = DV + col_token64[:, :, None] * sdvt + offs_d[None, None, :] * sdvd  # (U, BLOCK_C, D)
+        # element offsets inside one slot: (U, D, BLOCK_C) for keys, (U, BLOCK_C, D) for values
+        dk_offs = b * sdkb + hk * sdkh + col_token64[:, None, :] * sdkt + offs_d[None, :, None] * sdkd
+        dv_offs = b * sdvb + hk * sdvh + col_token64[:, :, None] * sdvt + offs_d[None, None, :] * sdvd
         q3 = tl.reshape(q, (U, DEPTH_ROWS, HEAD_DIM))
         acc3 = tl.reshape(acc, (U, DEPTH_ROWS, HEAD_DIM))
         m3 = tl.reshape(m_i, (U, DEPTH_ROWS))
@@ -227,7 +239,8 @@ def _fwd_kernel(
         for l0 in range(depth_first, L, BLOCK_S):
             slot = l0 + col_slot  # (BLOCK_C,)
             col_ok = (col_token < Tq) & (slot < L)[None, :]  # (U, BLOCK_C)
-            dkT = tl.load(dk_ptrs + slot[None, None, :] * sdkl, mask=col_ok[:, None, :], other=0.0)
+            dk_slot, dv_slot = _slot_bases(DK_TAB, DV_TAB, slot, L, Q.dtype.element_ty)
+            dkT = tl.load(dk_slot[None, None, :] + dk_offs, mask=col_ok[:, None, :], other=0.0)
             s = tl.dot(q3, dkT) * qk_scale  # (U, DEPTH_ROWS, BLOCK_C)
             s = tl.where(own[None, :, :] & (slot < L)[None, None, :], s, float("-inf"))
             m_new = tl.maximum(m3, tl.max(s, 2))
@@ -235,7 +248,7 @@ def _fwd_kernel(
             p = tl.math.exp2(s - m_use[:, :, None])
             alpha = tl.math.exp2(m3 - m_use)
             l3 = l3 * alpha + tl.sum(p, 2)
-            dv = tl.load(dv_ptrs + slot[None, :, None] * sdvl, mask=col_ok[:, :, None], other=0.0)
+            dv = tl.load(dv_slot[None, :, None] + dv_offs, mask=col_ok[:, :, None], other=0.0)
             acc3 = acc3 * alpha[:, :, None] + tl.dot(p.to(dv.dtype), dv)
             m3 = m_new
         acc = tl.reshape(acc3, (BLOCK_M, HEAD_DIM))
@@ -404,12 +417,12 @@ def _bwd_dq_seq_blocks(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DK, DV, DO, LSE, DELTA, DOC_IDS, DOC_LO, DOC_HI, DQO, DDKO, DDVO,
+    Q, K, V, DK_TAB, DV_TAB, DO, LSE, DELTA, DOC_IDS, DOC_LO, DOC_HI, DQO, DDKO, DDVO,
     sqb, sqh, sqt, sqd,
     skb, skh, skt, skd,
     svb, svh, svt, svd,
-    sdkb, sdkh, sdkt, sdkl, sdkd,
-    sdvb, sdvh, sdvt, sdvl, sdvd,
+    sdkb, sdkh, sdkt, sdkd,
+    sdvb, sdvh, sdvt, sdvd,
     sdob, sdoh, sdot, sdod,
     slb, slh, slt,
     sdoc,
@@ -440,8 +453,6 @@ def _bwd_dq_kernel(
     DQO += b * sgqb + hk * G * sgqh
     K += b * skb + hk * skh
     V += b * svb + hk * svh
-    DK += b * sdkb + hk * sdkh
-    DV += b * sdvb + hk * sdvh
     DDKO += b * sgdb + hk * sgdh
     DDVO += b * sgdb + hk * sgdh
     DOC_IDS += b * sdoc
@@ -488,8 +499,8 @@ def _bwd_dq_kernel(
         col_token, col_slot, own = _depth_tiles(t0, DEPTH_ROWS, GP, BLOCK_M, BLOCK_C)
         col_token64 = col_token.to(tl.int64)
         rows = col_token64[:, :, None]
-        dk_ptrs = DK + rows * sdkt + offs_d[None, None, :] * sdkd  # (U, BLOCK_C, D)
-        dv_ptrs = DV + rows * sdvt + offs_d[None, None, :] * sdvd
+        dk_offs = b * sdkb + hk * sdkh + rows * sdkt + offs_d[None, None, :] * sdkd  # (U, BLOCK_C, D)
+        dv_offs = b * sdvb + hk * sdvh + rows * sdvt + offs_d[None, None, :] * sdvd
         gk_ptrs = DDKO + rows * sgdt + offs_d[None, None, :] * sgdd
         gv_ptrs = DDVO + rows * sgdt + offs_d[None, None, :] * sgdd
         q3 = tl.reshape(q, (U, DEPTH_ROWS, HEAD_DIM))
@@ -500,8 +511,9 @@ def _bwd_dq_kernel(
         for l0 in range(depth_first, L, BLOCK_S):
             slot = l0 + col_slot  # (BLOCK_C,)
             col_ok = ((col_token < Tq) & (slot < L)[None, :])[:, :, None]  # (U, BLOCK_C, 1)
-            kd = tl.load(dk_ptrs + slot[None, :, None] * sdkl, mask=col_ok, other=0.0)  # (U, BLOCK_C, D)
-            vd = tl.load(dv_ptrs + slot[None, :, None] * sdvl, mask=col_ok, other=0.0)
+            dk_slot, dv_slot = _slot_bases(DK_TAB, DV_TAB, slot, L, Q.dtype.element_ty)
+            kd = tl.load(dk_slot[None, :, None] + dk_offs, mask=col_ok, other=0.0)  # (U, BLOCK_C, D)
+            vd = tl.load(dv_slot[None, :, None] + dv_offs, mask=col_ok, other=0.0)
             p = tl.math.exp2(tl.dot(q3, tl.permute(kd, (0, 2, 1))) * qk_scale - lse3[:, :, None])
             p = tl.where(own[None, :, :] & (slot < L)[None, None, :], p, 0.0)  # (U, DEPTH_ROWS, BLOCK_C)
             dp = tl.dot(do3, tl.permute(vd, (0, 2, 1)))

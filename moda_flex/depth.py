@@ -1,0 +1,128 @@
+"""Depth K/V: the entries earlier layers write for each token, and the stream that carries them.
+
+``moda_attention`` takes depth keys/values in either of two forms:
+
+- one tensor (B, Hk, Tq, L, D), any strides;
+- a sequence of L entries, each (B, Hk, Tq, D): slot ``l`` is entry ``l``.
+
+The second is what a model has: every layer writes one entry. The triton
+backend reads the entries where they are (through a table of slot
+addresses), so a forward pass moves only the depth bytes its attention reads,
+and autograd gives each entry the sum of the gradients of every layer that
+read it, with no buffer written behind its back.
+
+:class:`DepthStream` is that sequence as a value: ``append`` returns a new
+stream and leaves the old one as it was. A pass builds its stream layer by
+layer; nothing is mutated, so ``torch.compile(fullgraph=True)`` traces it,
+activation checkpointing can re-run a block, and a stream used twice gives the
+same entries twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+DepthKV = Union[Tensor, Sequence[Tensor]]
+
+
+def is_entries(depth: DepthKV) -> bool:
+    """True for the per-slot form (a sequence of (B, Hk, Tq, D) tensors)."""
+    return not isinstance(depth, Tensor)
+
+
+def as_tensor(depth: DepthKV, empty_like: Tensor) -> Tensor:
+    """Depth K/V as one (B, Hk, Tq, L, D) tensor; stacks the per-slot form (a copy).
+
+    Args:
+        depth: (B, Hk, Tq, L, D), or L entries (B, Hk, Tq, D).
+        empty_like: a (B, Hk, Tq, D) tensor whose shape, dtype and device an
+            empty sequence (L = 0) takes.
+    """
+    if not is_entries(depth):
+        return depth
+    if len(depth) == 0:
+        return empty_like.new_empty(*empty_like.shape[:3], 0, empty_like.shape[3])
+    return torch.stack(tuple(depth), dim=3)  # (B, Hk, Tq, L, D)
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthStream:
+    """The depth K/V written so far in one forward pass: an immutable sequence of entries.
+
+    Each attention layer reads the stream, then appends its own K/V; with FFN
+    depth, each FFN appends one more. ``append`` returns the longer stream::
+
+        depth = DepthStream(capacity=2 * n_layer)
+        for block in blocks:
+            x, depth = block(x, depth)     # reads depth.read(), returns depth.append(k, v)...
+
+    Attributes:
+        capacity: the most entries the pass may append, or None for no limit.
+        keys, values: the entries, each (B, Hk, T, D), oldest first.
+    """
+
+    capacity: Optional[int] = None
+    keys: tuple = ()
+    values: tuple = ()
+
+    def __post_init__(self):
+        if self.capacity is not None and (
+            isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity < 0
+        ):
+            raise ValueError(f"capacity must be an int >= 0 or None, got {self.capacity!r}")
+        if len(self.keys) != len(self.values):
+            raise ValueError(f"keys and values must pair up, got {len(self.keys)} keys and {len(self.values)} values")
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def append(self, k: Tensor, v: Tensor) -> "DepthStream":
+        """The stream with one more entry per token: ``k``, ``v`` of shape (B, Hk, T, D).
+
+        Raises:
+            ValueError: past ``capacity``, or when ``k``/``v`` differ in shape,
+                dtype or device from each other or from the entries already in
+                the stream (another batch size, say).
+        """
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, Tensor) or t.dim() != 4:
+                raise ValueError(f"{name} must be a (B, Hk, T, D) tensor, got {getattr(t, 'shape', type(t).__name__)}")
+        if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
+            raise ValueError(
+                f"k and v must match, got k {tuple(k.shape)} {k.dtype} {k.device} and v {tuple(v.shape)} {v.dtype} "
+                f"{v.device}"
+            )
+        if self.capacity is not None and len(self) == self.capacity:
+            raise ValueError(f"the depth stream is full: all {self.capacity} entries were appended")
+        if self.keys:
+            first = self.keys[0]
+            for what, seen, expected in (
+                ("shape (B, Hk, T, D)", tuple(k.shape), tuple(first.shape)),
+                ("dtype", k.dtype, first.dtype),
+                ("device", k.device, first.device),
+            ):
+                if seen != expected:
+                    raise ValueError(
+                        f"entry {len(self)} has {what} {seen}, but the stream's entries have {expected}"
+                    )
+        return DepthStream(self.capacity, self.keys + (k,), self.values + (v,))
+
+    def read(self, count: Optional[int] = None) -> tuple[Optional[list], Optional[list]]:
+        """The first ``count`` entries (all by default) as two lists of (B, Hk, T, D), or (None, None) if none.
+
+        The lists are what ``moda_attention`` takes as ``depth_k``, ``depth_v``.
+
+        Raises:
+            ValueError: if ``count`` exceeds the entries written.
+        """
+        if count is None:
+            count = len(self)
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= len(self):
+            raise ValueError(f"count must be an int in 0..{len(self)} (the entries written), got {count!r}")
+        if count == 0:
+            return None, None
+        return list(self.keys[:count]), list(self.values[:count])
