@@ -1,0 +1,117 @@
+"""torch.compile: the example GPT and the triton op trace with fullgraph=True and match eager.
+
+Most cases compile with ``backend="aot_eager"`` (the graph capture and
+autograd that inductor also sees, without its slow codegen); one runs inductor.
+"""
+
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moda_flex import DepthStream, moda_attention
+from moda_flex.testing import MoDAShape, make_inputs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from gpt import GPT, GPTConfig  # noqa: E402
+
+CONFIG = GPTConfig(n_embd=32, n_head=4, n_kv_head=2, n_layer=3, vocab_size=64, block_size=16)
+
+
+def _model(**changes) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(CONFIG, **changes))
+    for p in model.parameters():  # away from the identity init of the norms
+        p.data.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def _loss_and_grads(model, idx):
+    model.zero_grad(set_to_none=True)
+    _, loss = model(idx, idx)
+    loss.backward()
+    return loss.detach(), {name.removeprefix("_orig_mod."): p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _assert_same_training_step(model, compiled, idx, tol):
+    loss, grads = _loss_and_grads(model, idx)
+    compiled_loss, compiled_grads = _loss_and_grads(compiled, idx)
+    torch.testing.assert_close(compiled_loss, loss, rtol=tol, atol=tol)
+    assert compiled_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, rtol=tol, atol=tol, msg=lambda m: f"grad of {name}: {m}")
+
+
+@pytest.mark.parametrize("norm", ["pre", "post"])
+@pytest.mark.parametrize("depth_kv", ["none", "attn", "attn+ffn"])
+def test_compiled_gpt_matches_eager(depth_kv, norm):
+    torch._dynamo.reset()
+    model = _model(depth_kv=depth_kv, norm=norm).double()
+    idx = torch.randint(0, CONFIG.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    _assert_same_training_step(model, compiled, idx, tol=1e-10)
+
+
+def test_inductor_compiled_gpt_matches_eager():
+    torch._dynamo.reset()
+    model = _model(depth_kv="attn+ffn", norm="post")
+    idx = torch.randint(0, CONFIG.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(model, fullgraph=True)
+    _assert_same_training_step(model, compiled, idx, tol=2e-5)
+
+
+def test_compiled_checkpointed_gpt_matches_plain():
+    torch._dynamo.reset()
+    plain = _model(depth_kv="attn+ffn", norm="pre").double()
+    checkpointed = _model(depth_kv="attn+ffn", norm="pre", checkpoint=True).double()
+    checkpointed.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, CONFIG.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    _assert_same_training_step(plain, torch.compile(checkpointed, fullgraph=True, backend="aot_eager"), idx, 1e-10)
+
+
+def test_compiled_decoding_matches_the_full_forward():
+    torch._dynamo.reset()
+    model = _model(depth_kv="attn+ffn", norm="post").double().eval()
+    idx = torch.randint(0, CONFIG.vocab_size, (1, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full, _ = model(idx)
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=True)
+        caches = [model_cache for model_cache in _caches(model, idx.shape[1])]
+        pieces = [compiled(idx[:, :4], caches=caches)[0]]
+        for t in range(4, idx.shape[1]):
+            pieces.append(compiled(idx[:, t : t + 1], caches=caches)[0])
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-10, atol=1e-10)
+
+
+def _caches(model, length):
+    from moda_flex.nn import KVCache
+
+    return [KVCache(length) for _ in model.blocks]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_compiled_triton_op_reads_depth_entries():
+    """The custom op takes depth as a list of entries under fullgraph compile, gradients included."""
+    torch._dynamo.reset()
+    shape = MoDAShape(batch=1, q_heads=4, kv_heads=2, q_len=9, kv_len=9, slots=3, head_dim=16)
+    inputs = make_inputs(shape, depth_entries=True)
+
+    def layer(q, k, v, depth_k, depth_v):
+        stream = DepthStream()
+        for dk, dv in zip(depth_k, depth_v):
+            stream = stream.append(dk * 1.5, dv)
+        depth_k, depth_v = stream.read()
+        return moda_attention(q, k, v, depth_k, depth_v, backend="triton").sin().sum()
+
+    leaves = [inputs["q"], inputs["k"], inputs["v"], *inputs["depth_k"], *inputs["depth_v"]]
+    args = (inputs["q"], inputs["k"], inputs["v"], inputs["depth_k"], inputs["depth_v"])
+    eager = layer(*args)
+    eager_grads = torch.autograd.grad(eager, leaves)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(*args)
+    compiled_grads = torch.autograd.grad(compiled, leaves)
+    torch.testing.assert_close(compiled, eager)
+    for got, want in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(got, want)
