@@ -277,7 +277,10 @@ def resolve(variant) -> Variant:
     """Turn ``"causal"`` / ``"full"`` / a :class:`Variant` into a :class:`Variant`."""
     if isinstance(variant, Variant):
         return variant
-    named = {"causal": causal, "full": full}
-    if isinstance(variant, str) and variant in named:
-        return named[variant]()
+    if isinstance(variant, str) and variant in _NAMED:
+        return _NAMED[variant]
     raise ValueError(f"variant must be 'causal', 'full' or a moda_flex Variant, got {variant!r}")
+
+
+# The variants named by a string, made once: resolving a name costs a lookup on every call.
+_NAMED = {"causal": causal(), "full": full()}

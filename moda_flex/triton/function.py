@@ -13,6 +13,7 @@ copied, and autograd hands each entry its own gradient.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Optional, Sequence, Union
@@ -90,9 +91,12 @@ def triton_attention(
     L = _num_slots(depth_k)
     depth_first = 0 if s.depth_window is None else max(0, L - s.depth_window)
     window = 0 if s.window is None else int(s.window)
-    return torch.ops.moda_flex.triton_forward(
-        q, k, v, depth_k, depth_v, doc_ids, float(scale), bool(s.causal), window, depth_first, bool(s.sequence)
-    )
+    options = (float(scale), bool(s.causal), window, depth_first, bool(s.sequence))
+    if torch.compiler.is_compiling():
+        return torch.ops.moda_flex.triton_forward(q, k, v, depth_k, depth_v, doc_ids, *options)
+    # Eager: the same kernels behind a plain autograd.Function, without the
+    # dispatcher round trips of a custom op (the call is host-bound at short lengths).
+    return _EagerMoDA.apply(q, k, v, doc_ids, options, len(depth_k), *depth_k, *depth_v)
 
 
 # moda_attention hands this backend the per-slot form as it is, without stacking.
@@ -138,23 +142,35 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _config(q: Tensor, G: int, which: str, has_depth: bool = True) -> dict:
+def _config(q: Tensor, G: int, which: str, has_depth: bool = True, programs: int = 0) -> dict:
     """Block sizes and launch options for ``which`` in {"fwd", "dkdv", "dq"}.
 
-    Chosen on an H200 at T=16384, G=8, D=64 (benchmarks/tune_moda.py,
-    benchmarks/NOTES.md).
+    ``programs``: for "dkdv", the number of (key block, batch x KV head)
+    programs at the default BLOCK_N = 128; fewer than the GPU has SMs halves
+    the key blocks. Chosen on an H200 at T=16384, G=8, D=64
+    (benchmarks/tune_moda.py, benchmarks/NOTES.md).
     """
+    few = which == "dkdv" and q.device.type == "cuda" and programs < _sm_count(q.device)
+    return _config_for(q.device.type, q.shape[-1], G, which, has_depth, few)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _config_for(device_type: str, D: int, G: int, which: str, has_depth: bool, few_programs: bool) -> dict:
     GP = _next_pow2(G)
-    if q.device.type != "cuda":
+    if device_type != "cuda":
         # The interpreter: few, small programs.
         return dict(BLOCK_M=max(16, GP), BLOCK_N=16, BLOCK_C=16)
-    D = q.shape[-1]
     if which == "fwd" and has_depth:
         cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_C=32, num_warps=4, num_stages=3)
     elif which == "fwd":
         cfg = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_C=32, num_warps=8, num_stages=3)
     elif which == "dkdv":
-        cfg = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)
+        cfg = dict(BLOCK_M=128, BLOCK_N=64 if few_programs else 128, num_warps=8, num_stages=2)
     else:
         cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_C=32, num_warps=4, num_stages=3)
     if D == 128:
@@ -246,7 +262,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, 
     qk_scale = scale * math.log2(math.e)
     has_seq = sequence and Tk > 0
     if has_seq:
-        cfg = _config(q, G, "dkdv")
+        cfg = _config(q, G, "dkdv", programs=_cdiv(Tk, 128) * B * Hk)
         grid = (_cdiv(Tk, cfg["BLOCK_N"]), B * Hk)
         kernels._bwd_dkdv_kernel[grid](
             q, k, v, grad_out, lse, delta, doc, doc_lo, doc_hi, dk, dv,
@@ -291,14 +307,45 @@ def _interpreter_upcast(tensors, depth_k, depth_v):
     return tensors, depth_k, depth_v, None
 
 
+def _run_forward(q, k, v, depth_k, depth_v, doc_ids, *options):
+    (q, k, v), depth_k, depth_v, cast = _interpreter_upcast([q, k, v], depth_k, depth_v)
+    out, lse = _forward(q, k, v, depth_k, depth_v, doc_ids, *options)
+    return (out if cast is None else out.to(cast)), lse
+
+
+def _run_backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, *options):
+    (grad_out, q, k, v, out), depth_k, depth_v, cast = _interpreter_upcast([grad_out, q, k, v, out], depth_k, depth_v)
+    grads = _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, *options)
+    return tuple(grads) if cast is None else tuple(g.to(cast) for g in grads)
+
+
+class _EagerMoDA(torch.autograd.Function):
+    """The eager path: forward and backward kernels with autograd's bookkeeping and nothing more.
+
+    ``depth`` is the key entries then the value entries, ``n_depth`` of each.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, doc_ids, options, n_depth, *depth):
+        depth_k, depth_v = list(depth[:n_depth]), list(depth[n_depth:])
+        out, lse = _run_forward(q, k, v, depth_k, depth_v, doc_ids, *options)
+        ctx.save_for_backward(q, k, v, out, lse, doc_ids, *depth)
+        ctx.num_depth, ctx.options = n_depth, options
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        grads = _autograd_backward(ctx, grad_out, grad_lse, _run_backward)
+        dq, dk, dv, ddk, ddv = grads[:5]
+        return dq, dk, dv, None, None, None, *ddk, *ddv
+
+
 @torch.library.custom_op("moda_flex::triton_forward", mutates_args=())
 def _forward_op(
     q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], doc_ids: Optional[Tensor],
     scale: float, causal: bool, window: int, depth_first: int, sequence: bool,
 ) -> tuple[Tensor, Tensor]:
-    (q, k, v), depth_k, depth_v, cast = _interpreter_upcast([q, k, v], depth_k, depth_v)
-    out, lse = _forward(q, k, v, depth_k, depth_v, doc_ids, scale, causal, window, depth_first, sequence)
-    return (out if cast is None else out.to(cast)), lse
+    return _run_forward(q, k, v, depth_k, depth_v, doc_ids, scale, causal, window, depth_first, sequence)
 
 
 @_forward_op.register_fake
@@ -314,10 +361,8 @@ def _backward_op(
     scale: float, causal: bool, window: int, depth_first: int, sequence: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv and the depth gradients as two (B, Hk, Tq, L, D) tensors, whatever the depth form."""
-    (grad_out, q, k, v, out), depth_k, depth_v, cast = _interpreter_upcast([grad_out, q, k, v, out], depth_k, depth_v)
-    grads = _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, scale, causal, window,
-                      depth_first, sequence)
-    return tuple(grads) if cast is None else tuple(g.to(cast) for g in grads)
+    return _run_backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, scale, causal, window,
+                         depth_first, sequence)
 
 
 @_backward_op.register_fake
@@ -343,12 +388,14 @@ def _setup_context(ctx, inputs, output):
     ctx.options = (scale, causal, window, depth_first, sequence)
 
 
-def _autograd_backward(ctx, grad_out, grad_lse):
+def _autograd_backward(ctx, grad_out, grad_lse, run_backward=None):
+    """Gradients of q, k, v, depth_k, depth_v (depth in its input form), then None for the options."""
     (q, k, v, out, lse, doc_ids), depth = ctx.saved_tensors[:6], ctx.saved_tensors[6:]
     depth_k, depth_v = list(depth[: ctx.num_depth]), list(depth[ctx.num_depth :])
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    dq, dk, dv, ddk, ddv = torch.ops.moda_flex.triton_backward(
+    run_backward = run_backward or torch.ops.moda_flex.triton_backward
+    dq, dk, dv, ddk, ddv = run_backward(
         grad_out.contiguous(), grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, *ctx.options
     )
     return (dq, dk, dv, _depth_grads(ddk, depth_k), _depth_grads(ddv, depth_v), None, None, None, None, None, None)

@@ -1,0 +1,124 @@
+"""Training step of the example GPT: baseline against MoDA, eager and compiled.
+
+For each model (``depth_kv`` = none / attn / attn+ffn) and mode (eager,
+``torch.compile(model, fullgraph=True)``) this times the full step (forward,
+backward, fused AdamW) in bf16 autocast on random tokens: median of the timed
+steps after warm-up (compilation included in the warm-up), tokens/s, and peak
+memory over the timed steps. Ratios are to the compiled baseline of the same
+run.
+
+``floor``: the extra HBM bytes MoDA must move per step, over the bandwidth of
+a device-to-device copy measured in the same run: every depth entry a layer
+reads is read in the forward and in the backward, and its gradient written
+(6 bytes-of-entry per read, bf16). ``base+floor`` is the compiled baseline
+plus that time; ``/ (base+floor)`` how far a row is from it.
+
+Usage::
+
+    python benchmarks/bench_model.py --shape table6          # 24 layers, width 384, 6/2 heads, B=32, T=512
+    python benchmarks/bench_model.py --shape gpt2s           # 12 layers, width 768, 12/4 heads, B=8, T=1024
+    python benchmarks/bench_model.py --shape table6 --modes compiled --arms none,attn+ffn
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from gpt import GPT, GPTConfig  # noqa: E402
+
+from bench_call import copy_bandwidth  # noqa: E402
+
+SHAPES = {
+    "table6": dict(config=dict(n_layer=24, n_embd=384, n_head=6, n_kv_head=2, norm="post"), batch=32, seq=512),
+    "gpt2s": dict(config=dict(n_layer=12, n_embd=768, n_head=12, n_kv_head=4, norm="pre"), batch=8, seq=1024),
+}
+ARMS = ("none", "attn", "attn+ffn")
+MODES = ("eager", "compiled")
+
+
+def depth_reads(config: GPTConfig) -> int:
+    """Depth entries read per token per step, summed over the attention layers."""
+    writes = config.depth_writes
+    return sum(writes * layer for layer in range(config.n_layer))
+
+
+def measure(config: GPTConfig, batch: int, seq: int, compiled: bool, steps: int, warmup: int) -> dict:
+    """Median step time (ms) and peak memory (MiB) of one model."""
+    torch.manual_seed(0)
+    model = GPT(config).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    run = torch.compile(model, fullgraph=True) if compiled else model
+    idx = torch.randint(0, config.vocab_size, (batch, seq), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = run(idx, idx)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() / 2**20
+    del model, optimizer, run
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    return {"ms": 1e3 * statistics.median(times), "peak_mib": peak}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="table6", help="model and batch shape (default: table6)")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated depth_kv values, from {ARMS}")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {MODES}")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per row (default: 20)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first, compilation included (default: 5)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_model.py needs a CUDA GPU")
+    shape = SHAPES[args.shape]
+    arms, modes = args.arms.split(","), args.modes.split(",")
+    bandwidth = copy_bandwidth()
+    B, T = shape["batch"], shape["seq"]
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, shape {args.shape} "
+          f"{shape['config']} B={B} T={T}, bf16, copy bandwidth {bandwidth / 1e12:.2f} TB/s")  # fmt: skip
+
+    rows = []
+    for arm in arms:
+        for mode in modes:
+            config = GPTConfig(**shape["config"], depth_kv=arm, block_size=T)
+            result = measure(config, B, T, mode == "compiled", args.steps, args.warmup)
+            Hk, D = config.n_kv_head, config.n_embd // config.n_head
+            floor_bytes = 6 * depth_reads(config) * B * Hk * T * D * 2
+            rows.append({"arm": arm, "mode": mode, "floor_ms": floor_bytes / bandwidth * 1e3, **result})
+            print(f"  {arm:9s} {mode:9s} {result['ms']:8.1f} ms  {result['peak_mib']:8.0f} MiB", flush=True)
+
+    base = next((r for r in rows if r["arm"] == "none" and r["mode"] == "compiled"), rows[0])
+    print()
+    print("| model | mode | step (ms) | tokens/s | peak (MiB) | step / compiled base | mem / compiled base "
+          "| floor (ms) | base+floor (ms) | step / (base+floor) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        target = base["ms"] + r["floor_ms"]
+        print(f"| {r['arm']} | {r['mode']} | {r['ms']:.1f} | {B * T / r['ms'] * 1e3:,.0f} | {r['peak_mib']:.0f} | "
+              f"{r['ms'] / base['ms']:.2f}x | {r['peak_mib'] / base['peak_mib']:.2f}x | {r['floor_ms']:.2f} | "
+              f"{target:.1f} | {r['ms'] / target:.2f}x |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
