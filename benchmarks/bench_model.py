@@ -49,8 +49,9 @@ def depth_reads(config: GPTConfig) -> int:
     return sum(writes * layer for layer in range(config.n_layer))
 
 
-def measure(config: GPTConfig, batch: int, seq: int, compiled: bool, steps: int, warmup: int) -> dict:
-    """Median step time (ms) and peak memory (MiB) of one model."""
+def measure(config: GPTConfig, batch: int, seq: int, compiled: bool, steps: int, warmup: int,
+            profile: bool = False) -> dict:  # fmt: skip
+    """Median step time (ms) and peak memory (MiB) of one model; with ``profile``, print its top kernels."""
     torch.manual_seed(0)
     model = GPT(config).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -75,6 +76,12 @@ def measure(config: GPTConfig, batch: int, seq: int, compiled: bool, steps: int,
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**20
+    if profile:
+        with torch.profiler.profile() as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
     del model, optimizer, run
     torch._dynamo.reset()
     torch.cuda.empty_cache()
@@ -88,6 +95,7 @@ def main(argv=None) -> None:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {MODES}")
     p.add_argument("--steps", type=int, default=20, help="timed steps per row (default: 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first, compilation included (default: 5)")
+    p.add_argument("--profile", action="store_true", help="print each row's top kernels over 3 steps (torch.profiler)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_model.py needs a CUDA GPU")
@@ -102,7 +110,7 @@ def main(argv=None) -> None:
     for arm in arms:
         for mode in modes:
             config = GPTConfig(**shape["config"], depth_kv=arm, block_size=T)
-            result = measure(config, B, T, mode == "compiled", args.steps, args.warmup)
+            result = measure(config, B, T, mode == "compiled", args.steps, args.warmup, args.profile)
             Hk, D = config.n_kv_head, config.n_embd // config.n_head
             floor_bytes = 6 * depth_reads(config) * B * Hk * T * D * 2
             rows.append({"arm": arm, "mode": mode, "floor_ms": floor_bytes / bandwidth * 1e3, **result})

@@ -152,10 +152,13 @@ def _check_inputs(q, k, v, depth_k, depth_v):
         depth_k, depth_v = tuple(depth_k), tuple(depth_v)
         if len(depth_k) != len(depth_v):
             raise ValueError(f"depth_k and depth_v must hold as many entries, got {len(depth_k)} and {len(depth_v)}")
+        entry_shape = (q.shape[0], k.shape[1], q.shape[2], q.shape[3])
         for side, entries in (("depth_k", depth_k), ("depth_v", depth_v)):
             for i, t in enumerate(entries):
-                _check_depth(f"{side}[{i}]", t, False, q, k)
-                tensors[f"{side}[{i}]"] = t
+                # The common case in one comparison: a model passes dozens of entries per call.
+                if not (isinstance(t, Tensor) and t.shape == entry_shape and t.dtype == q.dtype and t.device == q.device):
+                    _check_depth(f"{side}[{i}]", t, False, q, k)
+                    tensors[f"{side}[{i}]"] = t
     else:
         for name, t in (("depth_k", depth_k), ("depth_v", depth_v)):
             _check_depth(name, t, True, q, k)

@@ -127,12 +127,12 @@ def _slot_table(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: to
             addresses += range(t.data_ptr(), t.data_ptr() + L * step, step) if step else [t.data_ptr()] * L
             strides.append((t.stride(0), t.stride(1), t.stride(2), t.stride(4)))
             continue
-        first = depth[0].stride() if depth else (0, 0, 0, 0)
-        if any(t.stride() != first for t in depth):
+        strides_seen = {t.stride() for t in depth}
+        if len(strides_seen) > 1:
             depth = [t.contiguous() for t in depth]
-            first = depth[0].stride()
+            strides_seen = {t.stride() for t in depth}
         addresses += [t.data_ptr() for t in depth]
-        strides.append(first)
+        strides.append(strides_seen.pop() if strides_seen else (0, 0, 0, 0))
     # From pageable memory, a non-blocking copy is staged at once and never waits for the GPU.
     table = torch.tensor(addresses or [0], dtype=torch.int64).to(device, non_blocking=True)
     return table, strides[0], strides[1]
@@ -180,6 +180,12 @@ def _config_for(device_type: str, D: int, G: int, which: str, has_depth: bool, f
     return cfg
 
 
+@functools.lru_cache(maxsize=None)
+def _placeholder(device: torch.device) -> Tensor:
+    """A never-read int32 pointer argument for kernels launched without documents (made once per device)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
 def _doc_bounds(doc_ids: Tensor) -> tuple[Tensor, Tensor]:
     """First position and one-past-last position of each position's document, (B', Tk) int32.
 
@@ -198,7 +204,7 @@ def _doc_bounds(doc_ids: Tensor) -> tuple[Tensor, Tensor]:
 
 def _doc_args(doc_ids: Optional[Tensor], like: Tensor):
     if doc_ids is None:
-        dummy = torch.zeros(1, dtype=torch.int32, device=like.device)
+        dummy = _placeholder(like.device)
         return dummy, dummy, dummy, 0
     lo, hi = _doc_bounds(doc_ids)
     return doc_ids, lo, hi, (doc_ids.stride(0) if doc_ids.shape[0] > 1 else 0)
@@ -249,18 +255,25 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, 
     ddv = alloc((B, Hk, Tq, L, D), device=q.device, dtype=q.dtype)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), ddk.zero_(), ddv.zero_()
-    # delta_i = rowsum(dO_i * O_i) - dLSE_i: dS = P * (dP - delta) also carries the lse gradient.
-    delta = torch.empty_like(lse)
-    rows = B * Hq * Tq
-    glse = None if grad_lse is None else grad_lse.float().contiguous()
-    out2, grad_out2 = out.reshape(rows, D), grad_out.reshape(rows, D)
-    kernels._bwd_delta_kernel[(_cdiv(rows, 64),)](
-        out2, grad_out2, delta if glse is None else glse, delta, rows, *out2.stride(), *grad_out2.stride(),
-        HAS_GLSE=glse is not None, HEAD_DIM=D, BLOCK_R=64,
-    )
     doc, doc_lo, doc_hi, sdoc = _doc_args(doc_ids, q)
     qk_scale = scale * math.log2(math.e)
     has_seq = sequence and Tk > 0
+    # The dQ kernel runs first: it also writes delta = rowsum(dO * O) - dLSE, which the dK/dV kernel reads.
+    delta = torch.empty_like(lse)
+    glse = delta if grad_lse is None else grad_lse.float().contiguous()
+    cfg = _config(q, G, "dq", has_depth=L > depth_first)
+    table, sdk, sdv = _slot_table(depth_k, depth_v, L, q.device)
+    grid = (_cdiv(Tq, cfg["BLOCK_M"] // GP), B * Hk)
+    kernels._bwd_dq_kernel[grid](
+        q, k, v, table, table[L:], out, grad_out, lse, glse, delta, doc, doc_lo, doc_hi, dq, ddk, ddv,
+        *q.stride(), *out.stride(), *k.stride(), *v.stride(), *sdk, *sdv,
+        *grad_out.stride(), *lse.stride(), sdoc, *dq.stride(), *ddk.stride(),
+        Hk, Tq, Tk, L, depth_first, window, scale, qk_scale,
+        G=G, GP=GP, DEPTH_ROWS=max(GP, _MIN_DOT_ROWS), HEAD_DIM=D,
+        CAUSAL=causal, WINDOW=window > 0, DOC=doc_ids is not None,
+        HAS_SEQ=has_seq, HAS_DEPTH=L > depth_first, HAS_GLSE=grad_lse is not None,
+        **cfg,
+    )
     if has_seq:
         cfg = _config(q, G, "dkdv", programs=_cdiv(Tk, 128) * B * Hk)
         grid = (_cdiv(Tk, cfg["BLOCK_N"]), B * Hk)
@@ -275,19 +288,6 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, 
     else:
         dk.zero_()
         dv.zero_()
-    cfg = _config(q, G, "dq", has_depth=L > depth_first)
-    table, sdk, sdv = _slot_table(depth_k, depth_v, L, q.device)
-    grid = (_cdiv(Tq, cfg["BLOCK_M"] // GP), B * Hk)
-    kernels._bwd_dq_kernel[grid](
-        q, k, v, table, table[L:], grad_out, lse, delta, doc, doc_lo, doc_hi, dq, ddk, ddv,
-        *q.stride(), *k.stride(), *v.stride(), *sdk, *sdv,
-        *grad_out.stride(), *lse.stride(), sdoc, *dq.stride(), *ddk.stride(),
-        Hk, Tq, Tk, L, depth_first, window, scale, qk_scale,
-        G=G, GP=GP, DEPTH_ROWS=max(GP, _MIN_DOT_ROWS), HEAD_DIM=D,
-        CAUSAL=causal, WINDOW=window > 0, DOC=doc_ids is not None,
-        HAS_SEQ=has_seq, HAS_DEPTH=L > depth_first,
-        **cfg,
-    )
     return dq, dk, dv, ddk, ddv
 
 

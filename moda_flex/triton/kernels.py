@@ -417,8 +417,9 @@ def _bwd_dq_seq_blocks(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DK_TAB, DV_TAB, DO, LSE, DELTA, DOC_IDS, DOC_LO, DOC_HI, DQO, DDKO, DDVO,
+    Q, K, V, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DELTA, DOC_IDS, DOC_LO, DOC_HI, DQO, DDKO, DDVO,
     sqb, sqh, sqt, sqd,
+    sob, soh, sot, sod,
     skb, skh, skt, skd,
     svb, svh, svt, svd,
     sdkb, sdkh, sdkt, sdkd,
@@ -432,12 +433,14 @@ def _bwd_dq_kernel(
     G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
-    HAS_SEQ: tl.constexpr, HAS_DEPTH: tl.constexpr,
+    HAS_SEQ: tl.constexpr, HAS_DEPTH: tl.constexpr, HAS_GLSE: tl.constexpr,
 ):
-    """dQ of one query block, and the depth gradients of its tokens.
+    """dQ of one query block, the depth gradients of its tokens, and DELTA of its rows for the dK/dV kernel.
 
-    A token's depth entries are read only by its own G rows, which all live in
-    this block, so dK_depth and dV_depth are written once, without atomics.
+    ``DELTA = rowsum(dO * O) - dLSE`` (so that ``dS = P * (dP - DELTA)`` also
+    carries the lse gradient; LSE, GLSE and DELTA share strides). A token's
+    depth entries are read only by its own G rows, which all live in this
+    block, so dK_depth and dV_depth are written once, without atomics.
     """
     BLOCK_T: tl.constexpr = BLOCK_M // GP
     block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -449,7 +452,9 @@ def _bwd_dq_kernel(
     Q += b * sqb + hk * G * sqh
     DO += b * sdob + hk * G * sdoh
     LSE += b * slb + hk * G * slh
+    GLSE += b * slb + hk * G * slh
     DELTA += b * slb + hk * G * slh
+    O += b * sob + hk * G * soh
     DQO += b * sgqb + hk * G * sgqh
     K += b * skb + hk * skh
     V += b * svb + hk * svh
@@ -472,7 +477,11 @@ def _bwd_dq_kernel(
     lse = tl.load(LSE + grp * slh + tok * slt, mask=row_ok, other=float("inf"))
     # a row that saw no key has lse = -inf: give it zero probability, not inf
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * _LOG2E
-    delta = tl.load(DELTA + grp * slh + tok * slt, mask=row_ok, other=0.0)
+    o = tl.load(O + grp[:, None] * soh + tok[:, None] * sot + offs_d[None, :] * sod, mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_GLSE:
+        delta -= tl.load(GLSE + grp * slh + tok * slt, mask=row_ok, other=0.0)
+    tl.store(DELTA + grp * slh + tok * slt, delta, mask=row_ok)
 
     if HAS_SEQ:
         q_pos = tok + shift
@@ -528,21 +537,3 @@ def _bwd_dq_kernel(
 
     tl.store(DQO + grp[:, None] * sgqh + tok[:, None] * sgqt + offs_d[None, :] * sgqd,
              (dq * scale).to(DQO.dtype.element_ty), mask=row_ok[:, None])
-
-
-@triton.jit
-def _bwd_delta_kernel(
-    O, DO, GLSE, DELTA, R, sor, sod, sdor, sdod,
-    HAS_GLSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-):
-    """delta = rowsum(dO * O) - dLSE over R = B * Hq * Tq rows (dS = P * (dP - delta))."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ok = rows < R
-    rows64 = rows.to(tl.int64)
-    offs_d = tl.arange(0, HEAD_DIM)
-    o = tl.load(O + rows64[:, None] * sor + offs_d[None, :] * sod, mask=ok[:, None], other=0.0)
-    do = tl.load(DO + rows64[:, None] * sdor + offs_d[None, :] * sdod, mask=ok[:, None], other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    if HAS_GLSE:
-        delta -= tl.load(GLSE + rows, mask=ok, other=0.0)
-    tl.store(DELTA + rows, delta, mask=ok)
