@@ -94,8 +94,9 @@ def shard_sequence(x: Tensor, group: Optional[dist.ProcessGroup] = None, *, dim:
 def gather_sequence(x: Tensor, group: Optional[dist.ProcessGroup] = None, *, dim: int = 2) -> Tensor:
     """The global tensor from every rank's zigzag part (the inverse of :func:`shard_sequence`).
 
-    Differentiable: the gradient of the global tensor flows back to each
-    rank's part. Every rank must pass a part of the same shape.
+    Differentiable: each rank's part receives the sum over ranks of the
+    gradients of the global tensor at its positions. Every rank must pass a
+    part of the same shape.
 
     Args:
         x: (..., 2 * C, ...), this rank's part, token axis at ``dim``.
@@ -104,16 +105,30 @@ def gather_sequence(x: Tensor, group: Optional[dist.ProcessGroup] = None, *, dim
     Returns:
         (..., T, ...) with ``T = 2 * C * world``, tokens in absolute order.
     """
-    from torch.distributed.nn.functional import all_gather
-
-    group = group or dist.group.WORLD
-    world = dist.get_world_size(group)
     if x.shape[dim] % 2:
         raise ValueError(f"x must hold two chunks of equal length along dim {dim}, got shape {tuple(x.shape)}")
-    chunks = [None] * (2 * world)
-    for rank, part in enumerate(all_gather(x.contiguous(), group=group)):
-        chunks[rank], chunks[2 * world - 1 - rank] = part.chunk(2, dim)
-    return torch.cat(chunks, dim)
+    return _GatherSequence.apply(x, group or dist.group.WORLD, dim % x.dim())
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        world = dist.get_world_size(group)
+        parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        chunks = [None] * (2 * world)
+        for rank, part in enumerate(parts):
+            chunks[rank], chunks[2 * world - 1 - rank] = part.chunk(2, dim)
+        ctx.group, ctx.dim = group, dim
+        return torch.cat(chunks, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Every rank may have used the whole tensor: sum their gradients, keep our part.
+        # (An all-reduce rather than a reduce-scatter, which gloo lacks.)
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return shard_sequence(grad, ctx.group, dim=ctx.dim), None, None
 
 
 def context_parallel_moda_attention(
