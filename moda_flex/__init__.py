@@ -2,6 +2,7 @@
 
 from . import nn  # layers: MoDAAttention, DepthKVProjection, DepthStream, KVCache, Block
 from .attention import moda_attention
+from .context_parallel import context_parallel_moda_attention, gather_sequence, shard_sequence, zigzag_positions
 from .variants import (
     Structure,
     Variant,
@@ -16,6 +17,10 @@ from .variants import (
 
 __all__ = [
     "moda_attention",
+    "context_parallel_moda_attention",
+    "shard_sequence",
+    "gather_sequence",
+    "zigzag_positions",
     "nn",
     "Variant",
     "Structure",
