@@ -1,9 +1,9 @@
 """Context parallelism: MoDA over a sequence sharded across the ranks of a process group.
 
-Every rank holds ``T_local = 2 * T / (2 * world)`` tokens of each sequence:
-the sequence is cut into ``2 * world`` chunks of ``C = T / (2 * world)``
-tokens and rank ``r`` holds chunks ``r`` and ``2 * world - 1 - r`` (the
-"zigzag" split), so that under a causal mask every rank does the same work::
+Every rank holds ``T_local = T / world`` tokens of each sequence: the
+sequence is cut into ``2 * world`` chunks of ``C = T / (2 * world)`` tokens
+and rank ``r`` holds chunks ``r`` and ``2 * world - 1 - r`` (the "zigzag"
+split), so that under a causal mask every rank does the same work::
 
     T = 16, world = 2: 4 chunks of C = 4 tokens
 
@@ -34,7 +34,13 @@ merge through their log-sum-exps (``lse = log sum_i exp(lse_i)``,
 Backward runs the same ring: each block is recomputed with ``moda_attention``
 and differentiated with the block's share of the row's gradient, and the
 K/V gradients travel with the K/V until they reach the rank that owns them.
-So no rank ever holds more than its own K/V and one other rank's.
+A rank holds its own K/V and at most two others' (the one in use, the one
+arriving): memory per rank stays proportional to ``T / world``. The lse of
+each block is float32 (what ``moda_attention`` returns), so float64 inputs
+agree with the one-process result to float32 precision.
+
+Works with any torch.distributed backend that has point-to-point sends
+(NCCL on GPUs, gloo on CPU).
 
 Use :func:`shard_sequence` to cut a global (B, H, T, ...) tensor into the
 local part and :func:`gather_sequence` to put the local parts back together.
@@ -61,6 +67,7 @@ def zigzag_positions(seq_len: int, world_size: int, rank: int, device=None) -> T
     Args:
         seq_len: T, the global sequence length; a multiple of ``2 * world_size``.
         world_size, rank: the rank's place in the process group.
+        device: where the positions live.
 
     Returns:
         (2 * C,) int64, ``C = T / (2 * world_size)``: chunk ``rank`` then chunk
@@ -155,7 +162,7 @@ def context_parallel_moda_attention(
                               x x x ... x (every rank's chunks)             | x x ... x
 
     Args:
-        q: (B, Hq, T_local, D) this rank's queries, ``T_local = 2 * T / (2 * world)``
+        q: (B, Hq, T_local, D) this rank's queries, ``T_local = T / world``
             (:func:`shard_sequence` of the global (B, Hq, T, D)).
         k, v: (B, Hk, T_local, D) this rank's keys and values, same tokens.
         depth_k, depth_v: (B, Hk, T_local, L, D) or None: the depth entries
@@ -168,7 +175,9 @@ def context_parallel_moda_attention(
             runs a variant by its :class:`moda_flex.Structure`, as the triton
             backend does: causal, full, depth_window, depth_only, document
             (contiguous runs) and their intersections; not sliding windows or
-            chunk-visible depth.
+            chunk-visible depth. A document with more tokens in a later chunk
+            than in the chunk where it starts makes one block no structure
+            describes: it runs on flex where triton was asked for.
         scale: logit scale, default ``1 / sqrt(D)``.
         backend: the ``moda_attention`` backend each block runs on.
         return_lse: also return the log-sum-exp.
@@ -213,9 +222,9 @@ def _check_every_rank(q, k, v, depth_k, depth_v, variant, backend, group):
 
     Returns the resolved variant and the depth tensors (L = 0 filled in).
     """
-    shape = [0] * 6
+    shape, world = [0] * 6, dist.get_world_size(group)
     try:
-        variant, depth_k, depth_v = _check_locally(q, k, v, depth_k, depth_v, variant, backend, dist.get_world_size(group))
+        variant, depth_k, depth_v = _check_locally(q, k, v, depth_k, depth_v, variant, backend, world)
         (B, Hq, T, D), Hk, L = q.shape, k.shape[1], depth_k.shape[3]
         shape = [B, Hq, Hk, T, L, D]
         failure = None
@@ -224,7 +233,7 @@ def _check_every_rank(q, k, v, depth_k, depth_v, variant, backend, group):
     code = 0 if failure is None else 1 + _ERRORS.index(type(failure))
     device = q.device if isinstance(q, Tensor) else torch.device("cpu")
     mine = torch.tensor([code, *shape], dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    everyone = [torch.empty_like(mine) for _ in range(world)]
     # One small collective that every rank reaches, whatever its inputs, so
     # that a failure on one rank becomes a failure on all instead of a hang.
     dist.all_gather(everyone, mine, group=group)
@@ -514,6 +523,7 @@ class _RingAttention(torch.autograd.Function):
         return out.to(out_dtype), lse.float()
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse):
         q, k, v, depth_k, depth_v, out, lse = ctx.saved_tensors
         ring = ctx.ring

@@ -188,30 +188,34 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 # -- the tests ------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=lambda world: f"world{world}")
-def ranks(request, tmp_path_factory):
-    """What each rank of one run with ``world`` processes saw: a list of result dicts."""
-    world = request.param
-    tmp = tmp_path_factory.mktemp(f"context_parallel_world{world}")
+def run_workers(script: str, world: int, tmp: Path, timeout_s: float = TIMEOUT_S) -> list[dict]:
+    """Run ``python script rank world init_file tmp`` for every rank; return what each wrote to tmp/rank{r}.json."""
     repo = Path(__file__).resolve().parent.parent
     env = dict(os.environ, PYTHONPATH=f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, str(rank), str(world), str(tmp / "init"), str(tmp)],
+            [sys.executable, script, str(rank), str(world), str(tmp / "init"), str(tmp)],
             env=env, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         for rank in range(world)
     ]
     try:
-        logs = [proc.communicate(timeout=TIMEOUT_S)[0] for proc in procs]
+        logs = [proc.communicate(timeout=timeout_s)[0] for proc in procs]
     except subprocess.TimeoutExpired:
         for proc in procs:
             proc.kill()
         logs = "\n".join(f"rank {rank}:\n{proc.communicate()[0]}" for rank, proc in enumerate(procs))
-        pytest.fail(f"the context-parallel workers did not finish in {TIMEOUT_S} s (a hang):\n{logs}")
+        pytest.fail(f"the context-parallel workers did not finish in {timeout_s} s (a hang):\n{logs}")
     for rank, (proc, log) in enumerate(zip(procs, logs)):
         assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{log}"
     return [json.loads((tmp / f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda world: f"world{world}")
+def ranks(request, tmp_path_factory):
+    """What each rank of one run with ``world`` processes saw: a list of result dicts."""
+    world = request.param
+    return run_workers(__file__, world, tmp_path_factory.mktemp(f"context_parallel_world{world}"))
 
 
 @pytest.mark.parametrize("case", CASES)
