@@ -3,6 +3,7 @@
 from . import nn  # layers: MoDAAttention, DepthKVProjection, KVCache, Block
 from .depth import DepthStream
 from .attention import moda_attention
+from .context_parallel import context_parallel_moda_attention, gather_sequence, shard_sequence, zigzag_positions
 from .variants import (
     Structure,
     Variant,
@@ -18,6 +19,10 @@ from .variants import (
 __all__ = [
     "moda_attention",
     "DepthStream",
+    "context_parallel_moda_attention",
+    "shard_sequence",
+    "gather_sequence",
+    "zigzag_positions",
     "nn",
     "Variant",
     "Structure",
