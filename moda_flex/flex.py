@@ -154,30 +154,31 @@ def moda_block_mask(
     """The BlockMask of ``variant`` over folded rows and ``[sequence | depth]`` columns.
 
     Rows: ``q_len * groups``; columns: ``kv_len`` rounded up to ``BLOCK``, then
-    ``q_len * slots`` depth entries. Built structurally (and cached per shape)
-    when the variant has a structure, densely otherwise.
+    ``q_len * slots`` depth entries. Built structurally (and cached per
+    structure and shape) when every query's keys form one interval, densely
+    otherwise.
     """
     device = torch.device(device)
     structure = variant.structure
-    if structure is None:
+    if structure is None or not structure.keys_contiguous:
         lengths = (q_len * groups, _round_up(kv_len, BLOCK) + q_len * slots)
         mask_mod = _mask_mod(variant, q_len, kv_len, groups, slots, device)
         return create_block_mask(mask_mod, batch, kv_heads, *lengths, device=device, BLOCK_SIZE=BLOCK)
-    key = (variant.name, q_len, kv_len, groups, slots, str(device))
-    # Document ids are data, not shape: such masks are built every time.
-    block_mask = _BLOCK_MASK_CACHE.pop(key, None) if structure.doc_ids is None else None
+    key = (structure, q_len, kv_len, groups, slots, str(device))
+    block_mask = _BLOCK_MASK_CACHE.pop(key, None)
     if block_mask is None:
         mask_mod = _mask_mod(variant, q_len, kv_len, groups, slots, device)
         block_mask = _structural_block_mask(structure, q_len, kv_len, groups, slots, device, mask_mod)
-    if structure.doc_ids is None:
-        _BLOCK_MASK_CACHE[key] = block_mask  # most recently used last
-        while len(_BLOCK_MASK_CACHE) > _BLOCK_MASK_CACHE_SIZE:
-            _BLOCK_MASK_CACHE.pop(next(iter(_BLOCK_MASK_CACHE)))
+    _BLOCK_MASK_CACHE[key] = block_mask  # most recently used last
+    while len(_BLOCK_MASK_CACHE) > _BLOCK_MASK_CACHE_SIZE:
+        _BLOCK_MASK_CACHE.pop(next(iter(_BLOCK_MASK_CACHE)))
     return block_mask
 
 
-# Built-in variants are named by their parameters, so a structured variant's
-# name and the shape determine its block mask.
+# A structure states its masks exactly (documents compare by identity), so
+# the structure and the shape determine the block mask, whatever the
+# variant's name; the entry keeps its documents alive, so no other ids can
+# take their identity.
 _BLOCK_MASK_CACHE: dict = {}
 _BLOCK_MASK_CACHE_SIZE = 16
 
@@ -230,14 +231,13 @@ def _structural_block_mask(
     # FlexAttention's kernels take the width of an index list for the number
     # of blocks on the other side, so the lists span the whole block grid.
     kv_width, q_width = seq_blocks + depth_blocks, q_blocks
-    offset = kv_len - q_len
 
     # First and last query token of every block of folded rows.
     block_idx = torch.arange(q_blocks, device=device)
     first = (block_idx * BLOCK) // groups
     last = torch.clamp((block_idx + 1) * BLOCK - 1, max=rows - 1) // groups
 
-    lo, hi = _sequence_intervals(structure, q_len, kv_len, device)  # (Bm, Tq) each
+    lo, hi = structure.key_spans(q_len, kv_len, device)  # (Bm, Tq) each
     bm = lo.shape[0]
     first_b, last_b = first.expand(bm, -1), last.expand(bm, -1)
     union_lo, union_hi = lo.gather(1, first_b), hi.gather(1, last_b)  # (Bm, NQ)
@@ -262,7 +262,7 @@ def _structural_block_mask(
 
     # Depth columns of a row block: the chunk-packed span of its tokens.
     if slots > 0:
-        d_lo, d_hi, slot_lo = _depth_spans(structure, q_len, slots, offset, device)  # (Tq,), (Tq,), int
+        d_lo, d_hi, slot_lo = structure.depth_spans(q_len, kv_len, slots, device)  # (Tq,), (Tq,), int
         col_lo = d_lo[first] * slots + slot_lo
         col_hi = d_hi[last] * slots + slots - 1
         depth_lo = (seq_blocks + col_lo // BLOCK).expand(bm, -1)
@@ -322,57 +322,6 @@ def _structural_block_mask(
         BLOCK_SIZE=(BLOCK, BLOCK),
         mask_mod=mask_mod,
     )
-
-
-def _sequence_intervals(structure: Structure, q_len: int, kv_len: int, device):
-    """Per query token, the visible keys ``[lo, hi]`` (empty when lo > hi): (Bm, Tq) each."""
-    pos = kv_len - q_len + torch.arange(q_len, device=device)  # absolute positions
-    lo = torch.zeros_like(pos)
-    hi = torch.full_like(pos, kv_len - 1)
-    if not structure.sequence:
-        return lo.unsqueeze(0), (lo - 1).unsqueeze(0)
-    if structure.causal:
-        hi = torch.minimum(hi, pos)
-    if structure.window is not None:
-        lo = torch.maximum(lo, pos - structure.window + 1)
-    lo, hi = lo.unsqueeze(0), hi.unsqueeze(0)
-    if structure.doc_ids is not None:
-        start, end = _document_runs(structure.doc_ids, kv_len)  # (Bm, Tk)
-        lo = torch.maximum(lo, start[:, pos])
-        hi = torch.minimum(hi, end[:, pos])
-    return lo, hi
-
-
-def _document_runs(doc_ids: Tensor, kv_len: int):
-    """First and last position of the run each position belongs to: (Bm, Tk) each."""
-    if doc_ids.shape[1] != kv_len:
-        raise ValueError(f"doc_ids must have Tk={kv_len} positions, got shape {tuple(doc_ids.shape)}")
-    pos = torch.arange(kv_len, device=doc_ids.device).expand_as(doc_ids)
-    new_run = torch.ones_like(doc_ids, dtype=torch.bool)
-    new_run[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    start = torch.where(new_run, pos, 0).cummax(dim=1).values
-    ends_run = torch.ones_like(new_run)
-    ends_run[:, :-1] = new_run[:, 1:]
-    end = torch.where(ends_run, pos, kv_len).flip(1).cummin(dim=1).values.flip(1)
-    # The structure is exact only if no document id comes back after its run ends.
-    runs = new_run.sum(dim=1)
-    distinct = torch.tensor([row.unique().numel() for row in doc_ids], device=doc_ids.device)
-    if bool((runs != distinct).any()):
-        raise ValueError("document() needs each document to be one contiguous run of positions")
-    return start, end
-
-
-def _depth_spans(structure: Structure, q_len: int, slots: int, offset: int, device):
-    """Per query token, the first and last token index whose depth it reads, and the first visible slot."""
-    t = torch.arange(q_len, device=device)
-    if structure.depth_chunk is None:
-        d_lo = t
-    else:
-        chunk = structure.depth_chunk
-        # Chunks are of absolute positions; depth exists only for query tokens.
-        d_lo = (((t + offset) // chunk) * chunk - offset).clamp(min=0)
-    slot_lo = 0 if structure.depth_window is None else max(0, slots - structure.depth_window)
-    return d_lo, t, slot_lo
 
 
 def _concat_ranges(ranges, min_width: int):

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from moda_flex import moda_attention
 from moda_flex import variants as v
 from moda_flex.testing import BUILTIN_KINDS, MoDAShape, assert_matches_reference, make_inputs, moda_shapes, variants
-from moda_flex.variants import Structure, Variant
+from moda_flex.variants import Documents, Structure, Variant
 
 from budget import examples
 
@@ -173,7 +173,7 @@ def test_composition_structures():
     window = v.causal() & v.sliding_window(4)
     assert window.structure.causal and window.structure.window == 4 and window.own_depth_only
     documents = v.causal() & v.document(DOC_IDS)
-    assert documents.structure.causal and documents.structure.doc_ids is DOC_IDS
+    assert documents.structure.causal and torch.equal(documents.structure.doc_ids, DOC_IDS.int())
     chunked = v.chunk_depth(2) & (v.chunk_depth(2) | v.full())
     assert chunked.structure is None
     assert (v.causal() & _user_variant()).structure is None
@@ -225,7 +225,7 @@ def test_structure_promises_hold_for_builtins_and_intersections(shape, data):
         (Structure(causal=True), "after the query"),
         (Structure(window=2), "outside the window"),
         (Structure(sequence=False), "sequence key"),
-        (Structure(doc_ids=DOC_IDS), "another document"),
+        (Structure(documents=Documents.from_ids(DOC_IDS)), "another document"),
         (Structure(depth_window=1), "depth slot outside"),
     ],
 )
@@ -250,10 +250,10 @@ def test_structure_intersect():
     assert (both.causal, both.window, both.sequence, both.depth_window) == (True, 2, False, 3)
     assert both.doc_ids is None and both.depth_chunk is None and both.own_depth_only
     assert Structure().intersect(Structure()).window is None
-    ids = torch.zeros(1, 4, dtype=torch.long)
-    assert Structure(doc_ids=ids).intersect(Structure(causal=True)).doc_ids is ids
-    assert Structure(causal=True).intersect(Structure(doc_ids=ids)).doc_ids is ids
-    assert Structure(doc_ids=ids).intersect(Structure(doc_ids=ids)) is None
+    documents = Documents.from_ids(torch.zeros(1, 4, dtype=torch.long))
+    assert Structure(documents=documents).intersect(Structure(causal=True)).documents is documents
+    assert Structure(causal=True).intersect(Structure(documents=documents)).documents is documents
+    assert Structure(documents=documents).intersect(Structure(documents=documents)) is None
     # A chunk holds the token itself, so own-token & chunk reads the own token only.
     assert Structure(depth_chunk=2).intersect(Structure()).own_depth_only
     assert Structure(depth_chunk=2).intersect(Structure(depth_chunk=3)) is None
