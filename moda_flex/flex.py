@@ -21,9 +21,14 @@ same monotone ends. Nothing is evaluated per element: the cost is that of
 the block grid, ``(Q_LEN / 128) x (KV_LEN / 128)`` index entries (FlexAttention
 reads a list's width as the block count), never ``Q_LEN x KV_LEN``.
 
-A variant without a structure (a user's own predicates) falls back to
-``create_block_mask``, which evaluates the mask densely: O(Tq*G*(Tk + Tq*L))
-work, fine for prototyping at modest lengths.
+A variant without a structure (a user's own predicates), or with documents
+split into several runs, falls back to ``create_block_mask``, which evaluates
+the mask densely: O(Tq*G*(Tk + Tq*L)) work, fine for prototyping at modest
+lengths.
+
+FlexAttention multiplies the masked entries of a visited block by a zero
+weight, and ``0 * NaN = NaN``; so the inputs go in with their NaN and Inf
+zeroed and the rows that see one come out NaN (:mod:`moda_flex.nonfinite`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
+from . import nonfinite
+from .reference import visible_entries
 from .variants import Structure, Variant
 
 BLOCK = 128  # rows and columns per BlockMask block
@@ -46,8 +53,23 @@ def flex_attention_backend(
     """MoDA through one ``flex_attention`` call; compiled on CUDA, eager elsewhere.
 
     Args and returns as :func:`moda_flex.reference.reference_attention`.
+    Supports first derivatives only.
     """
-    return flex_moda(q, k, v, depth_k, depth_v, variant, scale, compiled=q.is_cuda)
+    if q.is_cuda:
+        return flex_moda(q, k, v, depth_k, depth_v, variant, scale, compiled=True)
+    return _eager_flex_moda(q, k, v, depth_k, depth_v, variant, scale)
+
+
+# Inductor compiles FlexAttention on CPU for inference only and without the
+# lse, so a compiled model runs this backend eagerly there, through a graph
+# break; fullgraph=True stops here with this reason.
+@torch.compiler.disable(
+    reason="moda_flex backend 'flex' runs FlexAttention eagerly off CUDA (inductor compiles it on CPU for "
+    "inference only, without the lse); under torch.compile(fullgraph=True) on CPU use backend='auto' or "
+    "'reference', which compile, training included"
+)
+def _eager_flex_moda(q, k, v, depth_k, depth_v, variant, scale):
+    return flex_moda(q, k, v, depth_k, depth_v, variant, scale, compiled=False)
 
 
 def flex_moda(
@@ -76,6 +98,11 @@ def flex_moda(
     B, Hq, Tq, D = q.shape
     Hk, Tk, L = k.shape[1], k.shape[2], depth_k.shape[3]
     G = Hq // Hk
+    q, q_bad = nonfinite.zero_nonfinite(q)  # (B, Hq, Tq, D), (B, Hq, Tq)
+    k, k_bad = nonfinite.zero_nonfinite(k)  # (B, Hk, Tk, D), (B, Hk, Tk)
+    v, v_bad = nonfinite.zero_nonfinite(v)
+    depth_k, depth_k_bad = nonfinite.zero_nonfinite(depth_k)  # (B, Hk, Tq, L, D), (B, Hk, Tq, L)
+    depth_v, depth_v_bad = nonfinite.zero_nonfinite(depth_v)
     block_mask = moda_block_mask(variant, batch=B, kv_heads=Hk, q_len=Tq, kv_len=Tk, groups=G, slots=L, device=q.device)
     kv_pad = block_mask.seq_lengths[1] - Tq * L - Tk
 
@@ -87,10 +114,48 @@ def flex_moda(
 
     out, lse = _run_flex(rows, keys, values, block_mask, scale, compiled, return_lse)
     out = out.view(B, Hk, Tq, G, D).transpose(2, 3).reshape(B, Hq, Tq, D)  # (B, Hq, Tq, D)
-    if not return_lse:
-        return out
-    lse = lse.view(B, Hk, Tq, G).transpose(2, 3).reshape(B, Hq, Tq)  # (B, Hq, Tq)
-    return out, lse.float()
+    if return_lse:
+        lse = lse.view(B, Hk, Tq, G).transpose(2, 3).reshape(B, Hq, Tq).float()  # (B, Hq, Tq)
+    seen = _rows_seeing_nonfinite(variant, q_bad, k_bad | v_bad, depth_k_bad | depth_v_bad)  # (B, Hq, Tq)
+    out, lse = nonfinite.mark_rows(out, lse, seen)
+    out = _FirstOrderOnly.apply(out)
+    return (out, lse) if return_lse else out
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Identity that refuses a backward pass building a graph: FlexAttention's gradients are not differentiable."""
+
+    @staticmethod
+    def forward(x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        # Grad mode is on in a backward pass exactly under create_graph=True;
+        # the gradients FlexAttention returns would then silently lack a graph.
+        if torch.is_grad_enabled():
+            raise NotImplementedError(
+                "backend 'flex' has no second derivative (backward with create_graph=True, e.g. a gradient "
+                "penalty): use backend='reference', which has one"
+            )
+        return grad
+
+
+def _rows_seeing_nonfinite(variant: Variant, q_bad: Tensor, key_bad: Tensor, slot_bad: Tensor) -> Tensor:
+    """Rows (B, Hq, Tq) that see a non-finite entry: from the structure's spans, else densely."""
+    structure = variant.structure
+    if structure is not None and structure.keys_contiguous:
+        return nonfinite.rows_seeing(structure, q_bad, key_bad, slot_bad)
+    B, Hq, Tq = q_bad.shape
+    Tk, L = key_bad.shape[2], slot_bad.shape[3]
+    seq_visible, depth_visible = visible_entries(variant, B, Hq, Tq, Tk, L, q_bad.device)
+    return nonfinite.rows_seeing_dense(
+        seq_visible, depth_visible, q_bad, key_bad, slot_bad, variant.own_depth_only
+    )
 
 
 def _run_flex(rows, keys, values, block_mask, scale, compiled, return_lse):
