@@ -112,37 +112,41 @@ def flex_moda(
     keys = torch.cat([k, pad, depth_k.reshape(B, Hk, Tq * L, D)], dim=2)  # (B, Hk, Tk_pad + Tq*L, D)
     values = torch.cat([v, pad, depth_v.reshape(B, Hk, Tq * L, D)], dim=2)
 
+    rows, keys, values = _FirstOrderOnly.apply(rows, keys, values)
     out, lse = _run_flex(rows, keys, values, block_mask, scale, compiled, return_lse)
     out = out.view(B, Hk, Tq, G, D).transpose(2, 3).reshape(B, Hq, Tq, D)  # (B, Hq, Tq, D)
     if return_lse:
         lse = lse.view(B, Hk, Tq, G).transpose(2, 3).reshape(B, Hq, Tq).float()  # (B, Hq, Tq)
     seen = _rows_seeing_nonfinite(variant, q_bad, k_bad | v_bad, depth_k_bad | depth_v_bad)  # (B, Hq, Tq)
     out, lse = nonfinite.mark_rows(out, lse, seen)
-    out = _FirstOrderOnly.apply(out)
     return (out, lse) if return_lse else out
 
 
 class _FirstOrderOnly(torch.autograd.Function):
-    """Identity that refuses a backward pass building a graph: FlexAttention's gradients are not differentiable."""
+    """Identity on FlexAttention's inputs that refuses a backward pass building a graph.
+
+    FlexAttention's gradients are not differentiable: under ``create_graph=True``
+    they would come back without a graph and second derivatives would be
+    silently missing.
+    """
 
     @staticmethod
-    def forward(x: Tensor) -> Tensor:
-        return x.view_as(x)
+    def forward(*tensors: Tensor) -> tuple:
+        return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         pass
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        # Grad mode is on in a backward pass exactly under create_graph=True;
-        # the gradients FlexAttention returns would then silently lack a graph.
+    def backward(ctx, *grads: Tensor) -> tuple:
+        # Grad mode is on in a backward pass exactly under create_graph=True.
         if torch.is_grad_enabled():
             raise NotImplementedError(
                 "backend 'flex' has no second derivative (backward with create_graph=True, e.g. a gradient "
                 "penalty): use backend='reference', which has one"
             )
-        return grad
+        return grads
 
 
 def _rows_seeing_nonfinite(variant: Variant, q_bad: Tensor, key_bad: Tensor, slot_bad: Tensor) -> Tensor:

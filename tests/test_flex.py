@@ -140,11 +140,12 @@ def test_document_masks_are_cached_by_their_ids():
     assert moda_block_mask(first, **args) is not moda_block_mask(moda_flex.document(ids), **args)
 
 
-def test_a_second_derivative_is_refused():
+@pytest.mark.parametrize("name", ["q", "depth_v"])
+def test_a_second_derivative_is_refused(name):
     inputs = make_inputs(MoDAShape(1, 2, 1, 5, 5, 2, 8))
     out = moda_flex.moda_attention(**inputs, backend="flex")
     with pytest.raises(NotImplementedError, match="create_graph=True.*backend='reference'"):
-        torch.autograd.grad(out.pow(2).sum(), inputs["q"], create_graph=True)
+        torch.autograd.grad(out.pow(2).sum(), inputs[name], create_graph=True)
     grads = torch.autograd.grad(out.pow(2).sum(), list(inputs.values()))  # first order still works
     assert all(g is not None for g in grads)
 
