@@ -62,17 +62,14 @@ class Documents:
     @classmethod
     def from_ids(cls, doc_ids: Tensor) -> "Documents":
         """Validate ``doc_ids``, (B, Tk) or (Tk,) integer ids, and compute its runs."""
-        if (
-            not isinstance(doc_ids, Tensor)
-            or doc_ids.dim() not in (1, 2)
-            or doc_ids.is_floating_point()
-            or doc_ids.is_complex()
-            or doc_ids.dtype == torch.bool
-        ):
-            seen = f"{doc_ids.dtype} tensor of shape {tuple(doc_ids.shape)}" if isinstance(doc_ids, Tensor) else (
-                type(doc_ids).__name__
+        if not isinstance(doc_ids, Tensor):
+            raise ValueError(f"doc_ids must be an integer tensor of shape (B, Tk) or (Tk,), got {type(doc_ids).__name__}")
+        integer = not (doc_ids.is_floating_point() or doc_ids.is_complex() or doc_ids.dtype == torch.bool)
+        if not integer or doc_ids.dim() not in (1, 2):
+            raise ValueError(
+                f"doc_ids must be an integer tensor of shape (B, Tk) or (Tk,), got {doc_ids.dtype} of shape "
+                f"{tuple(doc_ids.shape)}"
             )
-            raise ValueError(f"doc_ids must be an integer tensor of shape (B, Tk) or (Tk,), got a {seen}")
         ids = doc_ids if doc_ids.dim() == 2 else doc_ids.unsqueeze(0)  # (Bd, Tk)
         ranks, distinct = _dense_ranks(ids)
         start, end = document_runs(ranks)
@@ -106,7 +103,7 @@ def document_runs(ids: Tensor) -> tuple[Tensor, Tensor]:
         ids: (Bd, Tk) integer ids.
 
     Returns:
-        start, end: (Bd, Tk) int32, contiguous.
+        start, end: (Bd, Tk) int32, contiguous in memory.
     """
     rows, length = ids.shape
     pos = torch.arange(length, device=ids.device, dtype=torch.int32).expand(rows, length)
@@ -203,7 +200,8 @@ class Structure:
             lo = torch.maximum(lo, pos - self.window + 1)
         lo, hi = lo.unsqueeze(0), hi.unsqueeze(0)
         if self.documents is not None:
-            self.documents.check(self.documents.ids.shape[0], kv_len)
+            if self.documents.ids.shape[1] != kv_len:
+                raise ValueError(f"doc_ids must have Tk={kv_len} positions, got shape {tuple(self.documents.ids.shape)}")
             start, end = (t.to(device) for t in (self.documents.start, self.documents.end))
             lo = torch.maximum(lo, start[:, pos])
             hi = torch.minimum(hi, end[:, pos] - 1)

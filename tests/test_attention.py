@@ -311,3 +311,13 @@ def test_triton_is_a_linux_only_requirement():
     triton = [d for d in dependencies if d.split(";")[0].strip() == "triton"]
     assert len(triton) == 1 and triton[0].split(";")[1].strip().replace('"', "'") == "platform_system == 'Linux'"
     assert "torch>=2.11" in dependencies
+
+
+def test_reference_has_second_derivatives():
+    """What backend 'flex' refers a create_graph=True backward to."""
+    inputs = make_inputs(MoDAShape(1, 2, 1, 2, 3, 2, 4), dtype=torch.float64)
+
+    def attention(*tensors):
+        return moda_attention(*tensors, backend="reference")
+
+    assert torch.autograd.gradgradcheck(attention, tuple(inputs.values()))
