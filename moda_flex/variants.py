@@ -63,7 +63,9 @@ class Documents:
     def from_ids(cls, doc_ids: Tensor) -> "Documents":
         """Validate ``doc_ids``, (B, Tk) or (Tk,) integer ids, and compute its runs."""
         if not isinstance(doc_ids, Tensor):
-            raise ValueError(f"doc_ids must be an integer tensor of shape (B, Tk) or (Tk,), got {type(doc_ids).__name__}")
+            raise ValueError(
+                f"doc_ids must be an integer tensor of shape (B, Tk) or (Tk,), got {type(doc_ids).__name__}"
+            )
         integer = not (doc_ids.is_floating_point() or doc_ids.is_complex() or doc_ids.dtype == torch.bool)
         if not integer or doc_ids.dim() not in (1, 2):
             raise ValueError(
@@ -201,7 +203,9 @@ class Structure:
         lo, hi = lo.unsqueeze(0), hi.unsqueeze(0)
         if self.documents is not None:
             if self.documents.ids.shape[1] != kv_len:
-                raise ValueError(f"doc_ids must have Tk={kv_len} positions, got shape {tuple(self.documents.ids.shape)}")
+                raise ValueError(
+                    f"doc_ids must have Tk={kv_len} positions, got shape {tuple(self.documents.ids.shape)}"
+                )
             start, end = (t.to(device) for t in (self.documents.start, self.documents.end))
             lo = torch.maximum(lo, start[:, pos])
             hi = torch.minimum(hi, end[:, pos] - 1)
@@ -282,7 +286,7 @@ class Variant:
         return self._depth
 
     def check_fits(self, batch: int, kv_len: int) -> None:
-        """Raise ValueError when the variant's data (document ids) does not fit a call with ``batch`` rows and ``kv_len`` keys."""
+        """Raise ValueError unless the variant's data (document ids) fits ``batch`` rows and ``kv_len`` keys."""
         for documents in self.documents:
             documents.check(batch, kv_len)
 

@@ -81,7 +81,7 @@ def _entries(shape: MoDAShape):
         "depth_k": (shape.batch, shape.kv_heads, shape.q_len, shape.slots),
         "depth_v": (shape.batch, shape.kv_heads, shape.q_len, shape.slots),
     }
-    names = [name for name, size in sizes.items() if all(sizes[name])]
+    names = [name for name, size in sizes.items() if all(size)]
     return st.sampled_from(names).flatmap(
         lambda name: st.tuples(st.just(name), st.tuples(*(st.integers(0, n - 1) for n in sizes[name])))
     )
@@ -101,7 +101,7 @@ def test_a_non_finite_entry_reaches_only_the_rows_that_see_it(backend, shape, da
 
 
 SHAPE = MoDAShape(batch=1, q_heads=4, kv_heads=2, q_len=7, kv_len=9, slots=3, head_dim=16)
-# Entries a row may not see, each named by the issue that reported it.
+# Entries most rows may not see: the cases of the issue that reported the leak.
 MASKED = {
     "future v under causal": (v.causal(), "v", (0, 1, 8)),
     "v outside a sliding window": (v.sliding_window(2), "v", (0, 0, 3)),
@@ -119,7 +119,7 @@ def test_named_masked_entries(backend, case):
 
 
 def test_a_visible_nan_is_not_hidden():
-    """NaN in the last token's value: every row of that KV head sees it and says so."""
+    """NaN in token 0's value under full(): every row of that KV head sees it and says so."""
     inputs = make_inputs(SHAPE, requires_grad=False)
     inputs["v"][0, 0, 0, 3] = float("nan")
     for backend in ("reference", "flex"):
@@ -135,7 +135,10 @@ KERNEL_PENDING = pytest.mark.xfail(strict=True, reason="kernel fix pending")
 
 @pytest.mark.parametrize(
     "case",
-    [pytest.param(case, marks=() if case == "a slot outside the depth window" else KERNEL_PENDING) for case in sorted(MASKED)]
+    [
+        pytest.param(case, marks=() if case == "a slot outside the depth window" else KERNEL_PENDING)
+        for case in sorted(MASKED)
+    ]
     + [pytest.param("visible", marks=KERNEL_PENDING)],
 )
 def test_triton_named_entries(case):
