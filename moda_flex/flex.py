@@ -98,6 +98,8 @@ def flex_moda(
     B, Hq, Tq, D = q.shape
     Hk, Tk, L = k.shape[1], k.shape[2], depth_k.shape[3]
     G = Hq // Hk
+    # A visited block multiplies its masked entries by zero, and 0 * NaN = NaN:
+    # run on zeroed copies, then mark NaN the rows that see a non-finite entry.
     q, q_bad = nonfinite.zero_nonfinite(q)  # (B, Hq, Tq, D), (B, Hq, Tq)
     k, k_bad = nonfinite.zero_nonfinite(k)  # (B, Hk, Tk, D), (B, Hk, Tk)
     v, v_bad = nonfinite.zero_nonfinite(v)
@@ -157,9 +159,7 @@ def _rows_seeing_nonfinite(variant: Variant, q_bad: Tensor, key_bad: Tensor, slo
     B, Hq, Tq = q_bad.shape
     Tk, L = key_bad.shape[2], slot_bad.shape[3]
     seq_visible, depth_visible = visible_entries(variant, B, Hq, Tq, Tk, L, q_bad.device)
-    return nonfinite.rows_seeing_dense(
-        seq_visible, depth_visible, q_bad, key_bad, slot_bad, variant.own_depth_only
-    )
+    return nonfinite.rows_seeing_dense(seq_visible, depth_visible, q_bad, key_bad, slot_bad, variant.own_depth_only)
 
 
 def _run_flex(rows, keys, values, block_mask, scale, compiled, return_lse):
