@@ -50,7 +50,7 @@ def build_corpus(max_bytes: int) -> bytes:
     return b"\n\n".join(docs)[:max_bytes]
 
 
-def step_time(backend: str, batch_size: int, block_size: int, steps: int = 6) -> float:
+def step_time(backend: str, batch_size: int, block_size: int, compile: bool, steps: int = 6) -> float:
     """Seconds per training step of the slowest configuration (MoDA, attention + FFN depth KV).
 
     Also decodes two tokens, so that a backend that cannot run any part of
@@ -60,6 +60,7 @@ def step_time(backend: str, batch_size: int, block_size: int, steps: int = 6) ->
     config = GPTConfig(n_embd=384, n_head=6, n_kv_head=2, n_layer=24, depth_kv="attn+ffn", backend=backend,
                        block_size=block_size)  # fmt: skip
     model = GPT(config).cuda()
+    run = torch.compile(model, fullgraph=True) if compile else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     x = torch.randint(0, 256, (batch_size, block_size), device="cuda")
     for i in range(steps + 2):
@@ -67,7 +68,7 @@ def step_time(backend: str, batch_size: int, block_size: int, steps: int = 6) ->
             torch.cuda.synchronize()
             t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            _, loss = model(x, x)
+            _, loss = run(x, x)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -86,6 +87,8 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-bytes", type=int, default=200_000_000)
     p.add_argument("--out-dir", default="results", help="results.md and corpus statistics go here")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="train compiled models (default; --no-compile to opt out)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("compare_models.py needs a CUDA GPU; see train_gpt.py for CPU runs")
@@ -98,7 +101,7 @@ def main(argv=None) -> None:
     backend = None
     for candidate in ("auto", "flex", "reference"):
         try:
-            seconds = step_time(candidate, args.batch_size, args.block_size)
+            seconds = step_time(candidate, args.batch_size, args.block_size, args.compile)
         except Exception as error:  # report and fall back to the next backend
             print(f"backend {candidate!r} failed: {type(error).__name__}: {error}")
             continue
@@ -113,7 +116,8 @@ def main(argv=None) -> None:
         ["--data", str(work / "corpus.txt"), "--depth-kv", "none,attn,attn+ffn", "--norm", "post,pre", *SHAPE,
          "--block-size", str(args.block_size), "--batch-size", str(args.batch_size), "--steps", str(steps),
          "--lr", str(args.lr), "--warmup", str(max(1, steps // 10)), "--skip-timing", "10", "--eval-iters", "40",
-         "--sample-tokens", "100", "--backend", backend, "--device", "cuda", "--out-dir", str(work / "out")]
+         "--sample-tokens", "100", "--backend", backend, "--device", "cuda", "--out-dir", str(work / "out"),
+         "--compile" if args.compile else "--no-compile"]
     )  # fmt: skip
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

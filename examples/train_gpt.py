@@ -102,7 +102,10 @@ def train_one(config: GPTConfig, name: str, train, val, args, device) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    print(f"== {name}: {model.num_params() / 1e6:.2f}M parameters, depth_kv={config.depth_kv}, norm={config.norm}")
+    # nanoGPT's default: the whole model compiled into one graph (the depth stream traces with it).
+    run = torch.compile(model, fullgraph=True) if args.compile else model
+    print(f"== {name}: {model.num_params() / 1e6:.2f}M parameters, depth_kv={config.depth_kv}, norm={config.norm}"
+          + (", compiled" if args.compile else ""))  # fmt: skip
     tokens_per_step = args.batch_size * args.block_size
     train_time = 0.0
     timed_steps = 0
@@ -112,7 +115,7 @@ def train_one(config: GPTConfig, name: str, train, val, args, device) -> dict:
             group["lr"] = learning_rate(step, args)
         x, y = get_batch(train, args.batch_size, args.block_size, generator, device)
         with autocast:
-            _, loss = model(x, y)
+            _, loss = run(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -125,7 +128,7 @@ def train_one(config: GPTConfig, name: str, train, val, args, device) -> dict:
             tok_s = tokens_per_step * timed_steps / train_time if train_time else 0.0
             print(f"\r  step {step + 1}/{args.steps} | loss {loss_value:.4f} | {tok_s:,.0f} tok/s", end="", flush=True)
     print()
-    val_loss = evaluate(model, val, args, device, autocast)
+    val_loss = evaluate(run, val, args, device, autocast)
     peak_mb = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
     step_ms = 1000 * train_time / timed_steps
     print(f"  val loss {val_loss:.4f} | {step_ms:.1f} ms/step" + (f" | peak {peak_mb:,.0f} MiB" if device.type == "cuda" else ""))
@@ -196,6 +199,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: bfloat16 on CUDA")
     p.add_argument("--backend", default="auto", help="moda_attention backend")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile(model, fullgraph=True) for training (default: on CUDA; --no-compile to opt out)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads for torch")
     p.add_argument("--out-dir", default="out", help="checkpoints and results.md go here")
     args = p.parse_args(argv)
@@ -207,6 +212,8 @@ def parse_args(argv=None):
                 p.error(f"{flag}: {value!r} is not one of {allowed}")
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    if args.compile is None:
+        args.compile = args.device.startswith("cuda")
     if args.steps <= args.skip_timing:
         p.error(f"--steps ({args.steps}) must exceed --skip-timing ({args.skip_timing})")
     return args

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import numbers
 from typing import Optional, Union
 
 import torch
@@ -49,33 +51,74 @@ def moda_attention(
             Any strides; the triton backend reads both forms in place, and
             gives each entry of a sequence its own gradient.
         variant: ``"causal"``, ``"full"`` or a :class:`moda_flex.Variant`.
-        scale: logit scale, default ``1 / sqrt(D)``.
+        scale: logit scale, a finite real number > 0; default ``1 / sqrt(D)``.
         backend: ``"auto"`` | ``"reference"`` | ``"flex"`` | ``"triton"``.
         return_lse: also return the log-sum-exp.
 
     Returns:
-        out (B, Hq, Tq, D) in q's dtype; with ``return_lse`` also lse
-        (B, Hq, Tq) float32, natural log. A row that sees no key gives zeros
-        and ``lse = -inf``.
+        out (B, Hq, Tq, D) in q's dtype (under ``torch.autocast``, the dtype
+        SDPA would return: the autocast dtype, unless q is float64); with
+        ``return_lse`` also lse (B, Hq, Tq) float32, natural log. A row that
+        sees no key gives zeros and ``lse = -inf``; a row whose query or a
+        visible entry holds NaN or Inf gives NaN, and a masked one never
+        reaches it.
 
     Raises:
-        ValueError: for shapes, dtypes or devices that break the contract.
-        NotImplementedError: when the named backend cannot run the variant.
+        ValueError: for shapes, dtypes, devices or a scale that break the contract.
+        TypeError: for a scale that is not a real number.
+        NotImplementedError: when the named backend cannot run the call.
     """
     variant = _variants.resolve(variant)
     depth_k, depth_v = _check_inputs(q, k, v, depth_k, depth_v)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
+    variant.check_fits(q.shape[0], k.shape[2])
+    scale = _check_scale(scale, q.shape[-1])
     run = _pick_backend(backend, q, variant)
+    if q.numel() == 0:
+        # No output element (B, Hq or Tq is 0): the reference gives the empty
+        # result, with a backward, on any backend.
+        run = reference_attention
     if is_entries(depth_k) and not getattr(run, "reads_depth_entries", False):
         empty = k.new_empty(q.shape[0], k.shape[1], q.shape[2], q.shape[3])  # (B, Hk, Tq, D)
         depth_k, depth_v = as_tensor(depth_k, empty), as_tensor(depth_v, empty)
-    if q.shape[2] == 0:
-        # No query tokens: nothing to compute, on any backend.
-        out, lse = q.new_zeros(q.shape), q.new_zeros(q.shape[:3], dtype=torch.float32)
-    else:
-        out, lse = run(q, k, v, depth_k, depth_v, variant, float(scale))
+    (q, k, v, depth_k, depth_v), autocast_off = _leave_autocast((q, k, v, depth_k, depth_v))
+    with autocast_off:
+        out, lse = run(q, k, v, depth_k, depth_v, variant, scale)
     return (out, lse) if return_lse else out
+
+
+def _check_scale(scale, head_dim: int) -> float:
+    """The logit scale as a float: ``1 / sqrt(D)`` for None, else a finite real number > 0."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, Tensor):
+        raise TypeError(
+            f"scale must be a real number, got a tensor {tuple(scale.shape)} of {scale.dtype}: pass float(scale); "
+            f"to learn a scale, multiply q by it (scale is not differentiated)"
+        )
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number (float or int), got {type(scale).__name__} {scale!r}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be finite and > 0, got {scale!r}")
+    return float(scale)
+
+
+def _leave_autocast(tensors: tuple):
+    """The inputs in the dtype the call computes in, and a context for the backend.
+
+    SDPA's rule under ``torch.autocast``, on CPU and CUDA alike: inputs are cast
+    to the region's dtype, except float64, which stays; outside autocast
+    nothing changes. The backend then runs with autocast off, so that every
+    backend computes in that one dtype and returns it.
+    """
+    device_type = tensors[0].device.type
+    # is_autocast_available is not traceable by every torch.compile version; these two device types are.
+    if not (device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type)):
+        return tensors, contextlib.nullcontext()
+    if tensors[0].dtype != torch.float64:
+        dtype = torch.get_autocast_dtype(device_type)
+        # Depth given as entries stays a sequence of entries.
+        tensors = tuple(t.to(dtype) if isinstance(t, Tensor) else [e.to(dtype) for e in t] for t in tensors)
+    return tensors, torch.autocast(device_type, enabled=False)
 
 
 def _pick_backend(backend: str, q: Tensor, variant: Variant):
@@ -88,6 +131,11 @@ def _pick_backend(backend: str, q: Tensor, variant: Variant):
 
         return flex_attention_backend
     if backend == "triton":
+        if not _triton_available():
+            raise NotImplementedError(
+                "backend 'triton' needs the triton package (installed with moda_flex on Linux); "
+                "use backend='flex' or 'reference'"
+            )
         from .triton import triton_attention, unsupported_reason
 
         reason = unsupported_reason(q, variant)
@@ -126,6 +174,8 @@ def _check_inputs(q, k, v, depth_k, depth_v):
     if not q.is_floating_point():
         raise ValueError(f"q must be floating point, got dtype {q.dtype}")
     B, Hq, Tq, D = q.shape
+    if D == 0:
+        raise ValueError(f"q must have a head dim D >= 1, got q {tuple(q.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
     Bk, Hk, Tk, Dk = k.shape
@@ -134,9 +184,15 @@ def _check_inputs(q, k, v, depth_k, depth_v):
             f"k must have shape (B={B}, Hk, Tk, D={D}) to match q {tuple(q.shape)}, got {tuple(k.shape)}"
         )
     if Hk == 0 or Hq % Hk != 0:
-        raise ValueError(f"q heads ({Hq}) must be a multiple of k heads ({Hk}); q {tuple(q.shape)}, k {tuple(k.shape)}")
+        raise ValueError(
+            f"q heads ({Hq}) must be a multiple of k heads ({Hk}); q {tuple(q.shape)}, k {tuple(k.shape)}"
+            + _layout_hint(q, k)
+        )
     if Tq > Tk:
-        raise ValueError(f"q has more tokens than k (Tq={Tq} > Tk={Tk}); q {tuple(q.shape)}, k {tuple(k.shape)}")
+        raise ValueError(
+            f"q has more tokens than k (Tq={Tq} > Tk={Tk}); q {tuple(q.shape)}, k {tuple(k.shape)}"
+            + _layout_hint(q, k)
+        )
 
     if (depth_k is None) != (depth_v is None):
         raise ValueError("depth_k and depth_v must both be given or both be None")
@@ -188,3 +244,15 @@ def _check_depth(name: str, t, slot_axis: bool, q: Tensor, k: Tensor) -> None:
         raise ValueError(
             f"{name} must have shape {layout} for q {tuple(q.shape)} and k {tuple(k.shape)}, got {tuple(t.shape)}"
         )
+
+
+def _layout_hint(q: Tensor, k: Tensor) -> str:
+    """A hint when q and k, read as (B, T, H, D), would fit the head and token rules."""
+    tokens_fit = q.shape[1] <= k.shape[1]
+    heads_fit = k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0
+    if tokens_fit and heads_fit:
+        return (
+            "; the shapes look like (B, T, H, D), but moda_attention takes (B, H, T, D): "
+            "pass q.transpose(1, 2) and the same for k and v"
+        )
+    return ""

@@ -58,7 +58,7 @@ from torch import Tensor
 
 from . import variants as _variants
 from .attention import _check_inputs, _pick_backend, moda_attention
-from .variants import Structure, Variant
+from .variants import Documents, Structure, Variant
 
 
 def zigzag_positions(seq_len: int, world_size: int, rank: int, device=None) -> Tensor:
@@ -362,7 +362,7 @@ def _pair_blocks(variant, ids, backend, q_chunk, k_chunk, chunk, rows, cols) -> 
     if q_chunk == k_chunk:
         if structure.doc_ids is not None:
             span = slice(q_chunk * chunk, (q_chunk + 1) * chunk)
-            structure = dataclasses.replace(structure, doc_ids=structure.doc_ids[:, span])
+            structure = dataclasses.replace(structure, documents=Documents.from_ids(structure.doc_ids[:, span]))
         diagonal = _at_positions(variant, structure, q_chunk * chunk, q_chunk * chunk)
         return [_Block(_ALL, rows, cols, diagonal, depth=True)]
     if not structure.sequence or (structure.causal and k_chunk > q_chunk):

@@ -21,9 +21,14 @@ same monotone ends. Nothing is evaluated per element: the cost is that of
 the block grid, ``(Q_LEN / 128) x (KV_LEN / 128)`` index entries (FlexAttention
 reads a list's width as the block count), never ``Q_LEN x KV_LEN``.
 
-A variant without a structure (a user's own predicates) falls back to
-``create_block_mask``, which evaluates the mask densely: O(Tq*G*(Tk + Tq*L))
-work, fine for prototyping at modest lengths.
+A variant without a structure (a user's own predicates), or with documents
+split into several runs, falls back to ``create_block_mask``, which evaluates
+the mask densely: O(Tq*G*(Tk + Tq*L)) work, fine for prototyping at modest
+lengths.
+
+FlexAttention multiplies the masked entries of a visited block by a zero
+weight, and ``0 * NaN = NaN``; so the inputs go in with their NaN and Inf
+zeroed and the rows that see one come out NaN (:mod:`moda_flex.nonfinite`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
+from . import nonfinite
+from .reference import visible_entries
 from .variants import Structure, Variant
 
 BLOCK = 128  # rows and columns per BlockMask block
@@ -46,8 +53,23 @@ def flex_attention_backend(
     """MoDA through one ``flex_attention`` call; compiled on CUDA, eager elsewhere.
 
     Args and returns as :func:`moda_flex.reference.reference_attention`.
+    Supports first derivatives only.
     """
-    return flex_moda(q, k, v, depth_k, depth_v, variant, scale, compiled=q.is_cuda)
+    if q.is_cuda:
+        return flex_moda(q, k, v, depth_k, depth_v, variant, scale, compiled=True)
+    return _eager_flex_moda(q, k, v, depth_k, depth_v, variant, scale)
+
+
+# Inductor compiles FlexAttention on CPU for inference only and without the
+# lse, so a compiled model runs this backend eagerly there, through a graph
+# break; fullgraph=True stops here with this reason.
+@torch.compiler.disable(
+    reason="moda_flex backend 'flex' runs FlexAttention eagerly off CUDA (inductor compiles it on CPU for "
+    "inference only, without the lse); under torch.compile(fullgraph=True) on CPU use backend='auto' or "
+    "'reference', which compile, training included"
+)
+def _eager_flex_moda(q, k, v, depth_k, depth_v, variant, scale):
+    return flex_moda(q, k, v, depth_k, depth_v, variant, scale, compiled=False)
 
 
 def flex_moda(
@@ -76,6 +98,13 @@ def flex_moda(
     B, Hq, Tq, D = q.shape
     Hk, Tk, L = k.shape[1], k.shape[2], depth_k.shape[3]
     G = Hq // Hk
+    # A visited block multiplies its masked entries by zero, and 0 * NaN = NaN:
+    # run on zeroed copies, then mark NaN the rows that see a non-finite entry.
+    q, q_bad = nonfinite.zero_nonfinite(q)  # (B, Hq, Tq, D), (B, Hq, Tq)
+    k, k_bad = nonfinite.zero_nonfinite(k)  # (B, Hk, Tk, D), (B, Hk, Tk)
+    v, v_bad = nonfinite.zero_nonfinite(v)
+    depth_k, depth_k_bad = nonfinite.zero_nonfinite(depth_k)  # (B, Hk, Tq, L, D), (B, Hk, Tq, L)
+    depth_v, depth_v_bad = nonfinite.zero_nonfinite(depth_v)
     block_mask = moda_block_mask(variant, batch=B, kv_heads=Hk, q_len=Tq, kv_len=Tk, groups=G, slots=L, device=q.device)
     kv_pad = block_mask.seq_lengths[1] - Tq * L - Tk
 
@@ -85,12 +114,52 @@ def flex_moda(
     keys = torch.cat([k, pad, depth_k.reshape(B, Hk, Tq * L, D)], dim=2)  # (B, Hk, Tk_pad + Tq*L, D)
     values = torch.cat([v, pad, depth_v.reshape(B, Hk, Tq * L, D)], dim=2)
 
+    rows, keys, values = _FirstOrderOnly.apply(rows, keys, values)
     out, lse = _run_flex(rows, keys, values, block_mask, scale, compiled, return_lse)
     out = out.view(B, Hk, Tq, G, D).transpose(2, 3).reshape(B, Hq, Tq, D)  # (B, Hq, Tq, D)
-    if not return_lse:
-        return out
-    lse = lse.view(B, Hk, Tq, G).transpose(2, 3).reshape(B, Hq, Tq)  # (B, Hq, Tq)
-    return out, lse.float()
+    if return_lse:
+        lse = lse.view(B, Hk, Tq, G).transpose(2, 3).reshape(B, Hq, Tq).float()  # (B, Hq, Tq)
+    seen = _rows_seeing_nonfinite(variant, q_bad, k_bad | v_bad, depth_k_bad | depth_v_bad)  # (B, Hq, Tq)
+    out, lse = nonfinite.mark_rows(out, lse, seen)
+    return (out, lse) if return_lse else out
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Identity on FlexAttention's inputs that refuses a backward pass building a graph.
+
+    FlexAttention's gradients are not differentiable: under ``create_graph=True``
+    they would come back without a graph and second derivatives would be
+    silently missing.
+    """
+
+    @staticmethod
+    def forward(*tensors: Tensor) -> tuple:
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor) -> tuple:
+        # Grad mode is on in a backward pass exactly under create_graph=True.
+        if torch.is_grad_enabled():
+            raise NotImplementedError(
+                "backend 'flex' has no second derivative (backward with create_graph=True, e.g. a gradient "
+                "penalty): use backend='reference', which has one"
+            )
+        return grads
+
+
+def _rows_seeing_nonfinite(variant: Variant, q_bad: Tensor, key_bad: Tensor, slot_bad: Tensor) -> Tensor:
+    """Rows (B, Hq, Tq) that see a non-finite entry: from the structure's spans, else densely."""
+    structure = variant.structure
+    if structure is not None and structure.keys_contiguous:
+        return nonfinite.rows_seeing(structure, q_bad, key_bad, slot_bad)
+    B, Hq, Tq = q_bad.shape
+    Tk, L = key_bad.shape[2], slot_bad.shape[3]
+    seq_visible, depth_visible = visible_entries(variant, B, Hq, Tq, Tk, L, q_bad.device)
+    return nonfinite.rows_seeing_dense(seq_visible, depth_visible, q_bad, key_bad, slot_bad, variant.own_depth_only)
 
 
 def _run_flex(rows, keys, values, block_mask, scale, compiled, return_lse):
@@ -154,30 +223,31 @@ def moda_block_mask(
     """The BlockMask of ``variant`` over folded rows and ``[sequence | depth]`` columns.
 
     Rows: ``q_len * groups``; columns: ``kv_len`` rounded up to ``BLOCK``, then
-    ``q_len * slots`` depth entries. Built structurally (and cached per shape)
-    when the variant has a structure, densely otherwise.
+    ``q_len * slots`` depth entries. Built structurally (and cached per
+    structure and shape) when every query's keys form one interval, densely
+    otherwise.
     """
     device = torch.device(device)
     structure = variant.structure
-    if structure is None:
+    if structure is None or not structure.keys_contiguous:
         lengths = (q_len * groups, _round_up(kv_len, BLOCK) + q_len * slots)
         mask_mod = _mask_mod(variant, q_len, kv_len, groups, slots, device)
         return create_block_mask(mask_mod, batch, kv_heads, *lengths, device=device, BLOCK_SIZE=BLOCK)
-    key = (variant.name, q_len, kv_len, groups, slots, str(device))
-    # Document ids are data, not shape: such masks are built every time.
-    block_mask = _BLOCK_MASK_CACHE.pop(key, None) if structure.doc_ids is None else None
+    key = (structure, q_len, kv_len, groups, slots, str(device))
+    block_mask = _BLOCK_MASK_CACHE.pop(key, None)
     if block_mask is None:
         mask_mod = _mask_mod(variant, q_len, kv_len, groups, slots, device)
         block_mask = _structural_block_mask(structure, q_len, kv_len, groups, slots, device, mask_mod)
-    if structure.doc_ids is None:
-        _BLOCK_MASK_CACHE[key] = block_mask  # most recently used last
-        while len(_BLOCK_MASK_CACHE) > _BLOCK_MASK_CACHE_SIZE:
-            _BLOCK_MASK_CACHE.pop(next(iter(_BLOCK_MASK_CACHE)))
+    _BLOCK_MASK_CACHE[key] = block_mask  # most recently used last
+    while len(_BLOCK_MASK_CACHE) > _BLOCK_MASK_CACHE_SIZE:
+        _BLOCK_MASK_CACHE.pop(next(iter(_BLOCK_MASK_CACHE)))
     return block_mask
 
 
-# Built-in variants are named by their parameters, so a structured variant's
-# name and the shape determine its block mask.
+# A structure states its masks exactly (documents compare by identity), so
+# the structure and the shape determine the block mask, whatever the
+# variant's name; the entry keeps its documents alive, so no other ids can
+# take their identity.
 _BLOCK_MASK_CACHE: dict = {}
 _BLOCK_MASK_CACHE_SIZE = 16
 
@@ -230,14 +300,13 @@ def _structural_block_mask(
     # FlexAttention's kernels take the width of an index list for the number
     # of blocks on the other side, so the lists span the whole block grid.
     kv_width, q_width = seq_blocks + depth_blocks, q_blocks
-    offset = kv_len - q_len
 
     # First and last query token of every block of folded rows.
     block_idx = torch.arange(q_blocks, device=device)
     first = (block_idx * BLOCK) // groups
     last = torch.clamp((block_idx + 1) * BLOCK - 1, max=rows - 1) // groups
 
-    lo, hi = _sequence_intervals(structure, q_len, kv_len, device)  # (Bm, Tq) each
+    lo, hi = structure.key_spans(q_len, kv_len, device)  # (Bm, Tq) each
     bm = lo.shape[0]
     first_b, last_b = first.expand(bm, -1), last.expand(bm, -1)
     union_lo, union_hi = lo.gather(1, first_b), hi.gather(1, last_b)  # (Bm, NQ)
@@ -262,7 +331,7 @@ def _structural_block_mask(
 
     # Depth columns of a row block: the chunk-packed span of its tokens.
     if slots > 0:
-        d_lo, d_hi, slot_lo = _depth_spans(structure, q_len, slots, offset, device)  # (Tq,), (Tq,), int
+        d_lo, d_hi, slot_lo = structure.depth_spans(q_len, kv_len, slots, device)  # (Tq,), (Tq,), int
         col_lo = d_lo[first] * slots + slot_lo
         col_hi = d_hi[last] * slots + slots - 1
         depth_lo = (seq_blocks + col_lo // BLOCK).expand(bm, -1)
@@ -322,57 +391,6 @@ def _structural_block_mask(
         BLOCK_SIZE=(BLOCK, BLOCK),
         mask_mod=mask_mod,
     )
-
-
-def _sequence_intervals(structure: Structure, q_len: int, kv_len: int, device):
-    """Per query token, the visible keys ``[lo, hi]`` (empty when lo > hi): (Bm, Tq) each."""
-    pos = kv_len - q_len + torch.arange(q_len, device=device)  # absolute positions
-    lo = torch.zeros_like(pos)
-    hi = torch.full_like(pos, kv_len - 1)
-    if not structure.sequence:
-        return lo.unsqueeze(0), (lo - 1).unsqueeze(0)
-    if structure.causal:
-        hi = torch.minimum(hi, pos)
-    if structure.window is not None:
-        lo = torch.maximum(lo, pos - structure.window + 1)
-    lo, hi = lo.unsqueeze(0), hi.unsqueeze(0)
-    if structure.doc_ids is not None:
-        start, end = _document_runs(structure.doc_ids, kv_len)  # (Bm, Tk)
-        lo = torch.maximum(lo, start[:, pos])
-        hi = torch.minimum(hi, end[:, pos])
-    return lo, hi
-
-
-def _document_runs(doc_ids: Tensor, kv_len: int):
-    """First and last position of the run each position belongs to: (Bm, Tk) each."""
-    if doc_ids.shape[1] != kv_len:
-        raise ValueError(f"doc_ids must have Tk={kv_len} positions, got shape {tuple(doc_ids.shape)}")
-    pos = torch.arange(kv_len, device=doc_ids.device).expand_as(doc_ids)
-    new_run = torch.ones_like(doc_ids, dtype=torch.bool)
-    new_run[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    start = torch.where(new_run, pos, 0).cummax(dim=1).values
-    ends_run = torch.ones_like(new_run)
-    ends_run[:, :-1] = new_run[:, 1:]
-    end = torch.where(ends_run, pos, kv_len).flip(1).cummin(dim=1).values.flip(1)
-    # The structure is exact only if no document id comes back after its run ends.
-    runs = new_run.sum(dim=1)
-    distinct = torch.tensor([row.unique().numel() for row in doc_ids], device=doc_ids.device)
-    if bool((runs != distinct).any()):
-        raise ValueError("document() needs each document to be one contiguous run of positions")
-    return start, end
-
-
-def _depth_spans(structure: Structure, q_len: int, slots: int, offset: int, device):
-    """Per query token, the first and last token index whose depth it reads, and the first visible slot."""
-    t = torch.arange(q_len, device=device)
-    if structure.depth_chunk is None:
-        d_lo = t
-    else:
-        chunk = structure.depth_chunk
-        # Chunks are of absolute positions; depth exists only for query tokens.
-        d_lo = (((t + offset) // chunk) * chunk - offset).clamp(min=0)
-    slot_lo = 0 if structure.depth_window is None else max(0, slots - structure.depth_window)
-    return d_lo, t, slot_lo
 
 
 def _concat_ranges(ranges, min_width: int):

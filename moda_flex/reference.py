@@ -11,6 +11,9 @@ Vectorized over every axis (no Python loop over tokens), float64-capable.
 When a variant reads only each token's own depth (all built-ins but
 ``chunk_depth``), the depth logits are the compact (Tq, L) products; otherwise
 the depth predicate is evaluated densely over every (token, slot) pair.
+
+A NaN or Inf reaches only the rows that see it: such a row returns NaN, every
+other row is exact (:mod:`moda_flex.nonfinite`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .nonfinite import mark_rows, rows_seeing_dense, zero_nonfinite
 from .variants import Variant
 
 
@@ -56,6 +60,34 @@ def attention_probabilities(
     return probs
 
 
+def visible_entries(
+    variant: Variant, batch: int, q_heads: int, q_len: int, kv_len: int, slots: int, device
+) -> tuple[Tensor, Tensor]:
+    """Which sequence keys and depth slots each row sees, by the variant's predicates.
+
+    Returns:
+        (B, Hq, Tq, Tk) bool over sequence keys; over depth slots (B, Hq, Tq, L)
+        when the variant reads only each token's own depth (column ``l`` is the
+        row's own slot ``l``), else (B, Hq, Tq, Tq * L) over (token, slot).
+    """
+    B, Hq, Tq, Tk, L = batch, q_heads, q_len, kv_len, slots
+    b = torch.arange(B, device=device).view(B, 1, 1, 1)
+    h = torch.arange(Hq, device=device).view(1, Hq, 1, 1)
+    q_pos = (Tk - Tq + torch.arange(Tq, device=device)).view(1, 1, Tq, 1)
+    k_pos = torch.arange(Tk, device=device).view(1, 1, 1, Tk)
+    slot = torch.arange(L, device=device)
+    depth_allowed = variant.depth_predicate(L)
+    seq_visible = variant.sequence(b, h, q_pos, k_pos).expand(B, Hq, Tq, Tk)
+    if variant.own_depth_only:
+        depth_visible = depth_allowed(b, h, q_pos, q_pos, slot.view(1, 1, 1, L)).expand(B, Hq, Tq, L)
+    else:
+        # Every token's depth slots, flattened (token, slot) -> token * L + slot.
+        d_pos = (Tk - Tq + torch.arange(Tq, device=device)).repeat_interleave(L).view(1, 1, 1, Tq * L)
+        depth_visible = depth_allowed(b, h, q_pos, d_pos, slot.repeat(Tq).view(1, 1, 1, Tq * L))
+        depth_visible = depth_visible.expand(B, Hq, Tq, Tq * L)
+    return seq_visible, depth_visible
+
+
 def _attention(q, k, v, depth_k, depth_v, variant: Variant, scale: float):
     """out (B, Hq, Tq, D), probabilities (B, Hq, Tq, N) and lse (B, Hq, Tq), in the compute dtype."""
     B, Hq, Tq, D = q.shape
@@ -63,36 +95,31 @@ def _attention(q, k, v, depth_k, depth_v, variant: Variant, scale: float):
     G = Hq // Hk
     compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     q, k, v, depth_k, depth_v = (t.to(compute_dtype) for t in (q, k, v, depth_k, depth_v))
+    # A NaN or Inf must reach only the rows that see it, and a zero weight
+    # times NaN is NaN: compute on zeroed copies, then mark those rows NaN
+    # (moda_flex.nonfinite).
+    q, q_bad = zero_nonfinite(q)  # (B, Hq, Tq, D), (B, Hq, Tq)
+    k, k_bad = zero_nonfinite(k)  # (B, Hk, Tk, D), (B, Hk, Tk)
+    v, v_bad = zero_nonfinite(v)
+    depth_k, depth_k_bad = zero_nonfinite(depth_k)  # (B, Hk, Tq, L, D), (B, Hk, Tq, L)
+    depth_v, depth_v_bad = zero_nonfinite(depth_v)
 
     # Query head h reads KV head h // G: repeat each KV head G times.
     k = k.repeat_interleave(G, dim=1)  # (B, Hq, Tk, D)
     v = v.repeat_interleave(G, dim=1)  # (B, Hq, Tk, D)
     depth_k = depth_k.repeat_interleave(G, dim=1)  # (B, Hq, Tq, L, D)
     depth_v = depth_v.repeat_interleave(G, dim=1)  # (B, Hq, Tq, L, D)
-
-    device = q.device
-    b = torch.arange(B, device=device).view(B, 1, 1, 1)
-    h = torch.arange(Hq, device=device).view(1, Hq, 1, 1)
-    q_pos = (Tk - Tq + torch.arange(Tq, device=device)).view(1, 1, Tq, 1)
-    k_pos = torch.arange(Tk, device=device).view(1, 1, 1, Tk)
-    slot = torch.arange(L, device=device)
-    depth_allowed = variant.depth_predicate(L)
+    seq_visible, depth_visible = visible_entries(variant, B, Hq, Tq, Tk, L, q.device)
 
     seq_logits = scale * q @ k.transpose(-1, -2)  # (B, Hq, Tq, Tk)
-    seq_visible = variant.sequence(b, h, q_pos, k_pos).expand(B, Hq, Tq, Tk)
-
     if variant.own_depth_only:
         # Token i's own depth slots: a (Tq, L) block of logits.
         depth_logits = scale * torch.einsum("bhtd,bhtld->bhtl", q, depth_k)  # (B, Hq, Tq, L)
-        depth_visible = depth_allowed(b, h, q_pos, q_pos, slot.view(1, 1, 1, L))
     else:
         # Every token's depth slots, flattened (token, slot) -> token * L + slot.
         depth_k = depth_k.reshape(B, Hq, Tq * L, D)
         depth_v = depth_v.reshape(B, Hq, Tq * L, D)
         depth_logits = scale * q @ depth_k.transpose(-1, -2)  # (B, Hq, Tq, Tq*L)
-        d_pos = (Tk - Tq + torch.arange(Tq, device=device)).repeat_interleave(L).view(1, 1, 1, Tq * L)
-        depth_visible = depth_allowed(b, h, q_pos, d_pos, slot.repeat(Tq).view(1, 1, 1, Tq * L))
-    depth_visible = depth_visible.expand(depth_logits.shape)
 
     logits = torch.cat([seq_logits, depth_logits], dim=-1)  # (B, Hq, Tq, N)
     visible = torch.cat([seq_visible, depth_visible], dim=-1)
@@ -100,8 +127,11 @@ def _attention(q, k, v, depth_k, depth_v, variant: Variant, scale: float):
 
     # Softmax that gives zeros (not NaN) for a row with no visible key, in
     # value and gradient: shift by a detached finite max, divide by a safe sum.
-    row_max = logits.amax(dim=-1, keepdim=True).detach()
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    if logits.shape[-1] > 0:
+        row_max = logits.amax(dim=-1, keepdim=True).detach()
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    else:  # Tk = L = 0 (so Tq = 0): nothing to reduce
+        row_max = logits.new_zeros(*logits.shape[:-1], 1)
     weights = torch.exp(logits - row_max)
     total = weights.sum(dim=-1, keepdim=True)
     probs = weights / torch.where(total > 0, total, torch.ones_like(total))
@@ -113,4 +143,10 @@ def _attention(q, k, v, depth_k, depth_v, variant: Variant, scale: float):
         out = out + torch.einsum("bhtl,bhtld->bhtd", depth_probs, depth_v)
     else:
         out = out + depth_probs @ depth_v
+
+    seen = rows_seeing_dense(
+        seq_visible, depth_visible, q_bad, k_bad | v_bad, depth_k_bad | depth_v_bad, variant.own_depth_only
+    )  # (B, Hq, Tq)
+    out, lse = mark_rows(out, lse, seen)
+    probs, _ = mark_rows(probs, None, seen)
     return out, probs, lse

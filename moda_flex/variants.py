@@ -16,12 +16,18 @@ window) are built per call by :meth:`Variant.depth_predicate`.
 Built-ins also carry a :class:`Structure`: what block-sparse backends may rely
 on to skip work without evaluating the predicates densely. A variant without a
 structure (a user's own) still runs on ``reference`` and ``flex``.
+
+Predicates must return bool tensors; a variant checks this on every call and
+names itself and the predicate otherwise. Arguments are validated where the
+variant is made; document ids are also prepared there, once
+(:class:`Documents`), and checked against each call's batch and length.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+import functools
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -31,16 +37,102 @@ DepthPredicate = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class Documents:
+    """Document ids of packed sequences, prepared once where the variant is made.
+
+    Build with :meth:`from_ids`. Compared and hashed by identity, so a block
+    mask cached for one set of ids is never served for another.
+
+    Attributes:
+        ids: (Bd, Tk) int32, each row's ids renumbered ``0, 1, ...`` in sorted
+            order: equal ids stay equal and distinct ids stay distinct, whatever
+            the caller's dtype (``0`` and ``2**32`` are two documents).
+        start: (Bd, Tk) int32, the first position of the run of equal ids that
+            holds each position.
+        end: (Bd, Tk) int32, one past the last position of that run.
+        contiguous: every document is one run of positions; then ``[start,
+            end)`` is a position's whole document.
+    """
+
+    ids: Tensor
+    start: Tensor
+    end: Tensor
+    contiguous: bool
+
+    @classmethod
+    def from_ids(cls, doc_ids: Tensor) -> "Documents":
+        """Validate ``doc_ids``, (B, Tk) or (Tk,) integer ids, and compute its runs."""
+        if not isinstance(doc_ids, Tensor):
+            raise ValueError(
+                f"doc_ids must be an integer tensor of shape (B, Tk) or (Tk,), got {type(doc_ids).__name__}"
+            )
+        integer = not (doc_ids.is_floating_point() or doc_ids.is_complex() or doc_ids.dtype == torch.bool)
+        if not integer or doc_ids.dim() not in (1, 2):
+            raise ValueError(
+                f"doc_ids must be an integer tensor of shape (B, Tk) or (Tk,), got {doc_ids.dtype} of shape "
+                f"{tuple(doc_ids.shape)}"
+            )
+        ids = doc_ids if doc_ids.dim() == 2 else doc_ids.unsqueeze(0)  # (Bd, Tk)
+        ranks, distinct = _dense_ranks(ids)
+        start, end = document_runs(ranks)
+        runs = (start == torch.arange(ids.shape[1], device=ids.device)).sum(dim=1)  # (Bd,)
+        return cls(ranks, start, end, bool((runs == distinct).all()))
+
+    def check(self, batch: int, kv_len: int) -> None:
+        """Raise ValueError unless the ids fit a call with ``batch`` rows and ``kv_len`` keys."""
+        rows, length = self.ids.shape
+        if length != kv_len or rows not in (1, batch):
+            raise ValueError(
+                f"doc_ids must have shape (B, Tk) or (1, Tk) for inputs with B={batch}, Tk={kv_len}; "
+                f"got doc_ids of shape {(rows, length)}"
+            )
+
+
+def _dense_ranks(ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Each row's ids renumbered by rank among its distinct values: (Bd, Tk) int32, and the count per row (Bd,)."""
+    sorted_ids, order = ids.sort(dim=1)
+    new_value = torch.ones_like(sorted_ids, dtype=torch.bool)
+    new_value[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
+    sorted_ranks = new_value.cumsum(dim=1, dtype=torch.int32) - 1
+    ranks = torch.empty_like(sorted_ranks).scatter_(1, order, sorted_ranks)
+    return ranks, new_value.sum(dim=1)
+
+
+def document_runs(ids: Tensor) -> tuple[Tensor, Tensor]:
+    """The run of equal ids that holds each position: its first position and one past its last.
+
+    Args:
+        ids: (Bd, Tk) integer ids.
+
+    Returns:
+        start, end: (Bd, Tk) int32, contiguous in memory.
+    """
+    rows, length = ids.shape
+    pos = torch.arange(length, device=ids.device, dtype=torch.int32).expand(rows, length)
+    starts_run = torch.ones_like(ids, dtype=torch.bool)
+    starts_run[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    start = torch.where(starts_run, pos, 0).cummax(dim=1).values
+    ends_run = torch.ones_like(starts_run)
+    ends_run[:, :-1] = starts_run[:, 1:]
+    end = torch.where(ends_run, pos + 1, length).flip(1).cummin(dim=1).values.flip(1)
+    return start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
+
+
+@dataclasses.dataclass(frozen=True)
 class Structure:
-    """What a variant promises about its masks, for block-sparse backends.
+    """What a variant promises about its masks, exactly, for block-sparse backends.
+
+    Backends skip and fill whole blocks from these promises without evaluating
+    the predicates there, so they must describe the masks exactly; the flex
+    backend also shares one block mask among variants of equal structure.
+    Structures compare by value (documents by identity).
 
     Attributes:
         causal: keys satisfy ``k_pos <= q_pos``.
         window: if set, keys also satisfy ``k_pos > q_pos - window``.
         sequence: ``False`` when no sequence key is visible (depth-only).
-        doc_ids: if set, (B, Tk) integer ids by absolute position; a key is
-            visible only if its id equals the query's. Each document must be
-            one contiguous run of positions for the block structure to hold.
+        documents: if set, a key is visible only if its document id equals the
+            query's (see :class:`Documents`).
         depth_chunk: ``None``: a query reads only its own token's depth.
             ``C``: it reads the depth of earlier-or-same tokens in its chunk
             of ``C`` positions.
@@ -51,7 +143,7 @@ class Structure:
     causal: bool = False
     window: Optional[int] = None
     sequence: bool = True
-    doc_ids: Optional[Tensor] = None
+    documents: Optional[Documents] = None
     depth_chunk: Optional[int] = None
     depth_window: Optional[int] = None
 
@@ -64,13 +156,13 @@ class Structure:
             depth_chunk = self.depth_chunk
         else:
             return None
-        if self.doc_ids is not None and other.doc_ids is not None:
+        if self.documents is not None and other.documents is not None:
             return None
         return Structure(
             causal=self.causal or other.causal,
             window=_min_optional(self.window, other.window),
             sequence=self.sequence and other.sequence,
-            doc_ids=self.doc_ids if self.doc_ids is not None else other.doc_ids,
+            documents=self.documents if self.documents is not None else other.documents,
             depth_chunk=depth_chunk,
             depth_window=_min_optional(self.depth_window, other.depth_window),
         )
@@ -78,6 +170,63 @@ class Structure:
     @property
     def own_depth_only(self) -> bool:
         return self.depth_chunk is None
+
+    @property
+    def doc_ids(self) -> Optional[Tensor]:
+        """The dense int32 document ids (Bd, Tk), or None without documents."""
+        return None if self.documents is None else self.documents.ids
+
+    @property
+    def keys_contiguous(self) -> bool:
+        """Every query's visible keys form one interval, :meth:`key_spans` (not so for documents split into runs)."""
+        return self.documents is None or self.documents.contiguous
+
+    def key_spans(self, q_len: int, kv_len: int, device) -> tuple[Tensor, Tensor]:
+        """Per query token, its visible keys ``[lo, hi]`` (none when ``lo > hi``).
+
+        Both ends never decrease with the token, and ``0 <= lo``, ``-1 <= hi < kv_len``.
+
+        Returns:
+            lo, hi: (Bd, Tq) int64, Bd the rows of the document ids (else 1).
+        """
+        if not self.keys_contiguous:
+            raise ValueError("key_spans needs every document to be one contiguous run of positions")
+        pos = kv_len - q_len + torch.arange(q_len, device=device)  # absolute positions
+        lo = torch.zeros_like(pos)
+        hi = torch.full_like(pos, kv_len - 1)
+        if not self.sequence:
+            return lo.unsqueeze(0), (lo - 1).unsqueeze(0)
+        if self.causal:
+            hi = torch.minimum(hi, pos)
+        if self.window is not None:
+            lo = torch.maximum(lo, pos - self.window + 1)
+        lo, hi = lo.unsqueeze(0), hi.unsqueeze(0)
+        if self.documents is not None:
+            if self.documents.ids.shape[1] != kv_len:
+                raise ValueError(
+                    f"doc_ids must have Tk={kv_len} positions, got shape {tuple(self.documents.ids.shape)}"
+                )
+            start, end = (t.to(device) for t in (self.documents.start, self.documents.end))
+            lo = torch.maximum(lo, start[:, pos])
+            hi = torch.minimum(hi, end[:, pos] - 1)
+        return lo, hi
+
+    def depth_spans(self, q_len: int, kv_len: int, slots: int, device) -> tuple[Tensor, Tensor, int]:
+        """Per query token ``t``, the tokens ``[d_lo, d_hi]`` whose depth slots ``slot_lo .. L-1`` it reads.
+
+        Returns:
+            d_lo, d_hi: (Tq,) int64 query-token indices (``d_hi`` is ``t``), and
+            slot_lo, the first visible slot.
+        """
+        t = torch.arange(q_len, device=device)
+        if self.depth_chunk is None:
+            d_lo = t
+        else:
+            chunk, offset = self.depth_chunk, kv_len - q_len
+            # Chunks are of absolute positions; depth exists only for query tokens.
+            d_lo = (((t + offset) // chunk) * chunk - offset).clamp(min=0)
+        slot_lo = 0 if self.depth_window is None else max(0, slots - self.depth_window)
+        return d_lo, t, slot_lo
 
 
 def _min_optional(a: Optional[int], b: Optional[int]) -> Optional[int]:
@@ -105,6 +254,8 @@ class Variant:
             that depend on the number of slots.
         structure: what block-sparse backends may rely on; leave None for a
             variant of your own (it then runs on ``reference`` and ``flex``).
+        documents: the :class:`Documents` the predicates read; each call checks
+            that they fit its batch and length (:meth:`check_fits`).
 
     ``a & b`` and ``a | b`` compose both predicates elementwise.
     """
@@ -117,20 +268,27 @@ class Variant:
         *,
         depth_for_slots: Optional[Callable[[int], DepthPredicate]] = None,
         structure: Optional[Structure] = None,
+        documents: Sequence[Documents] = (),
     ):
         if depth is not None and depth_for_slots is not None:
             raise ValueError(f"variant {name!r}: pass depth or depth_for_slots, not both")
         self.name = name
-        self.sequence = sequence
-        self._depth = depth if depth is not None else own_token
+        self.sequence = _checked(name, "sequence", sequence)
+        self._depth = _checked(name, "depth", depth if depth is not None else own_token)
         self._depth_for_slots = depth_for_slots
         self.structure = structure
+        self.documents = tuple(documents)
 
     def depth_predicate(self, num_slots: int) -> DepthPredicate:
         """The depth predicate for calls with ``L = num_slots`` depth slots."""
         if self._depth_for_slots is not None:
-            return self._depth_for_slots(num_slots)
+            return _checked(self.name, "depth", self._depth_for_slots(num_slots))
         return self._depth
+
+    def check_fits(self, batch: int, kv_len: int) -> None:
+        """Raise ValueError unless the variant's data (document ids) fits ``batch`` rows and ``kv_len`` keys."""
+        for documents in self.documents:
+            documents.check(batch, kv_len)
 
     @property
     def own_depth_only(self) -> bool:
@@ -143,11 +301,46 @@ class Variant:
     def __or__(self, other: "Variant") -> "Variant":
         return _combine(self, other, "|", torch.logical_or)
 
+    def __rand__(self, other):
+        # Reached only when the left operand is not a Variant: ``"full" & causal()``.
+        raise _operand_error(other, "&", self)
+
+    def __ror__(self, other):
+        raise _operand_error(other, "|", self)
+
     def __repr__(self) -> str:
         return f"Variant({self.name})"
 
 
+def _checked(variant: str, role: str, predicate: Callable) -> Callable:
+    """``predicate``, failing with a clear error unless it returns a bool tensor."""
+
+    @functools.wraps(predicate)
+    def checked(*args):
+        mask = predicate(*args)
+        if not (isinstance(mask, Tensor) and mask.dtype == torch.bool):
+            got = f"a {mask.dtype} tensor" if isinstance(mask, Tensor) else f"{type(mask).__name__} {mask!r}"
+            name = getattr(predicate, "__name__", repr(predicate))
+            raise TypeError(
+                f"variant {variant!r}: its {role} predicate {name} must return a bool tensor of the broadcast "
+                f"argument shape, got {got}; compare tensors (k_pos <= q_pos) or use torch.ones_like(q_pos == k_pos)"
+            )
+        return mask
+
+    return checked
+
+
+def _operand_error(other, symbol: str, variant: Variant) -> TypeError:
+    return TypeError(
+        f"{symbol} combines two Variants, got {other!r} ({type(other).__name__}) with {variant!r}; "
+        f"build the other operand with its factory, e.g. moda_flex.full() for 'full'"
+    )
+
+
 def _combine(a: Variant, b: Variant, symbol: str, op) -> Variant:
+    if not isinstance(b, Variant):
+        raise _operand_error(b, symbol, a)
+
     def sequence(bi, h, q_pos, k_pos):
         return op(a.sequence(bi, h, q_pos, k_pos), b.sequence(bi, h, q_pos, k_pos))
 
@@ -168,6 +361,7 @@ def _combine(a: Variant, b: Variant, symbol: str, op) -> Variant:
         sequence,
         depth_for_slots=depth_for_slots,
         structure=structure,
+        documents=a.documents + b.documents,
     )
 
 
@@ -247,16 +441,16 @@ def depth_only() -> Variant:
 def document(doc_ids: Tensor) -> Variant:
     """Keys of the query's own document only (packed sequences); combine with ``causal()``.
 
+    A document is every position with its id, wherever those positions sit:
+    one split into several runs is still one document (the ``triton`` backend
+    refuses such ids; ``reference`` and ``flex`` compute them).
+
     Args:
-        doc_ids: (B, Tk) or (Tk,) integer document id of every absolute position.
-            Each document should be one contiguous run of positions.
+        doc_ids: (B, Tk) or (Tk,) integer document id of every absolute
+            position; each call checks ``Tk`` and ``B`` (or 1) against its inputs.
     """
-    if not isinstance(doc_ids, Tensor) or doc_ids.dim() not in (1, 2) or doc_ids.is_floating_point():
-        raise ValueError(
-            f"doc_ids must be an integer tensor of shape (B, Tk) or (Tk,), got "
-            f"{getattr(doc_ids, 'shape', type(doc_ids))}"
-        )
-    ids = doc_ids if doc_ids.dim() == 2 else doc_ids.unsqueeze(0)  # (B or 1, Tk)
+    documents = Documents.from_ids(doc_ids)
+    ids = documents.ids  # (Bd, Tk) int32
     last = ids.shape[1] - 1
 
     def sequence(b, h, q_pos, k_pos):
@@ -265,7 +459,7 @@ def document(doc_ids: Tensor) -> Variant:
         # Clamp so that padded positions a kernel may probe never index out of range.
         return on_device[row, q_pos.clamp(0, last)] == on_device[row, k_pos.clamp(0, last)]
 
-    return Variant("document", sequence, structure=Structure(doc_ids=ids))
+    return Variant("document", sequence, structure=Structure(documents=documents), documents=(documents,))
 
 
 def _check_positive(name: str, value: int) -> None:

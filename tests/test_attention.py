@@ -1,6 +1,8 @@
 """The contract of moda_attention: properties that need no second implementation, and input checks."""
 
 import math
+import os
+import pathlib
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from moda_flex.testing import MoDAShape, make_inputs, moda_shapes
 from budget import examples
 
 BACKENDS = ["reference", "flex"]
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _bottom_right_causal(q_len, kv_len):
@@ -181,3 +184,156 @@ def test_bad_input_raises_value_error_naming_the_problem(case):
 def test_bad_options_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         moda_attention(**_good(), **kwargs)
+
+
+def _available_backends():
+    """The backends that run here: triton only with its package and a device (or the interpreter)."""
+    names = ["auto", "reference", "flex"]
+    try:
+        from moda_flex.triton import unsupported_reason
+    except ImportError:
+        return names
+    if unsupported_reason(torch.zeros(1, 1, 1, 16), moda_flex.causal()) is None:
+        names.append("triton")
+    return names
+
+
+@pytest.mark.parametrize("backend", _available_backends())
+@pytest.mark.parametrize(
+    "shape",
+    [(0, 2, 1, 3, 5, 2), (1, 0, 1, 3, 5, 2), (2, 4, 2, 0, 5, 2), (1, 2, 1, 0, 0, 0), (1, 2, 1, 0, 0, 3)],
+    ids=["B0", "Hq0", "Tq0", "Tk0", "Tk0-L3"],
+)
+def test_empty_inputs_give_empty_results_with_a_backward(backend, shape):
+    B, Hq, Hk, Tq, Tk, L = shape
+    inputs = {
+        "q": torch.randn(B, Hq, Tq, 16),
+        "k": torch.randn(B, Hk, Tk, 16),
+        "v": torch.randn(B, Hk, Tk, 16),
+        "depth_k": torch.randn(B, Hk, Tq, L, 16),
+        "depth_v": torch.randn(B, Hk, Tq, L, 16),
+    }
+    for t in inputs.values():
+        t.requires_grad_()
+    out, lse = moda_attention(**inputs, backend=backend, return_lse=True)
+    assert out.shape == (B, Hq, Tq, 16) and lse.shape == (B, Hq, Tq) and lse.dtype == torch.float32
+    out.sum().backward()
+    for name, t in inputs.items():
+        assert t.grad is not None and t.grad.shape == t.shape and not t.grad.any(), name
+
+
+@pytest.mark.parametrize("backend", _available_backends())
+def test_zero_head_dim_is_refused(backend):
+    inputs = make_inputs(MoDAShape(1, 2, 1, 3, 5, 2, 1), requires_grad=False)
+    inputs = {name: t[..., :0] for name, t in inputs.items()}
+    with pytest.raises(ValueError, match=r"head dim D >= 1, got q \(1, 2, 3, 0\)"):
+        moda_attention(**inputs, backend=backend)
+
+
+@pytest.mark.parametrize(
+    "scale, error, message",
+    [
+        ([0.5], TypeError, r"scale must be a real number \(float or int\), got list \[0.5\]"),
+        ("0.5", TypeError, r"scale must be a real number \(float or int\), got str '0.5'"),
+        (True, TypeError, r"got bool True"),
+        (torch.tensor(0.5), TypeError, r"scale must be a real number, got a tensor \(\) of torch.float32"),
+        (torch.tensor(0.5, requires_grad=True), TypeError, r"multiply q by it"),
+        (0.0, ValueError, r"scale must be finite and > 0, got 0.0"),
+        (-1, ValueError, r"scale must be finite and > 0, got -1"),
+        (float("nan"), ValueError, r"got nan"),
+        (float("inf"), ValueError, r"got inf"),
+    ],
+)
+def test_bad_scale_is_named(scale, error, message):
+    with pytest.raises(error, match=message):
+        moda_attention(**_good(), scale=scale)
+
+
+def test_scale_accepts_real_numbers():
+    import numpy as np
+
+    inputs = _good()
+    expected = moda_attention(**inputs, scale=0.5)
+    for scale in (np.float32(0.5), np.float64(0.5), 0.5):
+        torch.testing.assert_close(moda_attention(**inputs, scale=scale), expected)
+    torch.testing.assert_close(moda_attention(**inputs, scale=2), moda_attention(**inputs, scale=2.0))
+
+
+@pytest.mark.parametrize("backend", _available_backends())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_autocast_returns_what_sdpa_returns(backend, dtype, autocast_dtype):
+    if backend == "triton" and dtype == torch.float64:
+        pytest.skip("the triton kernel has no float64")
+    inputs = make_inputs(MoDAShape(1, 2, 1, 3, 5, 2, 16), dtype=dtype, requires_grad=False)
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        expected = F.scaled_dot_product_attention(inputs["q"], inputs["k"], inputs["v"], enable_gqa=True)
+        out, lse = moda_attention(**inputs, backend=backend, return_lse=True)
+    assert out.dtype == expected.dtype and lse.dtype == torch.float32
+    exact = moda_attention(**{name: t.to(expected.dtype) for name, t in inputs.items()}, backend=backend)
+    torch.testing.assert_close(out, exact)
+
+
+@pytest.mark.parametrize(
+    "q_shape, k_shape",
+    [((1, 5, 8, 16), (1, 5, 2, 16)), ((1, 1, 8, 16), (1, 9, 2, 16)), ((2, 1, 4, 8), (2, 7, 4, 8))],
+    ids=["prefill", "decode", "mha-decode"],
+)
+def test_transposed_layout_is_pointed_out(q_shape, k_shape):
+    q, k = torch.randn(q_shape), torch.randn(k_shape)
+    with pytest.raises(ValueError, match=r"look like \(B, T, H, D\).*transpose\(1, 2\)"):
+        moda_attention(q, k, k)
+
+
+def test_no_layout_hint_for_a_plain_length_mistake():
+    q, k = torch.randn(1, 8, 5, 16), torch.randn(1, 2, 3, 16)
+    with pytest.raises(ValueError, match=r"Tq=5 > Tk=3") as error:
+        moda_attention(q, k, k)
+    assert "look like" not in str(error.value)
+
+
+def test_runs_on_cpu_without_triton():
+    """triton has no wheel off Linux: everything but backend='triton' works without it, which says why."""
+    code = """
+import sys
+sys.modules["triton"] = None  # import triton now fails, as where it is not installed
+import torch
+from moda_flex import moda_attention, causal
+from moda_flex.testing import MoDAShape, make_inputs
+
+inputs = make_inputs(MoDAShape(1, 2, 1, 3, 5, 2, 16))
+for backend in ("auto", "reference", "flex"):
+    moda_attention(**inputs, backend=backend).sum().backward()
+try:
+    moda_attention(**inputs, backend="triton")
+except NotImplementedError as error:
+    assert "needs the triton package" in str(error), error
+else:
+    raise AssertionError("backend='triton' ran without triton")
+assert "moda_flex.triton" not in sys.modules
+"""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_triton_is_a_linux_only_requirement():
+    tomllib = pytest.importorskip("tomllib")
+    with open(ROOT / "pyproject.toml", "rb") as file:
+        dependencies = tomllib.load(file)["project"]["dependencies"]
+    triton = [d for d in dependencies if d.split(";")[0].strip() == "triton"]
+    assert len(triton) == 1 and triton[0].split(";")[1].strip().replace('"', "'") == "platform_system == 'Linux'"
+    assert "torch>=2.11" in dependencies
+
+
+def test_reference_has_second_derivatives():
+    """What backend 'flex' refers a create_graph=True backward to."""
+    inputs = make_inputs(MoDAShape(1, 2, 1, 2, 3, 2, 4), dtype=torch.float64)
+
+    def attention(*tensors):
+        return moda_attention(*tensors, backend="reference")
+
+    assert torch.autograd.gradgradcheck(attention, tuple(inputs.values()))

@@ -112,11 +112,62 @@ def test_block_masks_are_cached_per_shape():
     assert moda_block_mask(moda_flex.causal(), **args) is not moda_block_mask(moda_flex.sliding_window(8), **args)
 
 
-def test_document_ids_must_form_runs():
-    ids = torch.tensor([0, 0, 1, 1, 0, 0])
-    inputs = make_inputs(MoDAShape(1, 2, 1, 6, 6, 2, 8))
-    with pytest.raises(ValueError, match="contiguous run"):
-        moda_flex.moda_attention(**inputs, variant=moda_flex.causal() & moda_flex.document(ids), backend="flex")
+def _windowed(window: int) -> moda_flex.Variant:
+    """A user's own sliding window: the name stays "mine", the structure says the window."""
+
+    def sequence(b, h, q_pos, k_pos):
+        return (k_pos <= q_pos) & (k_pos > q_pos - window)
+
+    return moda_flex.Variant("mine", sequence, structure=moda_flex.Structure(causal=True, window=window))
+
+
+def test_block_masks_are_cached_by_structure_not_by_name():
+    inputs = make_inputs(MoDAShape(1, 2, 1, 200, 200, 1, 8), requires_grad=False)
+    for window in (150, 3):
+        assert_matches_reference(inputs, backend="flex", variant=_windowed(window), check_grads=False)
+    args = dict(batch=1, kv_heads=1, q_len=200, kv_len=200, groups=2, slots=1, device="cpu")
+    assert moda_block_mask(_windowed(3), **args) is moda_block_mask(moda_flex.sliding_window(3), **args)
+
+
+def test_document_masks_are_cached_by_their_ids():
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor([100, 60, 40]))
+    inputs = make_inputs(MoDAShape(1, 2, 1, 200, 200, 1, 8), requires_grad=False)
+    first, second = moda_flex.document(ids), moda_flex.document(ids.flip(0))
+    for documents in (first, second, first):
+        assert_matches_reference(inputs, backend="flex", variant=moda_flex.causal() & documents, check_grads=False)
+    args = dict(batch=1, kv_heads=1, q_len=200, kv_len=200, groups=2, slots=1, device="cpu")
+    assert moda_block_mask(first, **args) is moda_block_mask(first, **args)
+    assert moda_block_mask(first, **args) is not moda_block_mask(moda_flex.document(ids), **args)
+
+
+@pytest.mark.parametrize("name", ["q", "depth_v"])
+def test_a_second_derivative_is_refused(name):
+    inputs = make_inputs(MoDAShape(1, 2, 1, 5, 5, 2, 8))
+    out = moda_flex.moda_attention(**inputs, backend="flex")
+    with pytest.raises(NotImplementedError, match="create_graph=True.*backend='reference'"):
+        torch.autograd.grad(out.pow(2).sum(), inputs[name], create_graph=True)
+    grads = torch.autograd.grad(out.pow(2).sum(), list(inputs.values()))  # first order still works
+    assert all(g is not None for g in grads)
+
+
+def test_compiled_model_trains_through_the_cpu_flex_backend():
+    """Off CUDA the flex call is a graph break: compile works, training included; fullgraph says what to do."""
+    inputs = make_inputs(MoDAShape(1, 2, 1, 5, 5, 2, 8))
+
+    def loss(q, k, v, depth_k, depth_v):
+        return moda_flex.moda_attention(q, k, v, depth_k, depth_v, backend="flex").pow(2).sum()
+
+    def whole_graph_loss(q, k, v, depth_k, depth_v):  # its own code object: dynamo caches per code
+        return moda_flex.moda_attention(q, k, v, depth_k, depth_v, backend="flex").sum()
+
+    leaves = [t.detach().requires_grad_() for t in inputs.values()]
+    torch.compile(loss)(*leaves).backward()
+    eager = [t.detach().requires_grad_() for t in inputs.values()]
+    loss(*eager).backward()
+    for mine, expected in zip(leaves, eager):
+        torch.testing.assert_close(mine.grad, expected.grad)
+    with pytest.raises(Exception, match="backend='auto' or 'reference'"):
+        torch.compile(whole_graph_loss, fullgraph=True)(*leaves)
 
 
 @pytest.mark.parametrize(

@@ -191,3 +191,10 @@ def test_doc_ids_of_wrong_length_raise():
     inputs = _inputs(shape)
     with pytest.raises(ValueError, match="doc_ids"):
         triton_attention(*inputs.values(), v.document(torch.zeros(7, dtype=torch.long)), 0.25)
+
+
+def test_document_ids_that_differ_beyond_int32_stay_distinct():
+    """The kernel reads int32 ids: the variant hands it dense ranks, so 0 and 2**32 are two documents."""
+    ids = torch.tensor([0] * 6 + [2**32] * 7, device=DEVICE)
+    shape = MoDAShape(1, 2, 1, 13, 13, 2, 16)
+    assert_matches_reference(_inputs(shape), backend="triton", variant=v.causal() & v.document(ids))

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from moda_flex import moda_attention
 from moda_flex import variants as v
 from moda_flex.testing import BUILTIN_KINDS, MoDAShape, assert_matches_reference, make_inputs, moda_shapes, variants
-from moda_flex.variants import Structure, Variant
+from moda_flex.variants import Documents, Structure, Variant
 
 from budget import examples
 
@@ -173,7 +173,7 @@ def test_composition_structures():
     window = v.causal() & v.sliding_window(4)
     assert window.structure.causal and window.structure.window == 4 and window.own_depth_only
     documents = v.causal() & v.document(DOC_IDS)
-    assert documents.structure.causal and documents.structure.doc_ids is DOC_IDS
+    assert documents.structure.causal and torch.equal(documents.structure.doc_ids, DOC_IDS.int())
     chunked = v.chunk_depth(2) & (v.chunk_depth(2) | v.full())
     assert chunked.structure is None
     assert (v.causal() & _user_variant()).structure is None
@@ -225,7 +225,7 @@ def test_structure_promises_hold_for_builtins_and_intersections(shape, data):
         (Structure(causal=True), "after the query"),
         (Structure(window=2), "outside the window"),
         (Structure(sequence=False), "sequence key"),
-        (Structure(doc_ids=DOC_IDS), "another document"),
+        (Structure(documents=Documents.from_ids(DOC_IDS)), "another document"),
         (Structure(depth_window=1), "depth slot outside"),
     ],
 )
@@ -250,10 +250,10 @@ def test_structure_intersect():
     assert (both.causal, both.window, both.sequence, both.depth_window) == (True, 2, False, 3)
     assert both.doc_ids is None and both.depth_chunk is None and both.own_depth_only
     assert Structure().intersect(Structure()).window is None
-    ids = torch.zeros(1, 4, dtype=torch.long)
-    assert Structure(doc_ids=ids).intersect(Structure(causal=True)).doc_ids is ids
-    assert Structure(causal=True).intersect(Structure(doc_ids=ids)).doc_ids is ids
-    assert Structure(doc_ids=ids).intersect(Structure(doc_ids=ids)) is None
+    documents = Documents.from_ids(torch.zeros(1, 4, dtype=torch.long))
+    assert Structure(documents=documents).intersect(Structure(causal=True)).documents is documents
+    assert Structure(causal=True).intersect(Structure(documents=documents)).documents is documents
+    assert Structure(documents=documents).intersect(Structure(documents=documents)) is None
     # A chunk holds the token itself, so own-token & chunk reads the own token only.
     assert Structure(depth_chunk=2).intersect(Structure()).own_depth_only
     assert Structure(depth_chunk=2).intersect(Structure(depth_chunk=3)) is None
@@ -271,6 +271,7 @@ def test_structure_intersect():
         (lambda: v.document(torch.zeros(4)), "doc_ids"),
         (lambda: v.document(torch.zeros(1, 2, 4, dtype=torch.long)), "doc_ids"),
         (lambda: v.document([0, 0, 1]), "doc_ids"),
+        (lambda: v.document(torch.tensor([True, False])), "doc_ids"),
         (lambda: v.resolve("diagonal"), "variant"),
         (lambda: Variant("x", v.causal().sequence, v.own_token, depth_for_slots=lambda L: v.own_token), "depth"),
     ],
@@ -278,6 +279,29 @@ def test_structure_intersect():
 def test_bad_arguments_raise(make, argument):
     with pytest.raises(ValueError, match=argument):
         make()
+
+
+@pytest.mark.parametrize("other", ["full", 1, None])
+def test_composing_with_a_non_variant_names_the_operand(other):
+    for combine in (lambda: v.causal() & other, lambda: v.causal() | other, lambda: other & v.causal()):
+        with pytest.raises(TypeError, match=re.escape(f"got {other!r} ({type(other).__name__})")):
+            combine()
+
+
+@pytest.mark.parametrize("backend", ["reference", "flex"])
+@pytest.mark.parametrize(
+    "sequence, depth, role, got",
+    [
+        (lambda b, h, q, k: True, None, "sequence", "bool True"),
+        (lambda b, h, q, k: (k <= q).int(), None, "sequence", "torch.int32 tensor"),
+        (v.causal().sequence, lambda b, h, q, d, s: (q == d).long(), "depth", "torch.int64 tensor"),
+    ],
+)
+def test_a_predicate_that_returns_no_bool_tensor_is_named(backend, sequence, depth, role, got):
+    inputs = make_inputs(MoDAShape(1, 2, 1, 3, 4, 2, 8), requires_grad=False)
+    variant = Variant("mine", sequence, depth) & v.causal()
+    with pytest.raises(TypeError, match=rf"variant 'mine': its {role} predicate <lambda> .* got .*{got}"):
+        moda_attention(**inputs, variant=variant, backend=backend)
 
 
 def test_named_variants_resolve():
@@ -349,3 +373,129 @@ def test_triton_refuses_unsupported_variants_by_name(variant):
     inputs = make_inputs(MoDAShape(batch=1, q_heads=2, kv_heads=1, q_len=3, kv_len=5, slots=2, head_dim=16))
     with pytest.raises(NotImplementedError, match=re.escape(f"variant {variant.name!r}")):
         moda_attention(*inputs.values(), variant=variant, backend="triton")
+
+
+def test_triton_refuses_documents_split_into_runs_and_auto_computes_them():
+    triton_backend = _triton()
+    variant = v.causal() & v.document(torch.tensor([0, 0, 1, 1, 0]))
+    inputs = make_inputs(MoDAShape(batch=1, q_heads=2, kv_heads=1, q_len=3, kv_len=5, slots=2, head_dim=16))
+    assert "contiguous run" in triton_backend.unsupported_reason(inputs["q"], variant)
+    with pytest.raises(NotImplementedError, match="contiguous run"):
+        moda_attention(**inputs, variant=variant, backend="triton")
+    assert_matches_reference(inputs, backend="auto", variant=variant)
+
+
+# --- documents ------------------------------------------------------------------------
+
+
+def _runs_by_hand(ids):
+    """(start, end) of each position's run of equal ids, and whether every document is one run."""
+    starts, ends, contiguous = [], [], True
+    for row in ids.tolist():
+        start, end = [], []
+        for p in range(len(row)):
+            first, stop = p, p + 1
+            while first > 0 and row[first - 1] == row[p]:
+                first -= 1
+            while stop < len(row) and row[stop] == row[p]:
+                stop += 1
+            start.append(first)
+            end.append(stop)
+        for value in set(row):
+            where = [p for p, x in enumerate(row) if x == value]
+            contiguous &= where[-1] - where[0] + 1 == len(where)
+        starts.append(start)
+        ends.append(end)
+    return torch.tensor(starts), torch.tensor(ends), contiguous
+
+
+@settings(max_examples=examples(40))
+@given(
+    rows=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=9), min_size=1, max_size=3).filter(
+        lambda rows: len({len(row) for row in rows}) == 1
+    ),
+    dtype=st.sampled_from([torch.int64, torch.int32, torch.uint8]),
+)
+def test_documents_are_dense_ranks_with_their_runs(rows, dtype):
+    ids = torch.tensor(rows, dtype=dtype)
+    documents = Documents.from_ids(ids)
+    start, end, contiguous = _runs_by_hand(ids)
+    assert documents.ids.dtype == torch.int32 and documents.start.dtype == torch.int32
+    assert torch.equal(documents.start, start.int()) and torch.equal(documents.end, end.int())
+    assert documents.contiguous == contiguous
+    same = ids.unsqueeze(2) == ids.unsqueeze(1)  # (Bd, Tk, Tk)
+    assert torch.equal(documents.ids.unsqueeze(2) == documents.ids.unsqueeze(1), same)
+    assert int(documents.ids.max()) < ids.shape[1]
+
+
+def test_ids_that_differ_beyond_int32_stay_distinct():
+    ids = torch.tensor([0] * 3 + [2**32] * 3 + [-(2**40)] * 2)
+    assert Documents.from_ids(ids).ids.tolist() == [[1] * 3 + [2] * 3 + [0] * 2]
+    inputs = make_inputs(MoDAShape(1, 2, 1, 8, 8, 1, 8), requires_grad=False)
+    renumbered = torch.tensor([1] * 3 + [2] * 3 + [0] * 2)
+    separate = moda_attention(**inputs, variant=v.document(ids), backend="reference")
+    assert torch.equal(separate, moda_attention(**inputs, variant=v.document(renumbered), backend="reference"))
+
+
+def test_doc_ids_are_copied_where_the_variant_is_made():
+    ids = torch.zeros(6, dtype=torch.long)
+    variant = v.document(ids)
+    ids[3:] = 1
+    assert variant.structure.documents.contiguous and variant.structure.doc_ids.unique().tolist() == [0]
+
+
+DOC_BACKENDS = ["auto", "reference", "flex", "triton"]
+
+
+@pytest.mark.parametrize("backend", DOC_BACKENDS)
+@pytest.mark.parametrize(
+    "doc_ids, combine",
+    [
+        (torch.zeros(5, dtype=torch.long), lambda d: v.causal() & d),  # Tk = 7
+        (torch.zeros(1, 9, dtype=torch.long), lambda d: d),
+        (torch.zeros(3, 7, dtype=torch.long), lambda d: v.causal() & d),  # B = 2
+        (torch.zeros(5, dtype=torch.long), lambda d: d | v.causal()),  # a union keeps no structure
+    ],
+    ids=["short", "long", "batch", "union"],
+)
+def test_doc_ids_must_fit_the_call_on_every_backend(backend, doc_ids, combine):
+    if backend == "triton":
+        _triton()
+    inputs = make_inputs(MoDAShape(batch=2, q_heads=2, kv_heads=1, q_len=4, kv_len=7, slots=2, head_dim=16))
+    with pytest.raises(ValueError, match=r"doc_ids must have shape \(B, Tk\) or \(1, Tk\) for inputs with B=2, Tk=7"):
+        moda_attention(**inputs, variant=combine(v.document(doc_ids)), backend=backend)
+
+
+def _split_ids(batch: int, kv_len: int):
+    """(batch, kv_len) ids from a few values, so that documents come back after others."""
+    return st.lists(
+        st.lists(st.integers(0, 2), min_size=kv_len, max_size=kv_len), min_size=batch, max_size=batch
+    ).map(torch.tensor)
+
+
+@settings(max_examples=examples(15))
+@given(shape=FLEX_SHAPES, data=st.data())
+def test_documents_split_into_runs_are_computed_exactly_by_flex(shape, data):
+    documents = v.document(data.draw(_split_ids(shape.batch, shape.kv_len)))
+    variant = data.draw(st.sampled_from([documents, v.causal() & documents, documents & v.depth_window(1)]))
+    assert_matches_reference(make_inputs(shape), backend="flex", variant=variant)
+
+
+def test_a_document_that_comes_back_is_one_document():
+    """The issue's case: [0]*10 + [1]*20 + [0]*10; rows of document 0 see both of its runs."""
+    ids = torch.tensor([0] * 10 + [1] * 20 + [0] * 10)
+    variant = v.causal() & v.document(ids)
+    inputs = make_inputs(MoDAShape(1, 2, 1, 40, 40, 2, 16))
+    assert_matches_reference(inputs, backend="flex", variant=variant)
+    sequence, _ = _predicate_masks(variant, 40, 40, 0)
+    assert sequence[0, 0, 35, :10].all() and not sequence[0, 0, 35, 10:30].any()
+
+
+def test_structures_compare_by_value_and_documents_by_identity():
+    assert Structure(causal=True, window=3) == (v.causal() & v.sliding_window(3)).structure
+    assert hash(Structure(causal=True, window=3)) == hash(v.sliding_window(3).structure)
+    assert Structure(causal=True, window=3) != Structure(causal=True, window=150)
+    ids = torch.zeros(4, dtype=torch.long)
+    assert v.document(ids).structure != v.document(ids).structure
+    documents = v.document(ids)
+    assert (documents & v.causal()).structure == (v.causal() & documents).structure

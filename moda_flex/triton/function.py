@@ -21,7 +21,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from ..variants import Variant
+from ..variants import Variant, document_runs
 
 DepthKV = Union[Tensor, Sequence[Tensor]]
 
@@ -38,13 +38,19 @@ def unsupported_reason(q: Tensor, variant: Variant) -> Optional[str]:
     Args:
         q: (B, Hq, Tq, D) queries (only dtype, device and D are read).
         variant: the mask pair; it needs a :class:`moda_flex.Structure` whose
-            depth reads are the token's own (``depth_chunk is None``).
+            depth reads are the token's own (``depth_chunk is None``) and
+            whose documents are each one contiguous run.
     """
     structure = variant.structure
     if structure is None:
         return "the variant has no Structure (a custom predicate); use backend='flex'"
     if structure.depth_chunk is not None:
         return f"chunk-visible depth (depth_chunk={structure.depth_chunk}) is not fused; use backend='flex'"
+    if not structure.keys_contiguous:
+        return (
+            "a document's positions are not one contiguous run (an id comes back after another document); "
+            "the kernel reads each document as one run; use backend='flex' or 'reference'"
+        )
     if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         return f"head dim D={q.shape[-1]} is not one of {SUPPORTED_HEAD_DIMS}"
     if q.dtype not in SUPPORTED_DTYPES:
@@ -189,17 +195,9 @@ def _placeholder(device: torch.device) -> Tensor:
 def _doc_bounds(doc_ids: Tensor) -> tuple[Tensor, Tensor]:
     """First position and one-past-last position of each position's document, (B', Tk) int32.
 
-    Documents are contiguous runs of equal ids.
+    Documents are contiguous runs of equal ids (``unsupported_reason`` refuses others).
     """
-    Bd, Tk = doc_ids.shape
-    pos = torch.arange(Tk, device=doc_ids.device, dtype=torch.int32).expand(Bd, Tk)
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    lo = torch.where(starts, pos, torch.zeros_like(pos)).cummax(dim=1).values
-    ends = torch.ones_like(starts)
-    ends[:, :-1] = starts[:, 1:]
-    hi_rev = torch.where(ends, pos + 1, torch.full_like(pos, Tk)).flip(1).cummin(dim=1).values
-    return lo.to(torch.int32).contiguous(), hi_rev.flip(1).to(torch.int32).contiguous()
+    return document_runs(doc_ids)
 
 
 def _doc_args(doc_ids: Optional[Tensor], like: Tensor):
