@@ -23,6 +23,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -50,8 +52,12 @@ def depth_reads(config: GPTConfig) -> int:
 
 
 def measure(config: GPTConfig, batch: int, seq: int, compiled: bool, steps: int, warmup: int,
-            profile: bool = False) -> dict:  # fmt: skip
-    """Median step time (ms) and peak memory (MiB) of one model; with ``profile``, print its top kernels."""
+            profile: bool = False, host_profile: bool = False) -> dict:  # fmt: skip
+    """Median step time (ms) and peak memory (MiB) of one model.
+
+    ``profile`` prints its top kernels (torch.profiler), ``host_profile`` its
+    top Python functions by own time (cProfile), both over 3 steps.
+    """
     torch.manual_seed(0)
     model = GPT(config).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -82,6 +88,14 @@ def measure(config: GPTConfig, batch: int, seq: int, compiled: bool, steps: int,
                 step()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+    if host_profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     del model, optimizer, run
     torch._dynamo.reset()
     torch.cuda.empty_cache()
@@ -96,6 +110,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=20, help="timed steps per row (default: 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first, compilation included (default: 5)")
     p.add_argument("--profile", action="store_true", help="print each row's top kernels over 3 steps (torch.profiler)")
+    p.add_argument("--host-profile", action="store_true", help="print each row's top Python functions (cProfile)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_model.py needs a CUDA GPU")
@@ -110,7 +125,7 @@ def main(argv=None) -> None:
     for arm in arms:
         for mode in modes:
             config = GPTConfig(**shape["config"], depth_kv=arm, block_size=T)
-            result = measure(config, B, T, mode == "compiled", args.steps, args.warmup, args.profile)
+            result = measure(config, B, T, mode == "compiled", args.steps, args.warmup, args.profile, args.host_profile)
             Hk, D = config.n_kv_head, config.n_embd // config.n_head
             floor_bytes = 6 * depth_reads(config) * B * Hk * T * D * 2
             rows.append({"arm": arm, "mode": mode, "floor_ms": floor_bytes / bandwidth * 1e3, **result})
