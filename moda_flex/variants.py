@@ -52,12 +52,15 @@ class Documents:
         end: (Bd, Tk) int32, one past the last position of that run.
         contiguous: every document is one run of positions; then ``[start,
             end)`` is a position's whole document.
+        packed: (3, Bd, Tk) int32, ``ids``, ``start`` and ``end`` in one
+            tensor: what the fused kernels read.
     """
 
     ids: Tensor
     start: Tensor
     end: Tensor
     contiguous: bool
+    packed: Tensor
 
     @classmethod
     def from_ids(cls, doc_ids: Tensor) -> "Documents":
@@ -76,7 +79,8 @@ class Documents:
         ranks, distinct = _dense_ranks(ids)
         start, end = document_runs(ranks)
         runs = (start == torch.arange(ids.shape[1], device=ids.device)).sum(dim=1)  # (Bd,)
-        return cls(ranks, start, end, bool((runs == distinct).all()))
+        packed = torch.stack([ranks, start, end])  # (3, Bd, Tk)
+        return cls(packed[0], packed[1], packed[2], bool((runs == distinct).all()), packed)
 
     def check(self, batch: int, kv_len: int) -> None:
         """Raise ValueError unless the ids fit a call with ``batch`` rows and ``kv_len`` keys."""

@@ -190,7 +190,7 @@ def test_doc_ids_of_wrong_length_raise():
     shape = MoDAShape(1, 2, 1, 5, 5, 1, 16)
     inputs = _inputs(shape)
     with pytest.raises(ValueError, match="doc_ids"):
-        triton_attention(*inputs.values(), v.document(torch.zeros(7, dtype=torch.long)), 0.25)
+        moda_attention(*inputs.values(), variant=v.document(torch.zeros(7, dtype=torch.long)), backend="triton")
 
 
 def test_document_ids_that_differ_beyond_int32_stay_distinct():

@@ -21,7 +21,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from ..variants import Variant, document_runs
+from ..variants import Variant
 
 DepthKV = Union[Tensor, Sequence[Tensor]]
 
@@ -85,24 +85,18 @@ def triton_attention(
         raise NotImplementedError(f"backend 'triton' cannot run variant {variant.name!r}: {reason}")
     s = variant.structure
     B, Tk = q.shape[0], k.shape[2]
-    doc_ids = None
-    if s.doc_ids is not None:
-        doc_ids = s.doc_ids
-        if doc_ids.dim() != 2 or doc_ids.shape[0] not in (1, B) or doc_ids.shape[1] != Tk:
-            raise ValueError(
-                f"variant {variant.name!r}: doc_ids must have shape (1 or B={B}, Tk={Tk}), got {tuple(doc_ids.shape)}"
-            )
-        doc_ids = doc_ids.to(device=q.device, dtype=torch.int32).contiguous()
+    # Document ids with their runs, (3, Bd, Tk) int32, computed once where the variant was made.
+    documents = None if s.documents is None else s.documents.packed.to(q.device)
     depth_k, depth_v = _as_list(depth_k), _as_list(depth_v)
     L = _num_slots(depth_k)
     depth_first = 0 if s.depth_window is None else max(0, L - s.depth_window)
     window = 0 if s.window is None else int(s.window)
     options = (float(scale), bool(s.causal), window, depth_first, bool(s.sequence))
     if torch.compiler.is_compiling():
-        return torch.ops.moda_flex.triton_forward(q, k, v, depth_k, depth_v, doc_ids, *options)
+        return torch.ops.moda_flex.triton_forward(q, k, v, depth_k, depth_v, documents, *options)
     # Eager: the same kernels behind a plain autograd.Function, without the
     # dispatcher round trips of a custom op (the call is host-bound at short lengths).
-    return _EagerMoDA.apply(q, k, v, doc_ids, options, len(depth_k), *depth_k, *depth_v)
+    return _EagerMoDA.apply(q, k, v, documents, options, len(depth_k), *depth_k, *depth_v)
 
 
 # moda_attention hands this backend the per-slot form as it is, without stacking.
@@ -192,23 +186,15 @@ def _placeholder(device: torch.device) -> Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def _doc_bounds(doc_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """First position and one-past-last position of each position's document, (B', Tk) int32.
-
-    Documents are contiguous runs of equal ids (``unsupported_reason`` refuses others).
-    """
-    return document_runs(doc_ids)
-
-
-def _doc_args(doc_ids: Optional[Tensor], like: Tensor):
-    if doc_ids is None:
+def _doc_args(documents: Optional[Tensor], like: Tensor):
+    """Kernel arguments for (3, Bd, Tk) packed documents: ids, run starts, run ends and the batch stride."""
+    if documents is None:
         dummy = _placeholder(like.device)
         return dummy, dummy, dummy, 0
-    lo, hi = _doc_bounds(doc_ids)
-    return doc_ids, lo, hi, (doc_ids.stride(0) if doc_ids.shape[0] > 1 else 0)
+    return documents[0], documents[1], documents[2], (documents.stride(1) if documents.shape[1] > 1 else 0)
 
 
-def _forward(q, k, v, depth_k, depth_v, doc_ids, scale, causal, window, depth_first, sequence):
+def _forward(q, k, v, depth_k, depth_v, documents, scale, causal, window, depth_first, sequence):
     from . import kernels
 
     B, Hq, Tq, D = q.shape
@@ -221,7 +207,7 @@ def _forward(q, k, v, depth_k, depth_v, doc_ids, scale, causal, window, depth_fi
     cfg = _config(q, G, "fwd", has_depth=L > depth_first)
     GP = _next_pow2(G)
     block_t = cfg["BLOCK_M"] // GP
-    doc, doc_lo, doc_hi, sdoc = _doc_args(doc_ids, q)
+    doc, doc_lo, doc_hi, sdoc = _doc_args(documents, q)
     table, sdk, sdv = _slot_table(depth_k, depth_v, L, q.device)
     grid = (_cdiv(Tq, block_t), B * Hk)
     kernels._fwd_kernel[grid](
@@ -230,14 +216,14 @@ def _forward(q, k, v, depth_k, depth_v, doc_ids, scale, causal, window, depth_fi
         sdoc, *out.stride(), *lse.stride(),
         Hk, Tq, Tk, L, depth_first, window, scale * math.log2(math.e),
         G=G, GP=GP, DEPTH_ROWS=max(GP, _MIN_DOT_ROWS), HEAD_DIM=D,
-        CAUSAL=causal, WINDOW=window > 0, DOC=doc_ids is not None,
+        CAUSAL=causal, WINDOW=window > 0, DOC=documents is not None,
         HAS_SEQ=sequence and Tk > 0, HAS_DEPTH=L > depth_first,
         **cfg,
     )
     return out, lse
 
 
-def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, scale, causal, window,
+def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, scale, causal, window,
               depth_first, sequence):
     from . import kernels
 
@@ -253,7 +239,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, 
     ddv = alloc((B, Hk, Tq, L, D), device=q.device, dtype=q.dtype)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), ddk.zero_(), ddv.zero_()
-    doc, doc_lo, doc_hi, sdoc = _doc_args(doc_ids, q)
+    doc, doc_lo, doc_hi, sdoc = _doc_args(documents, q)
     qk_scale = scale * math.log2(math.e)
     has_seq = sequence and Tk > 0
     # The dQ kernel runs first: it also writes delta = rowsum(dO * O) - dLSE, which the dK/dV kernel reads.
@@ -268,7 +254,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, 
         *grad_out.stride(), *lse.stride(), sdoc, *dq.stride(), *ddk.stride(),
         Hk, Tq, Tk, L, depth_first, window, scale, qk_scale,
         G=G, GP=GP, DEPTH_ROWS=max(GP, _MIN_DOT_ROWS), HEAD_DIM=D,
-        CAUSAL=causal, WINDOW=window > 0, DOC=doc_ids is not None,
+        CAUSAL=causal, WINDOW=window > 0, DOC=documents is not None,
         HAS_SEQ=has_seq, HAS_DEPTH=L > depth_first, HAS_GLSE=grad_lse is not None,
         **cfg,
     )
@@ -280,7 +266,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, 
             *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse.stride(),
             sdoc, *dk.stride(),
             Hk, Tq, Tk, window, scale, qk_scale,
-            G=G, GP=GP, HEAD_DIM=D, CAUSAL=causal, WINDOW=window > 0, DOC=doc_ids is not None,
+            G=G, GP=GP, HEAD_DIM=D, CAUSAL=causal, WINDOW=window > 0, DOC=documents is not None,
             **cfg,
         )
     else:
@@ -305,15 +291,15 @@ def _interpreter_upcast(tensors, depth_k, depth_v):
     return tensors, depth_k, depth_v, None
 
 
-def _run_forward(q, k, v, depth_k, depth_v, doc_ids, *options):
+def _run_forward(q, k, v, depth_k, depth_v, documents, *options):
     (q, k, v), depth_k, depth_v, cast = _interpreter_upcast([q, k, v], depth_k, depth_v)
-    out, lse = _forward(q, k, v, depth_k, depth_v, doc_ids, *options)
+    out, lse = _forward(q, k, v, depth_k, depth_v, documents, *options)
     return (out if cast is None else out.to(cast)), lse
 
 
-def _run_backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, *options):
+def _run_backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, *options):
     (grad_out, q, k, v, out), depth_k, depth_v, cast = _interpreter_upcast([grad_out, q, k, v, out], depth_k, depth_v)
-    grads = _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, *options)
+    grads = _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, *options)
     return tuple(grads) if cast is None else tuple(g.to(cast) for g in grads)
 
 
@@ -324,10 +310,10 @@ class _EagerMoDA(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, doc_ids, options, n_depth, *depth):
+    def forward(ctx, q, k, v, documents, options, n_depth, *depth):
         depth_k, depth_v = list(depth[:n_depth]), list(depth[n_depth:])
-        out, lse = _run_forward(q, k, v, depth_k, depth_v, doc_ids, *options)
-        ctx.save_for_backward(q, k, v, out, lse, doc_ids, *depth)
+        out, lse = _run_forward(q, k, v, depth_k, depth_v, documents, *options)
+        ctx.save_for_backward(q, k, v, out, lse, documents, *depth)
         ctx.num_depth, ctx.options = n_depth, options
         return out, lse
 
@@ -338,33 +324,44 @@ class _EagerMoDA(torch.autograd.Function):
         return dq, dk, dv, None, None, None, *ddk, *ddv
 
 
-@torch.library.custom_op("moda_flex::triton_forward", mutates_args=())
-def _forward_op(
-    q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], doc_ids: Optional[Tensor],
-    scale: float, causal: bool, window: int, depth_first: int, sequence: bool,
-) -> tuple[Tensor, Tensor]:
-    return _run_forward(q, k, v, depth_k, depth_v, doc_ids, scale, causal, window, depth_first, sequence)
+# Registered with torch.library.define / impl: the kernels run as they are. (A
+# torch.library.custom_op wraps them in a Python check over every input tensor,
+# which costs more than the kernels at the 2L depth entries of a model's call.)
+torch.library.define(
+    "moda_flex::triton_forward",
+    "(Tensor q, Tensor k, Tensor v, Tensor[] depth_k, Tensor[] depth_v, Tensor? documents, float scale, bool causal, "
+    "int window, int depth_first, bool sequence) -> (Tensor, Tensor)",
+)
+torch.library.define(
+    "moda_flex::triton_backward",
+    "(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor[] depth_k, Tensor[] depth_v, "
+    "Tensor out, Tensor lse, Tensor? documents, float scale, bool causal, int window, int depth_first, bool sequence)"
+    " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
 
 
-@_forward_op.register_fake
-def _forward_fake(q, k, v, depth_k, depth_v, doc_ids, scale, causal, window, depth_first, sequence):
+@torch.library.impl("moda_flex::triton_forward", ("cuda", "cpu"))
+def _forward_op(q, k, v, depth_k, depth_v, documents, scale, causal, window, depth_first, sequence):
+    """out (B, Hq, Tq, D) and lse (B, Hq, Tq) float32."""
+    return _run_forward(q, k, v, depth_k, depth_v, documents, scale, causal, window, depth_first, sequence)
+
+
+@torch.library.register_fake("moda_flex::triton_forward")
+def _forward_fake(q, k, v, depth_k, depth_v, documents, scale, causal, window, depth_first, sequence):
     B, Hq, Tq, D = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, Hq, Tq), dtype=torch.float32)
 
 
-@torch.library.custom_op("moda_flex::triton_backward", mutates_args=())
-def _backward_op(
-    grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor],
-    depth_v: list[Tensor], out: Tensor, lse: Tensor, doc_ids: Optional[Tensor],
-    scale: float, causal: bool, window: int, depth_first: int, sequence: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+@torch.library.impl("moda_flex::triton_backward", ("cuda", "cpu"))
+def _backward_op(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, scale, causal, window,
+                 depth_first, sequence):  # fmt: skip
     """dq, dk, dv and the depth gradients as two (B, Hk, Tq, L, D) tensors, whatever the depth form."""
-    return _run_backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, scale, causal, window,
+    return _run_backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, scale, causal, window,
                          depth_first, sequence)
 
 
-@_backward_op.register_fake
-def _backward_fake(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, scale, causal, window,
+@torch.library.register_fake("moda_flex::triton_backward")
+def _backward_fake(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, scale, causal, window,
                    depth_first, sequence):
     fmt = torch.contiguous_format
     B, Hk, Tq, D = k.shape[0], k.shape[1], q.shape[2], q.shape[3]
@@ -379,22 +376,22 @@ def _backward_fake(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, depth_k, depth_v, doc_ids, scale, causal, window, depth_first, sequence = inputs
+    q, k, v, depth_k, depth_v, documents, scale, causal, window, depth_first, sequence = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, doc_ids, *depth_k, *depth_v)
+    ctx.save_for_backward(q, k, v, out, lse, documents, *depth_k, *depth_v)
     ctx.num_depth = len(depth_k)
     ctx.options = (scale, causal, window, depth_first, sequence)
 
 
 def _autograd_backward(ctx, grad_out, grad_lse, run_backward=None):
     """Gradients of q, k, v, depth_k, depth_v (depth in its input form), then None for the options."""
-    (q, k, v, out, lse, doc_ids), depth = ctx.saved_tensors[:6], ctx.saved_tensors[6:]
+    (q, k, v, out, lse, documents), depth = ctx.saved_tensors[:6], ctx.saved_tensors[6:]
     depth_k, depth_v = list(depth[: ctx.num_depth]), list(depth[ctx.num_depth :])
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     run_backward = run_backward or torch.ops.moda_flex.triton_backward
     dq, dk, dv, ddk, ddv = run_backward(
-        grad_out.contiguous(), grad_lse, q, k, v, depth_k, depth_v, out, lse, doc_ids, *ctx.options
+        grad_out.contiguous(), grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, *ctx.options
     )
     return (dq, dk, dv, _depth_grads(ddk, depth_k), _depth_grads(ddv, depth_v), None, None, None, None, None, None)
 
@@ -404,4 +401,4 @@ def _depth_grads(grad: Tensor, depth: list[Tensor]) -> list[Tensor]:
     return [grad] if len(depth) == 1 and depth[0].dim() == 5 else list(grad.unbind(3))
 
 
-_forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+torch.library.register_autograd("moda_flex::triton_forward", _autograd_backward, setup_context=_setup_context)
