@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from moda_flex import moda_attention
 from moda_flex.nn import (
     Block,
     BlockConfig,

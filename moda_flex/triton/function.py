@@ -84,7 +84,6 @@ def triton_attention(
     if reason is not None:
         raise NotImplementedError(f"backend 'triton' cannot run variant {variant.name!r}: {reason}")
     s = variant.structure
-    B, Tk = q.shape[0], k.shape[2]
     # Document ids with their runs, (3, Bd, Tk) int32, computed once where the variant was made.
     documents = None if s.documents is None else s.documents.packed.to(q.device)
     depth_k, depth_v = _as_list(depth_k), _as_list(depth_v)
