@@ -168,7 +168,7 @@ def test_runs_under_autocast():
     [
         (v.chunk_depth(4), 16, torch.float32, "depth_chunk"),
         (v.Variant("mine", lambda b, h, q, k: k <= q), 16, torch.float32, "Structure"),
-        (v.causal(), 24, torch.float32, "D=24"),
+        (v.causal(), 264, torch.float32, "D=264"),
         (v.causal(), 16, torch.float64, "float64"),
     ],
 )
@@ -178,6 +178,17 @@ def test_unsupported_reason(variant, dim, dtype, needle):
     assert reason is not None and needle in reason
     with pytest.raises(NotImplementedError, match=needle):
         triton_attention(q, q, q, q[:, :, :, None], q[:, :, :, None], variant, 1.0)
+
+
+@settings(max_examples=examples(6))
+@given(
+    shape=moda_shapes(max_kv_len=20, max_slots=4, max_kv_heads=1, max_groups=3, head_dims=(8, 24, 40, 80, 136)),
+    data=st.data(),
+)
+def test_head_dims_that_are_not_powers_of_two(shape, data):
+    """D is padded to a power of two inside the kernels: output, lse and every gradient stay exact."""
+    variant = data.draw(variants(shape, kinds=("causal", "full", "document"), structured=True))
+    assert_matches_reference(_inputs(shape, depth_entries=data.draw(st.booleans())), backend="triton", variant=variant)
 
 
 def test_supported_variants_have_no_reason():

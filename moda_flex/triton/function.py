@@ -25,7 +25,8 @@ from ..variants import Variant
 
 DepthKV = Union[Tensor, Sequence[Tensor]]
 
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+# Any head dim up to FlashAttention's 256: the kernels pad it to a power of two (at least 16) inside.
+MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The smallest M of a Tensor Core dot: the depth phase works on tiles of
 # max(pow2(G), 16) rows, the rows of 16 / pow2(G) consecutive tokens when G < 16.
@@ -51,8 +52,8 @@ def unsupported_reason(q: Tensor, variant: Variant) -> Optional[str]:
             "a document's positions are not one contiguous run (an id comes back after another document); "
             "the kernel reads each document as one run; use backend='flex' or 'reference'"
         )
-    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
-        return f"head dim D={q.shape[-1]} is not one of {SUPPORTED_HEAD_DIMS}"
+    if not 1 <= q.shape[-1] <= MAX_HEAD_DIM:
+        return f"head dim D={q.shape[-1]} is outside 1..{MAX_HEAD_DIM}"
     if q.dtype not in SUPPORTED_DTYPES:
         return f"dtype {q.dtype} is not one of float16, bfloat16, float32"
     if q.device.type == "cuda":
@@ -150,7 +151,12 @@ def _config(q: Tensor, G: int, which: str, has_depth: bool = True, programs: int
     (benchmarks/tune_moda.py, benchmarks/NOTES.md).
     """
     few = which == "dkdv" and q.device.type == "cuda" and programs < _sm_count(q.device)
-    return _config_for(q.device.type, q.shape[-1], G, which, has_depth, few)
+    return _config_for(q.device.type, _head_dim(q.shape[-1]), G, which, has_depth, few)
+
+
+def _head_dim(D: int) -> int:
+    """The kernels' padded head dim: D rounded up to a power of two, at least 16 (the least K of a dot)."""
+    return max(_MIN_DOT_ROWS, _next_pow2(D))
 
 
 @functools.lru_cache(maxsize=None)
@@ -159,7 +165,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _config_for(device_type: str, D: int, G: int, which: str, has_depth: bool, few_programs: bool) -> dict:
+def _config_for(device_type: str, head_dim: int, G: int, which: str, has_depth: bool, few_programs: bool) -> dict:
     GP = _next_pow2(G)
     if device_type != "cuda":
         # The interpreter: few, small programs.
@@ -172,9 +178,13 @@ def _config_for(device_type: str, D: int, G: int, which: str, has_depth: bool, f
         cfg = dict(BLOCK_M=128, BLOCK_N=64 if few_programs else 128, num_warps=8, num_stages=2)
     else:
         cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_C=32, num_warps=4, num_stages=3)
-    if D == 128:
+    if head_dim == 128:
         cfg["BLOCK_M"] = min(cfg["BLOCK_M"], 64)
         cfg["num_stages"] = min(cfg["num_stages"], 2)
+    elif head_dim > 128:  # 256: tiles that fit the registers and shared memory
+        cfg.update(BLOCK_M=min(cfg["BLOCK_M"], 64), BLOCK_N=min(cfg["BLOCK_N"], 32), num_stages=1)
+        if "BLOCK_C" in cfg:
+            cfg["BLOCK_C"] = 16
     cfg["BLOCK_M"] = max(cfg["BLOCK_M"], GP, _MIN_DOT_ROWS)
     return cfg
 
@@ -214,7 +224,7 @@ def _forward(q, k, v, depth_k, depth_v, documents, scale, causal, window, depth_
         *q.stride(), *k.stride(), *v.stride(), *sdk, *sdv,
         sdoc, *out.stride(), *lse.stride(),
         Hk, Tq, Tk, L, depth_first, window, scale * math.log2(math.e),
-        G=G, GP=GP, DEPTH_ROWS=max(GP, _MIN_DOT_ROWS), HEAD_DIM=D,
+        G=G, GP=GP, DEPTH_ROWS=max(GP, _MIN_DOT_ROWS), HEAD_DIM=_head_dim(D), D_REAL=D,
         CAUSAL=causal, WINDOW=window > 0, DOC=documents is not None,
         HAS_SEQ=sequence and Tk > 0, HAS_DEPTH=L > depth_first,
         **cfg,
@@ -252,7 +262,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents
         *q.stride(), *out.stride(), *k.stride(), *v.stride(), *sdk, *sdv,
         *grad_out.stride(), *lse.stride(), sdoc, *dq.stride(), *ddk.stride(),
         Hk, Tq, Tk, L, depth_first, window, scale, qk_scale,
-        G=G, GP=GP, DEPTH_ROWS=max(GP, _MIN_DOT_ROWS), HEAD_DIM=D,
+        G=G, GP=GP, DEPTH_ROWS=max(GP, _MIN_DOT_ROWS), HEAD_DIM=_head_dim(D), D_REAL=D,
         CAUSAL=causal, WINDOW=window > 0, DOC=documents is not None,
         HAS_SEQ=has_seq, HAS_DEPTH=L > depth_first, HAS_GLSE=grad_lse is not None,
         **cfg,
@@ -265,7 +275,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents
             *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse.stride(),
             sdoc, *dk.stride(),
             Hk, Tq, Tk, window, scale, qk_scale,
-            G=G, GP=GP, HEAD_DIM=D, CAUSAL=causal, WINDOW=window > 0, DOC=documents is not None,
+            G=G, GP=GP, HEAD_DIM=_head_dim(D), D_REAL=D, CAUSAL=causal, WINDOW=window > 0, DOC=documents is not None,
             **cfg,
         )
     else:

@@ -144,6 +144,21 @@ def _depth_tiles(t0, DEPTH_ROWS: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.con
 
 
 @triton.jit
+def _head_lanes(HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr):
+    """Head-dim lanes: offsets for addressing and the mask of real lanes.
+
+    ``HEAD_DIM`` is D rounded up to a power of two (at least 16, the least K of
+    a Tensor Core dot). Padded lanes address the last real one, so every load
+    stays in bounds; q and dO are zeroed there, which keeps every dot product
+    over D exact, and stores skip them.
+    """
+    lanes = tl.arange(0, HEAD_DIM)
+    if D_REAL == HEAD_DIM:
+        return lanes, lanes < HEAD_DIM
+    return tl.minimum(lanes, D_REAL - 1), lanes < D_REAL
+
+
+@triton.jit
 def _slot_bases(DK_TAB, DV_TAB, slot, L, ELEM: tl.constexpr):
     """Base pointers of the depth key and value slots ``slot`` (BLOCK_C,), read from the address tables."""
     ok = slot < L
@@ -164,7 +179,7 @@ def _fwd_kernel(
     sob, soh, sot, sod,
     slb, slh, slt,
     Hk, Tq, Tk, L, depth_first, window, qk_scale,
-    G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_DEPTH: tl.constexpr,
@@ -191,12 +206,13 @@ def _fwd_kernel(
     DOC_LO += b * sdoc
     DOC_HI += b * sdoc
 
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d, d_ok = _head_lanes(HEAD_DIM, D_REAL)
     offs_m = tl.arange(0, BLOCK_M)
     tok = t0 + offs_m // GP  # base time of each row (Alg. 1 line 8)
     grp = offs_m % GP
     row_ok = (tok < Tq) & (grp < G)
     q = tl.load(Q + grp[:, None] * sqh + tok[:, None] * sqt + offs_d[None, :] * sqd, mask=row_ok[:, None], other=0.0)
+    q = tl.where(d_ok[None, :], q, 0.0)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -259,7 +275,7 @@ def _fwd_kernel(
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_i)) * _LN2)
     tl.store(O + grp[:, None] * soh + tok[:, None] * sot + offs_d[None, :] * sod,
-             out.to(O.dtype.element_ty), mask=row_ok[:, None])
+             out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LSE + grp * slh + tok * slt, lse, mask=row_ok)
 
 
@@ -269,18 +285,19 @@ def _bwd_dkdv_blocks(
     sqh, sqt, sqd, sdoh, sdot, sdod, slh, slt,
     k_pos, Tq, Tk, shift, window, doc_ptr, k_doc, qk_scale, start, end,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
-    G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query token blocks [start, end)."""
     BLOCK_T: tl.constexpr = BLOCK_M // GP
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d, d_ok = _head_lanes(HEAD_DIM, D_REAL)
     grp = offs_m % GP
     for t0 in range(start, end, BLOCK_T):
         tok = t0 + offs_m // GP
         row_ok = (tok < Tq) & (grp < G)
         q = tl.load(Q + grp[:, None] * sqh + tok[:, None] * sqt + offs_d[None, :] * sqd,
                     mask=row_ok[:, None], other=0.0)
+        q = tl.where(d_ok[None, :], q, 0.0)
         lse = tl.load(LSE + grp * slh + tok * slt, mask=row_ok, other=float("inf"))
         # a row that saw no key has lse = -inf: give it zero probability, not inf
         lse = tl.where(lse == float("-inf"), float("inf"), lse) * _LOG2E
@@ -297,6 +314,7 @@ def _bwd_dkdv_blocks(
             pT = tl.where(vis, pT, 0.0)
         do = tl.load(DO + grp[:, None] * sdoh + tok[:, None] * sdot + offs_d[None, :] * sdod,
                      mask=row_ok[:, None], other=0.0)
+        do = tl.where(d_ok[None, :], do, 0.0)
         dv += tl.dot(pT.to(do.dtype), do)
         delta = tl.load(DELTA + grp * slh + tok * slt, mask=row_ok, other=0.0)
         dpT = tl.dot(v, tl.trans(do))
@@ -316,7 +334,7 @@ def _bwd_dkdv_kernel(
     sdoc,
     sgb, sgh, sgt, sgd,
     Hk, Tq, Tk, window, scale, qk_scale,
-    G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
 ):
@@ -340,7 +358,7 @@ def _bwd_dkdv_kernel(
     DOC_HI += b * sdoc
 
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d, d_ok = _head_lanes(HEAD_DIM, D_REAL)
     k_pos = n0 + offs_n
     k_ok = k_pos < Tk
     k = tl.load(K + k_pos[:, None] * skt + offs_d[None, :] * skd, mask=k_ok[:, None], other=0.0)
@@ -376,16 +394,16 @@ def _bwd_dkdv_kernel(
     b_ = tl.minimum(tl.maximum(((full_hi - shift) // BLOCK_T) * BLOCK_T, a), hi)
     dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, sqh, sqt, sqd, sdoh, sdot, sdod, slh, slt,
                               k_pos, Tq, Tk, shift, window, DOC_IDS, k_doc, qk_scale, lo, a,
-                              True, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, BLOCK_M)
+                              True, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, D_REAL, BLOCK_M)
     dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, sqh, sqt, sqd, sdoh, sdot, sdod, slh, slt,
                               k_pos, Tq, Tk, shift, window, DOC_IDS, k_doc, qk_scale, a, b_,
-                              False, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, BLOCK_M)
+                              False, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, D_REAL, BLOCK_M)
     dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, sqh, sqt, sqd, sdoh, sdot, sdod, slh, slt,
                               k_pos, Tq, Tk, shift, window, DOC_IDS, k_doc, qk_scale, b_, hi,
-                              True, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, BLOCK_M)
-    tl.store(DKO + k_pos[:, None] * sgt + offs_d[None, :] * sgd, (dk * scale).to(DKO.dtype.element_ty),
-             mask=k_ok[:, None])
-    tl.store(DVO + k_pos[:, None] * sgt + offs_d[None, :] * sgd, dv.to(DVO.dtype.element_ty), mask=k_ok[:, None])
+                              True, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, D_REAL, BLOCK_M)
+    store_ok = k_ok[:, None] & d_ok[None, :]
+    tl.store(DKO + k_pos[:, None] * sgt + offs_d[None, :] * sgd, (dk * scale).to(DKO.dtype.element_ty), mask=store_ok)
+    tl.store(DVO + k_pos[:, None] * sgt + offs_d[None, :] * sgd, dv.to(DVO.dtype.element_ty), mask=store_ok)
 
 
 @triton.jit
@@ -430,7 +448,7 @@ def _bwd_dq_kernel(
     sgqb, sgqh, sgqt, sgqd,
     sgdb, sgdh, sgdt, sgdl, sgdd,
     Hk, Tq, Tk, L, depth_first, window, scale, qk_scale,
-    G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_DEPTH: tl.constexpr, HAS_GLSE: tl.constexpr,
@@ -464,7 +482,7 @@ def _bwd_dq_kernel(
     DOC_LO += b * sdoc
     DOC_HI += b * sdoc
 
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d, d_ok = _head_lanes(HEAD_DIM, D_REAL)
     offs_m = tl.arange(0, BLOCK_M)
     tok = t0 + offs_m // GP
     grp = offs_m % GP
@@ -472,8 +490,10 @@ def _bwd_dq_kernel(
     dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     q = tl.load(Q + grp[:, None] * sqh + tok[:, None] * sqt + offs_d[None, :] * sqd,
                 mask=row_ok[:, None], other=0.0)
+    q = tl.where(d_ok[None, :], q, 0.0)
     do = tl.load(DO + grp[:, None] * sdoh + tok[:, None] * sdot + offs_d[None, :] * sdod,
                  mask=row_ok[:, None], other=0.0)
+    do = tl.where(d_ok[None, :], do, 0.0)
     lse = tl.load(LSE + grp * slh + tok * slt, mask=row_ok, other=float("inf"))
     # a row that saw no key has lse = -inf: give it zero probability, not inf
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * _LOG2E
@@ -520,6 +540,7 @@ def _bwd_dq_kernel(
         for l0 in range(depth_first, L, BLOCK_S):
             slot = l0 + col_slot  # (BLOCK_C,)
             col_ok = ((col_token < Tq) & (slot < L)[None, :])[:, :, None]  # (U, BLOCK_C, 1)
+            store_ok = col_ok & d_ok[None, None, :]
             dk_slot, dv_slot = _slot_bases(DK_TAB, DV_TAB, slot, L, Q.dtype.element_ty)
             kd = tl.load(dk_slot[None, :, None] + dk_offs, mask=col_ok, other=0.0)  # (U, BLOCK_C, D)
             vd = tl.load(dv_slot[None, :, None] + dv_offs, mask=col_ok, other=0.0)
@@ -531,9 +552,9 @@ def _bwd_dq_kernel(
             # a column's gradient sums over its own token's G rows (p and ds are zero elsewhere)
             gv = tl.dot(tl.permute(p, (0, 2, 1)).to(do3.dtype), do3)  # (U, BLOCK_C, D)
             gk = tl.dot(tl.permute(ds, (0, 2, 1)).to(q3.dtype), q3) * scale
-            tl.store(gk_ptrs + slot[None, :, None] * sgdl, gk.to(DDKO.dtype.element_ty), mask=col_ok)
-            tl.store(gv_ptrs + slot[None, :, None] * sgdl, gv.to(DDVO.dtype.element_ty), mask=col_ok)
+            tl.store(gk_ptrs + slot[None, :, None] * sgdl, gk.to(DDKO.dtype.element_ty), mask=store_ok)
+            tl.store(gv_ptrs + slot[None, :, None] * sgdl, gv.to(DDVO.dtype.element_ty), mask=store_ok)
         dq = tl.reshape(dq3, (BLOCK_M, HEAD_DIM))
 
     tl.store(DQO + grp[:, None] * sgqh + tok[:, None] * sgqt + offs_d[None, :] * sgqd,
-             (dq * scale).to(DQO.dtype.element_ty), mask=row_ok[:, None])
+             (dq * scale).to(DQO.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
