@@ -40,24 +40,16 @@ def _inputs(shape, dtype=torch.float32, strided_depth=False, seed=0, depth_entri
 @given(
     shape=moda_shapes(max_kv_len=40, max_slots=9, max_kv_heads=2, head_dims=(16, 32)),
     strided=st.booleans(),
+    entries=st.booleans(),
     data=st.data(),
 )
-def test_matches_reference(shape, strided, data):
-    """Output, lse and the five gradients, every fused variant, odd lengths, Tq <= Tk, strided depth."""
-    variant = data.draw(variants(shape, kinds=FUSED_KINDS, structured=True))
-    assert_matches_reference(_inputs(shape, strided_depth=strided), backend="triton", variant=variant)
+def test_matches_reference(shape, strided, entries, data):
+    """Output, lse and the five gradients, every fused variant, odd lengths, Tq <= Tk, strided depth.
 
-
-@settings(max_examples=examples(12))
-@given(
-    shape=moda_shapes(max_kv_len=30, max_slots=9, max_kv_heads=2, head_dims=(16, 32)),
-    strided=st.booleans(),
-    data=st.data(),
-)
-def test_depth_entries_match_reference(shape, strided, data):
-    """Depth as a list of per-layer entries, read in place through the slot table: output, lse, every gradient."""
+    With ``entries``, depth is a list of per-layer tensors read in place through the slot table.
+    """
     variant = data.draw(variants(shape, kinds=FUSED_KINDS, structured=True))
-    inputs = _inputs(shape, strided_depth=strided, depth_entries=True)
+    inputs = _inputs(shape, strided_depth=strided, depth_entries=entries)
     assert_matches_reference(inputs, backend="triton", variant=variant)
 
 
