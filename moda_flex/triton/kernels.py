@@ -26,6 +26,14 @@ ceil(L / BLOCK_S))``): 50% at ``G = 8``, 100% at ``G >= 16``. The tiles are
 a reshape of the block's rows, so the online-softmax state carries over from
 the sequence phase in place.
 
+Depth slots are read through address tables: slot ``l`` of the depth keys
+starts at ``DK_TAB[l]`` (values ``DV_TAB[l]``), so the L slots may be L
+separate tensors (the entries of a model's layers) or the slots of one 5-D
+tensor, both read in place with shared (b, h, t, d) strides. The head dim is
+padded to a power of two inside the kernels (``_head_lanes``). The backward
+runs the dQ kernel first: it also writes ``delta = rowsum(dO * O) - dLSE``,
+which the dK/dV kernel reads.
+
 Scores are kept in base 2: ``qk_scale = scale * log2(e)``; LSE is stored in
 natural log. Batch/head base offsets and depth token offsets are int64: one
 depth tensor may hold more than 2**31 elements (T=16384, L=256, Hk=8, D=64).
