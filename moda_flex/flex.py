@@ -123,10 +123,16 @@ def flex_moda(
 
     score_mod, params = None, ()
     if variant.score is not None:
-        variant.score.bind(Hq, L)  # validate its params against this call now, with a clear error
+        # Check the params against this call, and the function on one scalar entry,
+        # here: inside FlexAttention's tracing an error would lose its message.
+        index = q.new_zeros((), dtype=torch.long)
+        variant.score.bind(Hq, L)(q.new_zeros((), dtype=torch.float32), index, index, index, index, index, index == 0)
         score_mod = _score_mod(variant, q_heads=Hq, q_len=Tq, kv_len=Tk, groups=G, slots=L, device=q.device)
         params = variant.score.params
     rows, keys, values, *params = _FirstOrderOnly.apply(rows, keys, values, *params)
+    # An empty tensor (a depth bias when L = 0) has no gradient to compute, and
+    # the eager op fails on a buffer that requires grad yet is never read.
+    params = [p.detach() if p.numel() == 0 else p for p in params]
     out, lse = _run_flex(rows, keys, values, block_mask, scale, compiled, return_lse, score_mod, tuple(params))
     out = out.view(B, Hk, Tq, G, D).transpose(2, 3).reshape(B, Hq, Tq, D)  # (B, Hq, Tq, D)
     if return_lse:
