@@ -2,9 +2,13 @@
 
 In a model whose layers alternate attention and FFN blocks, each writing one
 depth slot per token, the even slots come from attention layers and the odd
-ones from FFNs. This variant reads only the attention slots, causally:
+ones from FFNs. This variant reads only the attention slots, causally.
 
-    python examples/custom_variant.py            # mask picture, then the property test
+A learned depth bias (one logit offset per slot, an ``nn.Parameter``) then
+lets the model weigh the slots it reads: trained for a few steps here, and
+property-tested, its gradient included, against the reference.
+
+    python examples/custom_variant.py            # mask picture, property tests, a few training steps
     python examples/custom_variant.py --examples 200
 """
 
@@ -12,11 +16,12 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
 from hypothesis import given, settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
-from moda_flex import Variant  # noqa: E402
-from moda_flex.testing import assert_matches_reference, make_inputs, moda_shapes  # noqa: E402
+from moda_flex import Variant, depth_bias, moda_attention  # noqa: E402
+from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs, moda_shapes  # noqa: E402
 from moda_flex.visualize import mask_text  # noqa: E402
 
 
@@ -44,13 +49,48 @@ def check_against_reference(examples: int) -> None:
     matches()
 
 
+def check_learned_bias(examples: int) -> None:
+    """The variant with a learned (L,) depth bias: output, lse, all gradients and the bias's gradient."""
+
+    @settings(max_examples=examples, deadline=None)
+    @given(shape=moda_shapes(max_kv_len=32, max_slots=6, head_dims=(8, 16)))
+    def matches(shape):
+        bias = torch.randn(shape.slots, generator=torch.Generator().manual_seed(shape.slots)).requires_grad_()
+        variant = attention_slots_only() & depth_bias(bias)
+        assert_matches_reference(make_inputs(shape), backend="flex", variant=variant)
+
+    matches()
+
+
+def train_bias(steps: int = 30) -> torch.Tensor:
+    """Fit a depth bias so that attention lands on slot 2: the bias of slot 2 must grow."""
+    shape = MoDAShape(batch=2, q_heads=4, kv_heads=2, q_len=8, kv_len=8, slots=6, head_dim=16)
+    inputs = make_inputs(shape, requires_grad=False)
+    target = inputs["depth_v"][:, :, :, 2].repeat_interleave(2, dim=1)  # (B, Hq, Tq, D): slot 2's values
+    bias = torch.nn.Parameter(torch.zeros(shape.slots))
+    optimizer = torch.optim.Adam([bias], lr=0.2)
+    variant = attention_slots_only() & depth_bias(bias)
+    for step in range(steps):
+        out = moda_attention(**inputs, variant=variant, backend="flex")
+        loss = (out - target).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % 10 == 0 or step == steps - 1:
+            print(f"step {step:2d}  loss {loss.item():.4f}  bias {[round(b, 2) for b in bias.tolist()]}")
+    return bias.detach()
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--examples", type=int, default=20, help="hypothesis examples to check")
     args = parser.parse_args(argv)
     print(mask_text(attention_slots_only(), q_len=5, kv_len=8, slots=6))
     check_against_reference(args.examples)
-    print(f"\nflex matches the reference on {args.examples} random shapes")
+    check_learned_bias(args.examples)
+    print(f"\nflex matches the reference on {args.examples} random shapes, with and without a learned depth bias\n")
+    bias = train_bias()
+    print(f"the learned bias favours slot {int(bias.argmax())}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from . import nn  # layers: MoDAAttention, DepthKVProjection, KVCache, Block
 from .depth import DepthStream
 from .attention import moda_attention
 from .context_parallel import context_parallel_moda_attention, gather_sequence, shard_sequence, zigzag_positions
+from .scores import Score, alibi, depth_alibi, depth_bias, softcap
 from .variants import (
     Structure,
     Variant,
@@ -33,4 +34,9 @@ __all__ = [
     "chunk_depth",
     "depth_only",
     "document",
+    "Score",
+    "softcap",
+    "alibi",
+    "depth_bias",
+    "depth_alibi",
 ]

@@ -13,6 +13,7 @@ from torch import Tensor
 from . import variants as _variants
 from .depth import DepthKV, as_tensor, is_entries
 from .reference import reference_attention
+from .scores import Score
 from .variants import Variant
 
 BACKENDS = ("auto", "reference", "flex", "triton")
@@ -26,6 +27,7 @@ def moda_attention(
     depth_v: Optional[DepthKV] = None,
     *,
     variant: Union[str, Variant] = "causal",
+    score: Optional[Score] = None,
     scale: Optional[float] = None,
     backend: str = "auto",
     return_lse: bool = False,
@@ -51,6 +53,10 @@ def moda_attention(
             Any strides; the triton backend reads both forms in place, and
             gives each entry of a sequence its own gradient.
         variant: ``"causal"``, ``"full"`` or a :class:`moda_flex.Variant`.
+        score: a :class:`moda_flex.Score` (``softcap``, ``alibi``,
+            ``depth_bias``, ``depth_alibi`` or your own) changing each logit
+            before the softmax; the same as ``variant & score``. Runs on
+            ``reference`` and ``flex`` (``triton`` refuses scores).
         scale: logit scale, a finite real number > 0; default ``1 / sqrt(D)``.
         backend: ``"auto"`` | ``"reference"`` | ``"flex"`` | ``"triton"``.
         return_lse: also return the log-sum-exp.
@@ -69,6 +75,10 @@ def moda_attention(
         NotImplementedError: when the named backend cannot run the call.
     """
     variant = _variants.resolve(variant)
+    if score is not None:
+        if not isinstance(score, Score):
+            raise TypeError(f"score must be a moda_flex Score or None, got {type(score).__name__} {score!r}")
+        variant = variant & score
     depth_k, depth_v = _check_inputs(q, k, v, depth_k, depth_v)
     variant.check_fits(q.shape[0], k.shape[2])
     scale = _check_scale(scale, q.shape[-1])

@@ -278,7 +278,9 @@ def _check_locally(q, k, v, depth_k, depth_v, variant, backend, world):
 def _check_ring_runs(variant: Variant) -> None:
     structure = variant.structure
     reason = None
-    if structure is None:
+    if variant.score is not None:
+        reason = f"score functions ({variant.score.name}) are not run across the ring yet"
+    elif structure is None:
         reason = "it has no Structure (a custom predicate)"
     elif structure.depth_chunk is not None:
         reason = f"it reads other tokens' depth (depth_chunk={structure.depth_chunk}), which stays on their rank"

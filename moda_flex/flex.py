@@ -26,6 +26,13 @@ split into several runs, falls back to ``create_block_mask``, which evaluates
 the mask densely: O(Tq*G*(Tk + Tq*L)) work, fine for prototyping at modest
 lengths.
 
+A variant's score function (:mod:`moda_flex.scores`) becomes FlexAttention's
+``score_mod`` over the same layout: a row is read back as (query head, token)
+and a column as a key position or a (token, slot) depth entry, as the mask
+does; the tensors the score reads (learned biases) go in as FlexAttention's
+score buffers, so their gradients come back on the eager path too. The
+BlockMask is the variant's, unchanged.
+
 FlexAttention multiplies the masked entries of a visited block by a zero
 weight, and ``0 * NaN = NaN``; so the inputs go in with their NaN and Inf
 zeroed and the rows that see one come out NaN (:mod:`moda_flex.nonfinite`).
@@ -114,8 +121,19 @@ def flex_moda(
     keys = torch.cat([k, pad, depth_k.reshape(B, Hk, Tq * L, D)], dim=2)  # (B, Hk, Tk_pad + Tq*L, D)
     values = torch.cat([v, pad, depth_v.reshape(B, Hk, Tq * L, D)], dim=2)
 
-    rows, keys, values = _FirstOrderOnly.apply(rows, keys, values)
-    out, lse = _run_flex(rows, keys, values, block_mask, scale, compiled, return_lse)
+    score_mod, params = None, ()
+    if variant.score is not None:
+        # Check the params against this call, and the function on one scalar entry,
+        # here: inside FlexAttention's tracing an error would lose its message.
+        index = q.new_zeros((), dtype=torch.long)
+        variant.score.bind(Hq, L)(q.new_zeros((), dtype=torch.float32), index, index, index, index, index, index == 0)
+        score_mod = _score_mod(variant, q_heads=Hq, q_len=Tq, kv_len=Tk, groups=G, slots=L, device=q.device)
+        params = variant.score.params
+    rows, keys, values, *params = _FirstOrderOnly.apply(rows, keys, values, *params)
+    # An empty tensor (a depth bias when L = 0) has no gradient to compute, and
+    # the eager op fails on a buffer that requires grad yet is never read.
+    params = [p.detach() if p.numel() == 0 else p for p in params]
+    out, lse = _run_flex(rows, keys, values, block_mask, scale, compiled, return_lse, score_mod, tuple(params))
     out = out.view(B, Hk, Tq, G, D).transpose(2, 3).reshape(B, Hq, Tq, D)  # (B, Hq, Tq, D)
     if return_lse:
         lse = lse.view(B, Hk, Tq, G).transpose(2, 3).reshape(B, Hq, Tq).float()  # (B, Hq, Tq)
@@ -162,25 +180,33 @@ def _rows_seeing_nonfinite(variant: Variant, q_bad: Tensor, key_bad: Tensor, slo
     return nonfinite.rows_seeing_dense(seq_visible, depth_visible, q_bad, key_bad, slot_bad, variant.own_depth_only)
 
 
-def _run_flex(rows, keys, values, block_mask, scale, compiled, return_lse):
-    """flex_attention over folded rows; returns out and the natural-log lse (None unless asked)."""
+def _run_flex(rows, keys, values, block_mask, scale, compiled, return_lse, score_mod=None, params=()):
+    """flex_attention over folded rows; returns out and the natural-log lse (None unless asked).
+
+    ``score_mod(score, b, h, row, col, *params)`` or None; the public
+    function reads ``params`` from a closure, the eager op as buffers.
+    """
+    closed = None if score_mod is None else (lambda score, b, h, row, col: score_mod(score, b, h, row, col, *params))
     if compiled:
+        flex = functools.partial(_compiled_flex(), rows, keys, values, score_mod=closed, block_mask=block_mask, scale=scale)
         if not return_lse:
-            return _compiled_flex()(rows, keys, values, block_mask=block_mask, scale=scale), None
-        out, aux = _compiled_flex()(rows, keys, values, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True))
+            return flex(), None
+        out, aux = flex(return_aux=AuxRequest(lse=True))
         return out, aux.lse
-    needs_grad = any(t.requires_grad for t in (rows, keys, values)) and torch.is_grad_enabled()
+    needs_grad = any(t.requires_grad for t in (rows, keys, values, *params)) and torch.is_grad_enabled()
     if rows.device.type == "cpu" and needs_grad:
-        return _eager_flex_with_grad(rows, keys, values, block_mask, scale)
+        return _eager_flex_with_grad(rows, keys, values, block_mask, scale, score_mod, params)
     with warnings.catch_warnings():
         # Eager FlexAttention warns that it materializes scores; at test sizes
         # that is the point.
         warnings.simplefilter("ignore", UserWarning)
-        out, aux = flex_attention(rows, keys, values, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True))
+        out, aux = flex_attention(
+            rows, keys, values, score_mod=closed, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True)
+        )
     return out, aux.lse
 
 
-def _eager_flex_with_grad(rows, keys, values, block_mask, scale):
+def _eager_flex_with_grad(rows, keys, values, block_mask, scale, score_mod=None, params=()):
     """FlexAttention's eager operator, differentiable on CPU.
 
     The public ``flex_attention`` refuses CPU inputs that require grad, yet its
@@ -192,7 +218,10 @@ def _eager_flex_with_grad(rows, keys, values, block_mask, scale):
     from torch.nn.attention.flex_attention import _apply_kernel_options
 
     kernel_options = _apply_kernel_options(rows, keys, values, True, None)
-    out, lse = flex_attention_op(rows, keys, values, _no_score_mod, block_mask.as_tuple(), scale, kernel_options)[:2]
+    score_mod = _no_score_mod if score_mod is None else score_mod
+    out, lse = flex_attention_op(
+        rows, keys, values, score_mod, block_mask.as_tuple(), scale, kernel_options, tuple(params)
+    )[:2]
     # The op keeps its statistics in base 2.
     return out, lse * math.log(2.0)
 
@@ -287,6 +316,33 @@ def _mask_mod(variant: Variant, q_len: int, kv_len: int, groups: int, slots: int
 
     moda_mask.__name__ = f"moda_{variant.name}"
     return moda_mask
+
+
+def _score_mod(variant: Variant, *, q_heads: int, q_len: int, kv_len: int, groups: int, slots: int, device):
+    """The variant's score over folded rows and ``[sequence | pad | depth]`` columns, as FlexAttention's score_mod.
+
+    Returns ``moda_score(score, b, h, row, col, *params)``, ``h`` the KV
+    head; ``params`` are the score's tensors (or a backend's copies of them).
+    """
+    score = variant.score
+    # Lengths in a tensor, as for the mask: a compiled kernel reads them as inputs.
+    dims = torch.tensor([kv_len - q_len, max(kv_len - 1, 0), _round_up(kv_len, BLOCK), max(slots, 1)], device=device)
+
+    def moda_score(s, b, h, row, col, *params):
+        offset, last_key, kv_padded, slots_t = dims.unbind()
+        fn = score.bind(q_heads, slots, params)
+        token = row // groups
+        q_pos = token + offset  # offset: absolute position of query token 0
+        q_head = h * groups + row % groups
+        is_depth = col >= kv_padded
+        depth_col = (col - kv_padded).clamp(min=0)
+        # Sequence (and pad) columns: the key's position; depth: the entry's token and slot.
+        pos = torch.where(is_depth, depth_col // slots_t + offset, torch.minimum(col, last_key))
+        slot = torch.where(is_depth, depth_col % slots_t, torch.zeros_like(depth_col))
+        return fn(s, b, q_head, q_pos, pos, slot, is_depth)
+
+    moda_score.__name__ = f"moda_{score.name}"
+    return moda_score
 
 
 def _structural_block_mask(

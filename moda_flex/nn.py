@@ -31,6 +31,7 @@ from . import variants as _variants
 from .attention import moda_attention
 from .depth import DepthStream, as_tensor
 from .reference import attention_probabilities
+from .scores import Score
 from .variants import Variant
 
 __all__ = ["DepthStream", "KVCache", "MoDAAttention", "DepthKVProjection", "SwiGLU", "Block", "BlockConfig",
@@ -177,6 +178,9 @@ class MoDAAttention(nn.Module):
         variant: the ``moda_attention`` mask variant.
         backend: the ``moda_attention`` backend. With ``"auto"``, a call that
             reads no depth and no cache uses PyTorch's SDPA.
+        score: the ``moda_attention`` score function, e.g.
+            ``depth_bias(nn.Parameter(torch.zeros(L)))``; its ``nn.Parameter``
+            tensors become parameters of the layer (``score_params``).
     """
 
     def __init__(
@@ -191,9 +195,15 @@ class MoDAAttention(nn.Module):
         bias: bool = False,
         variant: Union[str, Variant] = "causal",
         backend: str = "auto",
+        score: Optional[Score] = None,
     ):
         super().__init__()
         _check_heads(n_embd, n_head, n_kv_head)
+        if score is not None and not isinstance(score, Score):
+            raise TypeError(f"score must be a moda_flex Score or None, got {type(score).__name__}")
+        self.score = score
+        # Registered, so that optimizers, .to() and state_dict see a learned bias.
+        self.score_params = nn.ParameterList([p for p in getattr(score, "params", ()) if isinstance(p, nn.Parameter)])
         self.n_head, self.n_kv_head = n_head, n_kv_head
         self.head_dim = n_embd // n_head
         self.rope, self.rope_base = rope, rope_base
@@ -223,10 +233,13 @@ class MoDAAttention(nn.Module):
         q, k, v = self._project(x, cache.length if cache is not None else 0)
         depth_k, depth_v = depth.read() if depth is not None else (None, None)
         k_all, v_all = cache.update(k, v) if cache is not None else (k, v)
-        if depth_k is None and self.backend == "auto" and self.variant in ("causal", "full") and cache is None:
+        plain = self.variant in ("causal", "full") and self.score is None
+        if depth_k is None and self.backend == "auto" and plain and cache is None:
             y = F.scaled_dot_product_attention(q, k_all, v_all, is_causal=self.variant == "causal", enable_gqa=True)
         else:
-            y = moda_attention(q, k_all, v_all, depth_k, depth_v, variant=self.variant, backend=self.backend)
+            y = moda_attention(
+                q, k_all, v_all, depth_k, depth_v, variant=self.variant, score=self.score, backend=self.backend
+            )
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, Hq*D)
         return self.o_proj(y), (depth.append(k, v) if depth is not None else None)
 
@@ -245,6 +258,7 @@ class MoDAAttention(nn.Module):
         depth_k, depth_v = depth.read() if depth is not None else (None, None)
         depth_k, depth_v = as_tensor(depth_k or [], k), as_tensor(depth_v or [], v)  # (B, Hk, T, L, D)
         variant = _variants.resolve(self.variant)
+        variant = variant if self.score is None else variant & self.score
         return attention_probabilities(q, k, v, depth_k, depth_v, variant, 1.0 / math.sqrt(self.head_dim))
 
     def _project(self, x: Tensor, start: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -7,6 +7,9 @@ and query token ``i`` at absolute position ``p = Tk - Tq + i``::
     s_(d,l)  = scale * q_i . K_depth[d, l] for depth slots (d, l) the variant allows
     o_i      = softmax([s_j | s_(d,l)]) @ [v_j | V_depth[d, l]]     (one softmax)
 
+A variant's score function (:mod:`moda_flex.scores`) changes every logit
+before the mask and the softmax.
+
 Vectorized over every axis (no Python loop over tokens), float64-capable.
 When a variant reads only each token's own depth (all built-ins but
 ``chunk_depth``), the depth logits are the compact (Tq, L) products; otherwise
@@ -88,6 +91,29 @@ def visible_entries(
     return seq_visible, depth_visible
 
 
+def _apply_score(variant: Variant, logits: Tensor, kv_len: int, slots: int) -> Tensor:
+    """The variant's score function on (B, Hq, Tq, N) logits, columns ``[sequence | depth]`` as built above."""
+    B, Hq, Tq, N = logits.shape
+    Tk, L, device = kv_len, slots, logits.device
+    b = torch.arange(B, device=device).view(B, 1, 1, 1)
+    h = torch.arange(Hq, device=device).view(1, Hq, 1, 1)
+    q_pos = (Tk - Tq + torch.arange(Tq, device=device)).view(1, 1, Tq, 1)
+    k_pos = torch.arange(Tk, device=device).view(1, 1, 1, Tk)
+    if variant.own_depth_only:
+        # Column Tk + l is the row's own slot l, written for its own token.
+        d_pos = q_pos.expand(1, 1, Tq, L)
+        d_slot = torch.arange(L, device=device).view(1, 1, 1, L)
+    else:
+        # Column Tk + t * L + l is token t's slot l.
+        d_pos = (Tk - Tq + torch.arange(Tq, device=device)).repeat_interleave(L).view(1, 1, 1, Tq * L)
+        d_slot = torch.arange(L, device=device).repeat(Tq).view(1, 1, 1, Tq * L)
+    pos = torch.cat([k_pos.expand(1, 1, Tq, Tk), d_pos.expand(1, 1, Tq, -1)], dim=-1)  # (1, 1, Tq, N)
+    slot = torch.cat([torch.zeros_like(k_pos), d_slot], dim=-1)  # (1, 1, 1, N); 0 for sequence keys
+    is_depth = (torch.arange(N, device=device) >= Tk).view(1, 1, 1, N)
+    score = variant.score.bind(Hq, L)
+    return score(logits, b, h, q_pos, pos, slot, is_depth)
+
+
 def _attention(q, k, v, depth_k, depth_v, variant: Variant, scale: float):
     """out (B, Hq, Tq, D), probabilities (B, Hq, Tq, N) and lse (B, Hq, Tq), in the compute dtype."""
     B, Hq, Tq, D = q.shape
@@ -122,6 +148,8 @@ def _attention(q, k, v, depth_k, depth_v, variant: Variant, scale: float):
         depth_logits = scale * q @ depth_k.transpose(-1, -2)  # (B, Hq, Tq, Tq*L)
 
     logits = torch.cat([seq_logits, depth_logits], dim=-1)  # (B, Hq, Tq, N)
+    if variant.score is not None:
+        logits = _apply_score(variant, logits, Tk, L)
     visible = torch.cat([seq_visible, depth_visible], dim=-1)
     logits = logits.masked_fill(~visible, float("-inf"))
 

@@ -1,6 +1,6 @@
 """Property-test a backend, or a variant of your own, against the dense reference.
 
-Five pieces, meant to be combined with `hypothesis`_::
+Six pieces, meant to be combined with `hypothesis`_::
 
     from hypothesis import given, settings, strategies as st
     from moda_flex.testing import assert_matches_reference, make_inputs, moda_shapes, variants
@@ -19,10 +19,13 @@ Five pieces, meant to be combined with `hypothesis`_::
   tensors that are a strided slice of a larger slot buffer.
 - :func:`assert_matches_reference` runs a backend and the float64 reference
   on the same inputs and compares the output, the lse and the gradients of
-  all five inputs, with a relative tolerance scaled by dtype
+  all five inputs (and of the tensors a score function reads that require
+  grad: learned biases), with a relative tolerance scaled by dtype
   (:func:`tolerance`).
 - :func:`variants` draws built-in variants (and ``&`` compositions) that are
   valid for a shape.
+- :func:`score_functions` draws built-in score functions (and ``&``
+  compositions) with valid parameters: ``variant & score``.
 
 .. _hypothesis: https://hypothesis.readthedocs.io
 """
@@ -41,8 +44,10 @@ try:
 except ImportError as error:
     raise ImportError("moda_flex.testing needs hypothesis: pip install hypothesis (or moda_flex[test])") from error
 
+from . import scores as _scores
 from . import variants as _variants
 from .attention import moda_attention
+from .scores import Score
 from .variants import Variant
 
 __all__ = [
@@ -52,9 +57,11 @@ __all__ = [
     "tolerance",
     "assert_matches_reference",
     "variants",
+    "score_functions",
     "document_ids",
     "relative_error",
     "BUILTIN_KINDS",
+    "SCORE_KINDS",
 ]
 
 INPUT_NAMES = ("q", "k", "v", "depth_k", "depth_v")
@@ -69,6 +76,9 @@ BUILTIN_KINDS = (
     "depth_only",
     "document",
 )
+
+# The built-in score functions that :func:`score_functions` can draw.
+SCORE_KINDS = ("softcap", "alibi", "depth_bias", "depth_alibi")
 
 # Relative RMS error ||actual - reference|| / ||reference|| allowed per dtype,
 # against a float64 reference computed from the very same (upcast) inputs.
@@ -309,7 +319,8 @@ def assert_matches_reference(
     - rows that see no key (reference ``lse = -inf``) give exactly zero output
       and ``lse = -inf``, and no other row has ``lse = -inf``;
     - output, the finite lse and (with ``check_grads``) the gradients of
-      ``q, k, v, depth_k, depth_v`` have relative RMS error
+      ``q, k, v, depth_k, depth_v`` and of every tensor the variant's score
+      reads that requires grad (a learned bias) have relative RMS error
       ``||actual - reference|| / ||reference||`` at most ``rtol``
       (:func:`tolerance` of the inputs' dtype by default); against an all-zero
       reference the absolute RMS norm is used.
@@ -348,8 +359,9 @@ def assert_matches_reference(
     reference_in = {
         name: leaves[name].detach().to(torch.float64).requires_grad_(check_grads) for name in names
     }
+    variant, reference_variant, param_names = _score_leaves(variant, actual_in, reference_in, check_grads)
     out, lse = _call(run, _rebuild(inputs, actual_in), variant, scale)
-    ref_out, ref_lse = _call(_named_backend("reference"), _rebuild(inputs, reference_in), variant, scale)
+    ref_out, ref_lse = _call(_named_backend("reference"), _rebuild(inputs, reference_in), reference_variant, scale)
 
     _check_form("out", out, ref_out.shape, q.dtype, where)
     _check_form("lse", lse, ref_lse.shape, torch.float32, where)
@@ -369,11 +381,37 @@ def assert_matches_reference(
 
     generator = torch.Generator().manual_seed(1)
     grad_out = torch.randn(out.shape, generator=generator).to(device=out.device, dtype=out.dtype)
-    grads = _grads(out, grad_out, actual_in, names)
-    ref_grads = _grads(ref_out, grad_out.to(torch.float64), reference_in, names)
-    for name in names:
-        _check_form(f"grad of {name}", grads[name], leaves[name].shape, q.dtype, where)
+    grads = _grads(out, grad_out, actual_in, names + param_names)
+    ref_grads = _grads(ref_out, grad_out.to(torch.float64), reference_in, names + param_names)
+    for name in names + param_names:
+        expected = actual_in[name]
+        _check_form(f"grad of {name}", grads[name], expected.shape, expected.dtype, where)
         _check_close(f"grad of {name}", grads[name], ref_grads[name], rtol, where)
+
+
+def _score_leaves(variant: Variant, actual_in: dict, reference_in: dict, check_grads: bool):
+    """The variant for the backend and for the reference, each reading its own copies of the score's tensors.
+
+    The copies that require grad join ``actual_in`` / ``reference_in`` under
+    names like ``depth_bias.params[0]``; returns those names too. The
+    reference reads float64 copies of every float tensor.
+    """
+    score = variant.score
+    if score is None:
+        return variant, variant, []
+    actual, reference, names = [], [], []
+    for i, p in enumerate(score.params):
+        learned = check_grads and p.requires_grad
+        mine = p.detach().requires_grad_(learned)
+        theirs = p.detach().to(torch.float64) if p.is_floating_point() else p.detach()
+        theirs.requires_grad_(learned)
+        actual.append(mine)
+        reference.append(theirs)
+        if learned:
+            name = f"{score.name}.params[{i}]"
+            actual_in[name], reference_in[name] = mine, theirs
+            names.append(name)
+    return variant.with_score(score.with_params(actual)), variant.with_score(score.with_params(reference)), names
 
 
 def _named_backend(name: str) -> Callable:
@@ -520,6 +558,58 @@ def variants(
     term = st.one_of([families[kind] for kind in kinds])
     drawn = st.lists(term, min_size=1, max_size=max_terms).map(_intersect_all)
     return drawn.filter(lambda variant: variant.structure is not None) if structured else drawn
+
+
+def score_functions(
+    shape: MoDAShape,
+    *,
+    kinds: Sequence[str] = SCORE_KINDS,
+    max_terms: int = 2,
+    learned: bool = True,
+    device: Union[str, torch.device] = "cpu",
+) -> st.SearchStrategy[Score]:
+    """A hypothesis strategy of built-in score functions valid for ``shape``.
+
+    Each term is one of ``kinds``: ``softcap(cap)`` with ``0.5 <= cap <= 50``,
+    ``alibi(slopes)`` and ``depth_alibi(slopes)`` with (Hq,) slopes in
+    ``[0, 1)``, ``depth_bias(bias)`` with a (L,) or (Hq, L) bias in
+    ``[-2, 2)``. Up to ``max_terms`` terms are joined with ``&`` (applied in
+    order). Tensors are float32, seeded by the draw.
+
+    Args:
+        shape: the sizes the tensors must fit (``Hq``, ``L``).
+        kinds: which families to draw from, a subset of :data:`SCORE_KINDS`.
+        max_terms: the most terms in one composition.
+        learned: the drawn tensors require grad, so that
+            :func:`assert_matches_reference` also compares their gradients.
+        device: where the tensors live: the device of the inputs.
+    """
+    if not isinstance(shape, MoDAShape):
+        raise ValueError(f"shape must be a MoDAShape, got {type(shape).__name__}")
+    kinds = tuple(kinds)
+    unknown = [kind for kind in kinds if kind not in SCORE_KINDS]
+    if not kinds or unknown:
+        raise ValueError(f"kinds must be a non-empty subset of {SCORE_KINDS}, got {kinds!r}")
+    if not isinstance(max_terms, int) or max_terms < 1:
+        raise ValueError(f"max_terms must be a positive int, got {max_terms!r}")
+    Hq, L = shape.q_heads, shape.slots
+
+    def uniform(low: float, high: float, *size: int):
+        def make(seed: int) -> Tensor:
+            generator = torch.Generator().manual_seed(seed)
+            t = low + (high - low) * torch.rand(*size, generator=generator)
+            return t.to(device).requires_grad_(learned)
+
+        return st.integers(0, 2**16).map(make)
+
+    families = {
+        "softcap": st.builds(_scores.softcap, st.floats(0.5, 50.0)),
+        "alibi": st.builds(_scores.alibi, uniform(0.0, 1.0, Hq)),
+        "depth_bias": st.builds(_scores.depth_bias, st.one_of(uniform(-2.0, 2.0, L), uniform(-2.0, 2.0, Hq, L))),
+        "depth_alibi": st.builds(_scores.depth_alibi, uniform(0.0, 1.0, Hq)),
+    }
+    term = st.one_of([families[kind] for kind in kinds])
+    return st.lists(term, min_size=1, max_size=max_terms).map(_intersect_all)
 
 
 def document_ids(

@@ -25,12 +25,15 @@ variant is made; document ids are also prepared there, once
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
+
+from .scores import Score
 
 SequencePredicate = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 DepthPredicate = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -260,8 +263,12 @@ class Variant:
             variant of your own (it then runs on ``reference`` and ``flex``).
         documents: the :class:`Documents` the predicates read; each call checks
             that they fit its batch and length (:meth:`check_fits`).
+        score: a :class:`~moda_flex.scores.Score` applied to the logits before
+            the softmax (None: the plain ``scale * q . k``).
 
-    ``a & b`` and ``a | b`` compose both predicates elementwise.
+    ``a & b`` and ``a | b`` compose both predicates elementwise; ``a & b``
+    applies a's score, then b's (``|`` refuses scores: join them after the
+    union). ``variant & score`` is the variant with the score added.
     """
 
     def __init__(
@@ -273,7 +280,10 @@ class Variant:
         depth_for_slots: Optional[Callable[[int], DepthPredicate]] = None,
         structure: Optional[Structure] = None,
         documents: Sequence[Documents] = (),
+        score: Optional[Score] = None,
     ):
+        if score is not None and not isinstance(score, Score):
+            raise TypeError(f"variant {name!r}: score must be a moda_flex Score, got {type(score).__name__}")
         if depth is not None and depth_for_slots is not None:
             raise ValueError(f"variant {name!r}: pass depth or depth_for_slots, not both")
         self.name = name
@@ -282,6 +292,7 @@ class Variant:
         self._depth_for_slots = depth_for_slots
         self.structure = structure
         self.documents = tuple(documents)
+        self.score = score
 
     def depth_predicate(self, num_slots: int) -> DepthPredicate:
         """The depth predicate for calls with ``L = num_slots`` depth slots."""
@@ -299,13 +310,27 @@ class Variant:
         """True when a query is known to read only its own token's depth."""
         return self.structure is not None and self.structure.own_depth_only
 
-    def __and__(self, other: "Variant") -> "Variant":
+    def with_score(self, score: Optional[Score]) -> "Variant":
+        """This variant, same name, with ``score`` in place of its own (None: no score)."""
+        if score is not None and not isinstance(score, Score):
+            raise TypeError(f"score must be a moda_flex Score or None, got {type(score).__name__}")
+        variant = copy.copy(self)
+        variant.score = score
+        return variant
+
+    def __and__(self, other) -> "Variant":
+        if isinstance(other, Score):
+            variant = self.with_score(other if self.score is None else self.score & other)
+            variant.name = f"({self.name} & {other.name})"
+            return variant
         return _combine(self, other, "&", torch.logical_and)
 
     def __or__(self, other: "Variant") -> "Variant":
         return _combine(self, other, "|", torch.logical_or)
 
     def __rand__(self, other):
+        if isinstance(other, Score):  # ``softcap(30.0) & causal()``
+            return self & other
         # Reached only when the left operand is not a Variant: ``"full" & causal()``.
         raise _operand_error(other, "&", self)
 
@@ -356,6 +381,12 @@ def _combine(a: Variant, b: Variant, symbol: str, op) -> Variant:
 
         return depth
 
+    if symbol == "|" and (a.score is not None or b.score is not None):
+        raise ValueError(
+            f"| combines masks only, got scores in {a.name!r} | {b.name!r}: join the score after the union, "
+            f"(a | b) & score"
+        )
+    score = a.score if b.score is None else b.score if a.score is None else a.score & b.score
     structure = None
     # Only intersections keep a block structure; unions fall back to the generic path.
     if symbol == "&" and a.structure is not None and b.structure is not None:
@@ -366,6 +397,7 @@ def _combine(a: Variant, b: Variant, symbol: str, op) -> Variant:
         depth_for_slots=depth_for_slots,
         structure=structure,
         documents=a.documents + b.documents,
+        score=score,
     )
 
 

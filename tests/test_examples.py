@@ -1,4 +1,4 @@
-"""The examples: the GPT's cached decoding, a tiny training run, and the heatmaps from its checkpoint."""
+"""The examples: the GPT's cached decoding, a tiny training run, the heatmaps from its checkpoint, a custom variant."""
 
 import sys
 from pathlib import Path
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import custom_variant  # noqa: E402
 import train_gpt  # noqa: E402
 import visualize_attention  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
@@ -97,3 +98,9 @@ def test_bad_flags_are_rejected():
         train_gpt.parse_args(["--depth-kv", "none,ffn"])
     with pytest.raises(SystemExit):
         train_gpt.parse_args(["--norm", "sandwich"])
+
+
+def test_custom_variant_learns_its_depth_bias(capsys):
+    custom_variant.check_learned_bias(examples=3)
+    bias = custom_variant.train_bias(steps=12)
+    assert int(bias.argmax()) == 2 and "loss" in capsys.readouterr().out

@@ -40,8 +40,13 @@ def unsupported_reason(q: Tensor, variant: Variant) -> Optional[str]:
         q: (B, Hq, Tq, D) queries (only dtype, device and D are read).
         variant: the mask pair; it needs a :class:`moda_flex.Structure` whose
             depth reads are the token's own (``depth_chunk is None``) and
-            whose documents are each one contiguous run.
+            whose documents are each one contiguous run, and no score function.
     """
+    if variant.score is not None:
+        return (
+            f"score functions ({variant.score.name}) are not fused into the kernels yet; use backend='flex' "
+            f"(or 'auto', which picks it on CUDA) or 'reference'"
+        )
     structure = variant.structure
     if structure is None:
         return "the variant has no Structure (a custom predicate); use backend='flex'"

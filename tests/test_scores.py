@@ -1,0 +1,203 @@
+"""Score functions: the built-ins by their definition, on reference and flex, and bad input."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import moda_flex
+from moda_flex import Score, alibi, causal, depth_alibi, depth_bias, full, moda_attention, softcap
+from moda_flex.testing import (
+    SCORE_KINDS,
+    MoDAShape,
+    assert_matches_reference,
+    make_inputs,
+    moda_shapes,
+    score_functions,
+    variants,
+)
+
+from budget import examples
+
+
+@settings(max_examples=examples(20))
+@given(shape=moda_shapes(max_kv_len=24, max_groups=4, max_slots=5, head_dims=(8, 16)), data=st.data())
+def test_flex_matches_reference_with_scores(shape, data):
+    variant = data.draw(variants(shape)) & data.draw(score_functions(shape))
+    assert_matches_reference(make_inputs(shape, strided_depth=data.draw(st.booleans())), backend="flex", variant=variant)
+
+
+@settings(max_examples=examples(10))
+@given(shape=moda_shapes(max_kv_len=24, max_groups=4, max_slots=5, head_dims=(8, 16)), data=st.data())
+def test_reference_float32_matches_float64_with_scores(shape, data):
+    variant = data.draw(variants(shape)) & data.draw(score_functions(shape))
+    assert_matches_reference(make_inputs(shape), backend="reference", variant=variant)
+
+
+def _learned(*size):
+    return torch.rand(*size).requires_grad_()
+
+
+BUILTINS = {
+    "softcap": lambda: softcap(1.5),
+    "alibi": lambda: alibi(_learned(4)),
+    "depth_bias": lambda: depth_bias(_learned(4, 3)),
+    "depth_alibi": lambda: depth_alibi(_learned(4)),
+}
+
+
+@pytest.mark.parametrize("kind", SCORE_KINDS)
+@pytest.mark.parametrize("backend", ["reference", "flex"])
+@pytest.mark.parametrize("variant", [causal(), moda_flex.chunk_depth(3), full()], ids=str)
+def test_every_builtin_matches_with_learned_grads(kind, backend, variant):
+    shape = MoDAShape(2, 4, 2, 5, 9, 3, 8)
+    assert_matches_reference(make_inputs(shape), backend=backend, variant=variant & BUILTINS[kind]())
+
+
+@pytest.mark.parametrize("backend", ["reference", "flex"])
+def test_learned_bias_without_depth_slots(backend):
+    assert_matches_reference(
+        make_inputs(MoDAShape(1, 2, 1, 3, 5, 0, 8)), backend=backend, variant=causal() & depth_bias(_learned(0))
+    )
+
+
+def _dense(q, k, v, depth_k, depth_v, seq_bias, depth_bias_, cap=None):
+    """MoDA for G = 1, full variant, by hand: (Tq, Tk) and (Tq, L) additive biases, then an optional cap."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    seq = scale * q @ k.transpose(-1, -2) + seq_bias  # (B, H, Tq, Tk)
+    dep = scale * torch.einsum("bhtd,bhtld->bhtl", q, depth_k) + depth_bias_  # (B, H, Tq, L)
+    logits = torch.cat([seq, dep], dim=-1)
+    if cap is not None:
+        logits = cap * torch.tanh(logits / cap)
+    p = logits.softmax(-1)
+    Tk = k.shape[2]
+    return p[..., :Tk] @ v + torch.einsum("bhtl,bhtld->bhtd", p[..., Tk:], depth_v)
+
+
+def test_builtins_by_their_definition():
+    inputs = make_inputs(MoDAShape(1, 2, 2, 4, 6, 3, 8), dtype=torch.float64, requires_grad=False)
+    Tq, Tk, L = 4, 6, 3
+    slopes = torch.tensor([0.5, 0.25], dtype=torch.float64)
+    bias = torch.tensor([[1.0, -1.0, 0.5], [0.0, 2.0, -2.0]], dtype=torch.float64)
+    q_pos = torch.arange(Tk - Tq, Tk).view(Tq, 1)
+    distance = (q_pos - torch.arange(Tk)).abs()  # (Tq, Tk)
+    zero_seq, zero_depth = torch.zeros(Tq, Tk), torch.zeros(Tq, L)
+    cases = [
+        (softcap(2.0), zero_seq, zero_depth, 2.0),
+        (alibi(slopes), -slopes.view(2, 1, 1) * distance, zero_depth, None),
+        (depth_bias(bias), zero_seq, bias.view(2, 1, L), None),
+        (depth_bias(bias[0]), zero_seq, bias[0], None),
+        (depth_alibi(slopes), zero_seq, -slopes.view(2, 1, 1) * (L - 1 - torch.arange(L)), None),
+        (depth_bias(bias) & softcap(1.5), zero_seq, bias.view(2, 1, L), 1.5),
+    ]
+    for score, seq_bias, depth_bias_, cap in cases:
+        got = moda_attention(**inputs, variant=full() & score, backend="reference")
+        torch.testing.assert_close(got, _dense(**inputs, seq_bias=seq_bias, depth_bias_=depth_bias_, cap=cap))
+
+
+def test_scores_apply_in_order_and_name_the_variant():
+    slopes = torch.rand(2)
+    inputs = make_inputs(MoDAShape(1, 2, 1, 5, 5, 2, 8), requires_grad=False)
+    a = moda_attention(**inputs, variant=causal() & alibi(slopes) & softcap(0.5), backend="reference")
+    b = moda_attention(**inputs, variant=causal() & softcap(0.5) & alibi(slopes), backend="reference")
+    assert not torch.allclose(a, b)
+    variant = softcap(30.0) & causal()
+    assert variant.name == "(causal & softcap(30))" and variant.score.name == "softcap(30)"
+    same = moda_attention(**inputs, score=alibi(slopes) & softcap(0.5), backend="reference")
+    torch.testing.assert_close(same, a)
+
+
+def test_custom_score_runs_on_flex():
+    def halve_depth(s, b, h, q_pos, pos, slot, is_depth):
+        return torch.where(is_depth & (slot == 0), s / 2, s)
+
+    shape = MoDAShape(1, 4, 2, 6, 9, 3, 16)
+    assert_matches_reference(make_inputs(shape), backend="flex", variant=causal() & Score("halve_depth", halve_depth))
+
+
+def test_learned_depth_bias_gets_gradient_on_every_backend():
+    shape = MoDAShape(1, 2, 1, 4, 7, 3, 8)
+    for backend in ("reference", "flex"):
+        bias = torch.zeros(3, requires_grad=True)
+        out = moda_attention(**make_inputs(shape), score=depth_bias(bias), backend=backend)
+        out.square().sum().backward()
+        assert bias.grad is not None and bias.grad.abs().sum() > 0, backend
+
+
+def test_triton_refuses_scores_and_auto_falls_back():
+    inputs = make_inputs(MoDAShape(1, 2, 1, 3, 5, 2, 8), requires_grad=False)
+    with pytest.raises(NotImplementedError, match="score functions .*softcap"):
+        moda_attention(**inputs, score=softcap(5.0), backend="triton")
+    torch.testing.assert_close(
+        moda_attention(**inputs, score=softcap(5.0)), moda_attention(**inputs, score=softcap(5.0), backend="reference")
+    )
+
+
+@pytest.mark.parametrize("cap", [0, -1.0, float("inf"), float("nan"), True, "3"])
+def test_softcap_needs_a_positive_cap(cap):
+    with pytest.raises(ValueError, match="softcap: cap"):
+        softcap(cap)
+
+
+@pytest.mark.parametrize("backend", ["reference", "flex"])
+def test_wrong_sizes_are_named(backend):
+    inputs = make_inputs(MoDAShape(1, 4, 2, 3, 5, 2, 8), requires_grad=False)
+    with pytest.raises(ValueError, match=r"depth_bias: bias must have shape \(L,\) = \(2,\).*got \(3,\)"):
+        moda_attention(**inputs, score=depth_bias(torch.zeros(3)), backend=backend)
+    with pytest.raises(ValueError, match=r"depth_bias: bias must have shape \(Hq, L\) = \(4, 2\)"):
+        moda_attention(**inputs, score=depth_bias(torch.zeros(2, 2)), backend=backend)
+    with pytest.raises(ValueError, match=r"alibi: slopes must have shape \(Hq=4,\)"):
+        moda_attention(**inputs, score=alibi(torch.ones(2)), backend=backend)
+    with pytest.raises(ValueError, match=r"depth_alibi: slopes must have shape \(Hq=4,\)"):
+        moda_attention(**inputs, score=depth_alibi(torch.ones(3)), backend=backend)
+
+
+def test_bad_tensors_and_results_are_named():
+    with pytest.raises(TypeError, match="depth_bias: bias must be a float tensor"):
+        depth_bias(torch.zeros(3, dtype=torch.long))
+    with pytest.raises(TypeError, match="alibi: slopes must be a float tensor"):
+        alibi(torch.zeros(2, 2))
+    inputs = make_inputs(MoDAShape(1, 2, 1, 3, 5, 2, 8), requires_grad=False)
+    as_int = Score("as_int", lambda s, b, h, q_pos, pos, slot, is_depth: q_pos - pos)
+    with pytest.raises(TypeError, match="score 'as_int' must return a float tensor.*int64"):
+        moda_attention(**inputs, score=as_int, backend="reference")
+    per_slot = torch.zeros(4)
+    wrong_shape = Score("wrong_shape", lambda s, b, h, q_pos, pos, slot, is_depth: s.sum() + per_slot)
+    for backend in ("reference", "flex"):
+        with pytest.raises(ValueError, match="score 'wrong_shape' must return a tensor of the logit's shape"):
+            moda_attention(**inputs, score=wrong_shape, backend=backend)
+    learned = torch.zeros(2, requires_grad=True)
+    with pytest.raises(ValueError, match="captures a tensor of shape \\(2,\\) that requires grad; list it in params="):
+        Score("captured", lambda s, b, h, q_pos, pos, slot, is_depth: s + learned[slot])
+    with pytest.raises(ValueError, match="join the score after the union"):
+        (causal() & softcap(2.0)) | full()
+    with pytest.raises(TypeError, match="score must be a moda_flex Score"):
+        moda_attention(**inputs, score=lambda s, *_: s)
+
+
+def test_assert_matches_reference_checks_the_learned_bias():
+    shape = MoDAShape(1, 2, 1, 4, 6, 3, 8)
+
+    def detached_bias(q, k, v, depth_k, depth_v, variant, scale):
+        score = variant.score.with_params([p.detach() for p in variant.score.params])
+        return moda_attention(q, k, v, depth_k, depth_v, variant=variant.with_score(score), scale=scale,
+                              backend="reference", return_lse=True)
+
+    variant = causal() & depth_bias(torch.randn(3, requires_grad=True))
+    with pytest.raises(AssertionError, match=r"grad of depth_bias.params\[0\]"):
+        assert_matches_reference(make_inputs(shape), backend=detached_bias, variant=variant)
+
+
+def test_layer_learns_a_depth_bias():
+    torch.manual_seed(0)
+    bias = nn.Parameter(torch.zeros(2))
+    layer = moda_flex.nn.MoDAAttention(32, 4, 2, score=depth_bias(bias))
+    assert any(p is bias for p in layer.parameters())
+    stream = moda_flex.DepthStream().append(torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8))
+    stream = stream.append(torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8))
+    y, _ = layer(torch.randn(2, 7, 32), stream)
+    y.square().mean().backward()
+    assert bias.grad is not None and bias.grad.abs().sum() > 0
