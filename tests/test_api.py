@@ -11,7 +11,7 @@ from moda_flex.reference import attention_probabilities
 
 
 def test_star_import_keeps_torch_nn():
-    code = "from torch import nn\nfrom moda_flex import *\nimport moda_flex.nn\nprint(nn.__name__, moda_flex.nn.__name__)"
+    code = "from torch import nn; from moda_flex import *; import moda_flex.nn; print(nn.__name__, moda_flex.nn.__name__)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["torch.nn", "moda_flex.nn"]
 
