@@ -3,6 +3,7 @@
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -11,8 +12,14 @@ from moda_flex.reference import attention_probabilities
 
 
 def test_star_import_keeps_torch_nn():
-    code = "from torch import nn; from moda_flex import *; import moda_flex.nn; print(nn.__name__, moda_flex.nn.__name__)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    code = """
+from torch import nn
+from moda_flex import *
+import moda_flex.nn
+print(nn.__name__, moda_flex.nn.__name__)
+"""
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     assert result.stdout.split() == ["torch.nn", "moda_flex.nn"]
 
 
