@@ -262,10 +262,13 @@ def plot_mask(
     x_ticks, y_ticks = list(range(0, kv_len, step)) + list(range(kv_len, columns, step)), _ticks(rows)
     ax.set_xticks(x_ticks, [_column_label(c, kv_len, slots) for c in x_ticks])
     ax.set_yticks(y_ticks, [str(r if folded else kv_len - q_len + r) for r in y_ticks])
-    ax.axvline(kv_len - 0.5, color="black", linestyle="--", linewidth=1.2)
     ax.set_title(f"{variant.name}: Tq={q_len} Tk={kv_len} L={slots} G={groups}")
-    depth = "depth slot l of every query token (token-major)" if packed else "depth slot l"
-    ax.set_xlabel(f"sequence key k | {depth}")
+    if slots:
+        ax.axvline(kv_len - 0.5, color="black", linestyle="--", linewidth=1.2)
+        depth = "depth slot l of every query token (token-major)" if packed else "depth slot l"
+        ax.set_xlabel(f"sequence key k | {depth}")
+    else:
+        ax.set_xlabel("sequence key k (no depth slots)")
     if folded:
         ax.set_ylabel(f"folded row r = t * {groups} + g, KV head {kv_head}")
     else:

@@ -9,9 +9,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import train_gpt  # noqa: E402
 import visualize_attention  # noqa: E402
-from gpt import GPT, GPTConfig  # noqa: E402
+from gpt import GPT, GPTConfig, load_checkpoint  # noqa: E402
 
 from moda_flex.nn import KVCache  # noqa: E402
+from moda_flex.visualize import dense_mask  # noqa: E402
 
 
 def _model(depth_kv, norm, rope=True):
@@ -64,26 +65,25 @@ def test_train_compare_checkpoint_and_heatmaps(tmp_path, capsys):
     ckpt = tmp_path / "out" / "moda-post.pt"
     checkpoint = torch.load(ckpt, weights_only=True)
     assert checkpoint["config"]["depth_kv"] == "attn+ffn"
-    model = visualize_attention.load_model(str(ckpt))
+    model = load_checkpoint(str(ckpt))
     idx = torch.randint(0, 256, (1, 6))
     maps = visualize_attention.attention_maps(model, idx)
     assert [m.shape for m in maps] == [(2, 6, 6), (2, 6, 6 + 2)]
     torch.testing.assert_close(maps[1].sum(-1), torch.ones(2, 6))
 
     pytest.importorskip("matplotlib")
-    out, mask = tmp_path / "attention.png", tmp_path / "mask.png"
-    visualize_attention.main(
-        ["--ckpt", str(ckpt), "--data", str(data), "--tokens", "12", "--out", str(out), "--mask-out", str(mask)]
-    )
-    for png in (out, mask):
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    paths = visualize_attention.main(["--ckpt", str(ckpt), "--data", str(data), "--tokens", "12",
+                                      "--block-tokens", "128"])  # fmt: skip
+    assert [path.name for path in paths] == ["moda-post-attention.png", "moda-post-mask.png", "moda-post-block-mask.png"]
+    for png in paths:
+        assert png.parent == ckpt.parent and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert capsys.readouterr().out.splitlines()[-3:] == [f"wrote {path}" for path in paths]
 
 
 def test_folded_mask_matches_the_paper():
-    from moda_flex import variants
-
+    # The mask of visualize_attention's picture: query groups folded into rows, every token's depth.
     T, G, L = 3, 2, 2
-    mask = visualize_attention.folded_mask(variants.resolve("causal"), T, G, L)
+    mask = dense_mask("causal", q_len=T, kv_len=T, slots=L, groups=G, folded=True, packed=True)
     assert mask.shape == (G * T, T + T * L)
     for r in range(G * T):
         for k in range(T):
