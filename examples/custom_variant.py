@@ -8,13 +8,15 @@ ones from FFNs. This variant reads only the attention slots, causally:
     python examples/custom_variant.py --examples 200
 """
 
-import argparse
 import sys
 from pathlib import Path
 
 from hypothesis import given, settings
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
+# Run from a checkout, installed or not: the helpers beside this file, the package above it.
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+import cli  # noqa: E402
+
 from moda_flex import Variant  # noqa: E402
 from moda_flex.testing import assert_matches_reference, make_inputs, moda_shapes  # noqa: E402
 from moda_flex.visualize import mask_text  # noqa: E402
@@ -45,7 +47,7 @@ def check_against_reference(examples: int) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser(__doc__)
     parser.add_argument("--examples", type=int, default=20, help="hypothesis examples to check")
     args = parser.parse_args(argv)
     print(mask_text(attention_slots_only(), q_len=5, kv_len=8, slots=6))

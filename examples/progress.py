@@ -3,18 +3,19 @@
     progress = Progress(total=400, label="moda-pre")
     for step in range(400):
         ...
-        progress.update(step + 1, loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}")
+        progress.update(step + 1, f"loss {loss:.4f}", f"{tok_s:,.0f} tok/s")
     progress.close()
 
 On a terminal one line is redrawn in place (``\\r``), at most ten times a
 second::
 
-    moda-pre [#########...........] 180/400  45% | loss 1.7311 | tok_s 13,120 | 0:29 left
+    moda-pre [#########...........] 180/400  45% | loss 1.7311 | 13,120 tok/s | 29s left
 
 Written to a file or a pipe, a ``\\r`` line would become one endless line, so
-the same fields go out as plain lines, ``lines`` of them over the loop::
+the same fields go out as plain lines, one every ``every`` steps and one at
+the end::
 
-    moda-pre  180/400  45% | loss 1.7311 | tok_s 13,120 | 0:29 left
+    moda-pre 180/400  45% | loss 1.7311 | 13,120 tok/s | 29s left
 
 The time left is the pace since the first update (which usually includes
 compilation and warm-up, and so is left out) times the steps still to run.
@@ -45,8 +46,8 @@ class Progress:
         label: printed at the start of every line.
         stream: where to write (default: ``sys.stdout``); a bar if it is a
             terminal, plain lines otherwise.
-        lines: plain lines over the whole loop (not on a terminal); the last
-            step always gets one.
+        every: steps between plain lines (not on a terminal); default: a
+            tenth of ``total``. The last step always gets one.
         bar_width: characters of the bar.
 
     Attributes:
@@ -54,23 +55,28 @@ class Progress:
     """
 
     def __init__(
-        self, total: int, label: str = "", stream: Optional[TextIO] = None, lines: int = 10, bar_width: int = 24
+        self,
+        total: int,
+        label: str = "",
+        stream: Optional[TextIO] = None,
+        every: Optional[int] = None,
+        bar_width: int = 24,
     ):
         if isinstance(total, bool) or not isinstance(total, int) or total < 1:
             raise ValueError(f"total must be an int >= 1, got {total!r}")
-        if lines < 1:
-            raise ValueError(f"lines must be >= 1, got {lines!r}")
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"every must be an int >= 1 or None, got {every!r}")
         self.total, self.label, self.bar_width = total, label, bar_width
         self.stream = stream if stream is not None else sys.stdout
         self.terminal = self.stream.isatty()
-        self.every = max(1, total // lines)
+        self.every = every if every is not None else max(1, total // 10)
         self._first: Optional[tuple[int, float]] = None  # (steps done, time) at the first update
         self._drawn_at = 0.0
         self._open = False  # a bar line without its newline yet
         self.seconds_left: Optional[float] = None
 
-    def update(self, done: int, **fields) -> None:
-        """``done`` steps of ``total`` are finished; ``fields`` are shown as ``name value``."""
+    def update(self, done: int, *fields: str) -> None:
+        """``done`` steps of ``total`` are finished; ``fields`` are shown after the count, in order."""
         now = time.perf_counter()
         if self._first is None:
             self._first = (done, now)
@@ -89,6 +95,12 @@ class Progress:
             self.stream.write(self._line(done, fields, bar=False) + "\n")
         self.stream.flush()
 
+    def note(self, text: str) -> None:
+        """A line of its own (an estimate, a warning) that a bar does not overwrite."""
+        self.close()
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
     def close(self) -> None:
         """End the bar's line (on a terminal); call once the loop is over, however it ended."""
         if self._open:
@@ -96,9 +108,8 @@ class Progress:
             self.stream.flush()
             self._open = False
 
-    def _line(self, done: int, fields: dict, bar: bool) -> str:
-        parts = [f"{done}/{self.total} {100 * done / self.total:3.0f}%"]
-        parts += [f"{name} {value}" for name, value in fields.items()]
+    def _line(self, done: int, fields: tuple, bar: bool) -> str:
+        parts = [f"{done}/{self.total} {100 * done / self.total:3.0f}%", *fields]
         if self.seconds_left is not None and done < self.total:
             parts.append(f"{format_duration(self.seconds_left)} left")
         head = self.label
