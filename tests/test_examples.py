@@ -116,12 +116,13 @@ SCRIPTS = [
     "examples/gpt.py", "examples/train_gpt.py", "examples/visualize_attention.py", "examples/custom_variant.py",
     "examples/compare_models.py", "benchmarks/ablation.py", "benchmarks/bench_call.py",
     "benchmarks/bench_context_parallel.py", "benchmarks/bench_model.py", "benchmarks/bench_moda.py",
-    "benchmarks/flex_block_mask.py", "benchmarks/tune_moda.py", "moda_flex.visualize",
+    "benchmarks/flex_block_mask.py", "benchmarks/tune_moda.py", "benchmarks/bench_data_parallel.py",
+    "moda_flex.visualize",
 ]  # fmt: skip
 WITH_DEVICE = ["examples/gpt.py", "examples/train_gpt.py", "benchmarks/ablation.py",
                "benchmarks/bench_context_parallel.py", "benchmarks/flex_block_mask.py"]  # fmt: skip
 CUDA_ONLY = ["examples/compare_models.py", "benchmarks/bench_call.py", "benchmarks/bench_model.py",
-             "benchmarks/bench_moda.py", "benchmarks/tune_moda.py"]  # fmt: skip
+             "benchmarks/bench_moda.py", "benchmarks/tune_moda.py", "benchmarks/bench_data_parallel.py"]  # fmt: skip
 
 
 def _run_cli(script: str, args: list[str], monkeypatch) -> int:
