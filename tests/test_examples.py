@@ -227,9 +227,11 @@ def test_runs_write_to_a_folder_of_their_shape_and_never_overwrite(tmp_path, mon
 
 
 def test_ablation_rows_compute_moda(capsys):
-    results = ablation.main(["--device", "cpu", "--quick", "--warmup", "0", "--repeats", "1"])
+    # On a GPU, triton and flex run their fp32 products as TF32; on CPU (Triton's interpreter) they are exact.
+    device, tolerance = ("cuda", 5e-3) if torch.cuda.is_available() else ("cpu", 1e-4)
+    results = ablation.main(["--device", device, "--dtype", "float32", "--quick", "--warmup", "0", "--repeats", "1"])
     assert sorted(results) == [1, 2, 3, 4]
     for row, (ms, error) in results.items():
-        assert ms > 0 and error < 1e-4, (row, error)
+        assert ms > 0 and error < tolerance, (row, error)
     table = capsys.readouterr().out
     assert "| (4) | + group-aware (moda_attention triton) |" in table and "| 1.460 |" in table
