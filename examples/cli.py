@@ -2,7 +2,7 @@
 
     parser = cli.parser(__doc__)
     parser.add_argument("--steps", type=int, default=400, help="training steps")
-    parser.add_argument("--device", default=cli.default_device(), help="cpu, cuda or cuda:N")
+    parser.add_argument("--device", default=cli.default_device(), help=cli.DEVICE_HELP)
     args = parser.parse_args(argv)
     device = cli.check_device(parser, args.device)
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 
 import torch
+
+DEVICE_HELP = "cpu, cuda or cuda:N (default: cuda where there is one, else cpu)"
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

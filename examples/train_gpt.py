@@ -329,7 +329,7 @@ def parse_args(argv=None):
     p.add_argument("--skip-timing", type=int, default=3, help="first steps left out of the timings")
     p.add_argument("--sample-tokens", type=int, default=120, help="bytes to sample after training (0: none)")
     p.add_argument("--seed", type=int, default=1337, help="seed of the weights and the batches")
-    p.add_argument("--device", default=cli.default_device(), help="cpu, cuda or cuda:N (under torchrun: cuda)")
+    p.add_argument("--device", default=cli.default_device(), help=cli.DEVICE_HELP + "; under torchrun: cuda")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="bf16 runs under autocast (default: bfloat16 on CUDA, float32 on CPU)")  # fmt: skip
     p.add_argument("--backend", default="auto", help="moda_attention backend")
