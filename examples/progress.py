@@ -73,6 +73,7 @@ class Progress:
         self._first: Optional[tuple[int, float]] = None  # (steps done, time) at the first update
         self._drawn_at = 0.0
         self._open = False  # a bar line without its newline yet
+        self._drawn_width = 0
         self.seconds_left: Optional[float] = None
 
     def update(self, done: int, *fields: str) -> None:
@@ -87,7 +88,10 @@ class Progress:
         if self.terminal:
             if last or now - self._drawn_at >= 0.1:
                 self._drawn_at = now
-                self.stream.write("\r" + self._line(done, fields, bar=True))
+                line = self._line(done, fields, bar=True)
+                # Spaces over what a longer previous line left behind.
+                self.stream.write("\r" + line + " " * max(0, self._drawn_width - len(line)))
+                self._drawn_width = len(line)
                 self._open = True
                 if last:
                     self.close()
@@ -107,6 +111,7 @@ class Progress:
             self.stream.write("\n")
             self.stream.flush()
             self._open = False
+            self._drawn_width = 0
 
     def _line(self, done: int, fields: tuple, bar: bool) -> str:
         parts = [f"{done}/{self.total} {100 * done / self.total:3.0f}%", *fields]
