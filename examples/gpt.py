@@ -11,7 +11,7 @@ token, and the block returns the stream with its own entries appended.
 Run as a script, it builds a model from flags (or loads a checkpoint written
 by train_gpt.py), prints its size and samples from it:
 
-    python examples/gpt.py                                       # an untrained MoDA GPT: size and a (noise) sample
+    python examples/gpt.py                                       # an untrained MoDA GPT: its size, what it samples
     python examples/gpt.py --depth-kv none --n-layer 12          # the baseline of that shape
     python examples/gpt.py --ckpt out/pydoc-4x128/moda-pre.pt --prompt "class " --tokens 300
 """
@@ -206,9 +206,11 @@ def main(argv=None) -> str:
             p.error(str(error))
         model = GPT(config).to(device).eval()
     print(describe(model) + ("" if args.ckpt else ", untrained"))
-    prompt = torch.tensor([list(args.prompt.encode("utf-8"))], device=device)  # (1, T)
     if args.tokens <= 0:
         return ""
+    if not args.prompt:
+        p.error("--prompt: sampling needs at least one byte to continue")
+    prompt = torch.tensor([list(args.prompt.encode("utf-8"))], device=device)  # (1, T)
     if prompt.shape[1] + args.tokens > model.config.block_size and model.wpe is not None:
         p.error(f"--prompt and --tokens need {prompt.shape[1] + args.tokens} positions; the model has "
                 f"{model.config.block_size}")  # fmt: skip
