@@ -192,6 +192,8 @@ def main(argv=None) -> str:
     p.add_argument("--device", default=cli.default_device(), help=cli.DEVICE_HELP)
     args = p.parse_args(argv)
     device = cli.check_device(p, args.device)
+    if not args.prompt and args.tokens > 0:
+        p.error("--prompt: sampling needs at least one byte to continue")
     torch.manual_seed(args.seed)
     if args.ckpt is not None:
         if not Path(args.ckpt).is_file():
@@ -208,8 +210,6 @@ def main(argv=None) -> str:
     print(describe(model) + ("" if args.ckpt else ", untrained"))
     if args.tokens <= 0:
         return ""
-    if not args.prompt:
-        p.error("--prompt: sampling needs at least one byte to continue")
     prompt = torch.tensor([list(args.prompt.encode("utf-8"))], device=device)  # (1, T)
     if prompt.shape[1] + args.tokens > model.config.block_size and model.wpe is not None:
         p.error(f"--prompt and --tokens need {prompt.shape[1] + args.tokens} positions; the model has "
