@@ -22,18 +22,22 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import pstats
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moda_flex import moda_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import cli  # noqa: E402
 
 # (B, Hq, Hk, T, L): the Table 6 model's attention (last layer), and a wide-GQA layer at T=1024.
 SHAPES = [(32, 6, 2, 512, 47), (1, 64, 8, 1024, 64)]
@@ -141,11 +145,10 @@ def profile(fn, calls: int = 20) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser(__doc__)
     p.add_argument("--profile", action="store_true", help="print a host profile of the moda-entries call")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_call.py needs a CUDA GPU")
+    cli.require_cuda(p, "bench_call.py")
     bandwidth = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     print()

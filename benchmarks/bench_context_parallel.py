@@ -16,15 +16,19 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from moda_flex import context_parallel_moda_attention, moda_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import cli  # noqa: E402
 
 
 def _inputs(args, tokens: int, device, dtype, seed: int) -> list[torch.Tensor]:
@@ -102,21 +106,22 @@ def _reset_peak(device) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cuda: NCCL; cpu: gloo")
     parser.add_argument("--seq-len", type=int, default=131072, help="T over all ranks")
     parser.add_argument("--single-seq-len", default="65536", help="comma-separated T for one GPU; '' for none")
-    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads Hk")
     parser.add_argument("--groups", type=int, default=8, help="G = Hq / Hk")
     parser.add_argument("--slots", type=int, default=64, help="L depth entries per token")
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--head-dim", type=int, default=64, help="D")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                         help="default: bfloat16 on cuda, float32 on cpu")  # fmt: skip
-    parser.add_argument("--backend", default="auto")
-    parser.add_argument("--variant", choices=["causal", "full"], default="causal")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--backend", default="auto", help="moda_attention backend")
+    parser.add_argument("--variant", choices=["causal", "full"], default="causal", help="mask variant")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed runs first")
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs (the median is reported)")
     args = parser.parse_args(argv)
+    cli.check_device(parser, args.device)
 
     if args.device == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", 0))

@@ -22,15 +22,18 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moda_flex import moda_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import cli  # noqa: E402
 
 SWEEPS = {
     "T": [(t, 8, 64) for t in (1024, 2048, 4096, 8192, 16384, 32768, 65536)],
@@ -147,14 +150,13 @@ def _fmt(name, value) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", choices=["T", "G", "L", "all"], default="all")
+    parser = cli.parser(__doc__)
+    parser.add_argument("--sweep", choices=["T", "G", "L", "all"], default="all", help="which of Table 4's sweeps")
     parser.add_argument("--quick", action="store_true", help=f"only T <= {QUICK_MAX_T}")
     parser.add_argument("--no-flex", action="store_true", help="leave out the flex column")
-    parser.add_argument("--markdown", metavar="FILE", help="also write the tables as markdown")
+    parser.add_argument("--markdown", metavar="FILE", help="also write the tables as markdown (default: print only)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_moda.py needs a CUDA GPU")
+    cli.require_cuda(parser, "bench_moda.py")
 
     import triton
 

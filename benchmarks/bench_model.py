@@ -22,7 +22,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import pstats
 import statistics
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import cli  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 from bench_call import copy_bandwidth  # noqa: E402
@@ -103,17 +103,16 @@ def measure(config: GPTConfig, batch: int, seq: int, compiled: bool, steps: int,
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="table6", help="model and batch shape (default: table6)")
+    p = cli.parser(__doc__)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="table6", help="model and batch shape")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated depth_kv values, from {ARMS}")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {MODES}")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per row (default: 20)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps first, compilation included (default: 5)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per row")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first, compilation included")
     p.add_argument("--profile", action="store_true", help="print each row's top kernels over 3 steps (torch.profiler)")
     p.add_argument("--host-profile", action="store_true", help="print each row's top Python functions (cProfile)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_model.py needs a CUDA GPU")
+    cli.require_cuda(p, "bench_model.py")
     shape = SHAPES[args.shape]
     arms, modes = args.arms.split(","), args.modes.split(",")
     bandwidth = copy_bandwidth()

@@ -5,24 +5,29 @@
 Prints the median build time (cache bypassed) and the size of the block lists.
 """
 
-import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from moda_flex import variants
 from moda_flex.flex import _mask_mod, _structural_block_mask
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import cli  # noqa: E402
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=65536)
-    parser.add_argument("--groups", type=int, default=8)
-    parser.add_argument("--slots", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args()
+
+def main(argv=None):
+    parser = cli.parser(__doc__)
+    parser.add_argument("--tokens", type=int, default=65536, help="T")
+    parser.add_argument("--groups", type=int, default=8, help="G = Hq / Hk")
+    parser.add_argument("--slots", type=int, default=64, help="L depth entries per token")
+    parser.add_argument("--repeats", type=int, default=5, help="timed builds (the median is reported)")
+    parser.add_argument("--device", default=cli.default_device(), help=cli.DEVICE_HELP)
+    args = parser.parse_args(argv)
+    cli.check_device(parser, args.device)
 
     variant = variants.causal()
     T, G, L = args.tokens, args.groups, args.slots

@@ -10,13 +10,17 @@ timing the default twice. Usage::
 
 from __future__ import annotations
 
-import argparse
 import math
+import sys
+from pathlib import Path
 
 import torch
 import triton.testing
 
 from moda_flex.triton import function
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import cli  # noqa: E402
 
 CANDIDATES = {
     "fwd": [
@@ -54,12 +58,13 @@ def _times(T, G, L):
     return fwd, bwd
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, default=16384)
-    parser.add_argument("--groups", type=int, default=8)
-    parser.add_argument("--slots", type=int, default=64)
-    args = parser.parse_args()
+def main(argv=None) -> None:
+    parser = cli.parser(__doc__)
+    parser.add_argument("--seq", type=int, default=16384, help="T")
+    parser.add_argument("--groups", type=int, default=8, help="G = Hq / Hk")
+    parser.add_argument("--slots", type=int, default=64, help="L depth entries per token")
+    args = parser.parse_args(argv)
+    cli.require_cuda(parser, "tune_moda.py")
     default = function._config
     print(f"{torch.cuda.get_device_name()}  T={args.seq} G={args.groups} L=0/{args.slots}; ms")
     print(f"{'kernel':>6} {'config':<62} {'fwd L0':>8} {'bwd L0':>8} {'fwd L':>8} {'bwd L':>8}")

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+import cli  # noqa: E402
 import train_gpt  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
@@ -80,18 +81,17 @@ def step_time(backend: str, batch_size: int, block_size: int, compile: bool, ste
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser(__doc__)
     p.add_argument("--budget-s", type=float, default=480.0, help="seconds of training for all six runs")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--block-size", type=int, default=512)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--max-bytes", type=int, default=200_000_000)
+    p.add_argument("--batch-size", type=int, default=32, help="sequences per step")
+    p.add_argument("--block-size", type=int, default=512, help="context length in bytes")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    p.add_argument("--max-bytes", type=int, default=200_000_000, help="the most corpus bytes to use")
     p.add_argument("--out-dir", default="results", help="results.md and corpus statistics go here")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="train compiled models (default; --no-compile to opt out)")
+                   help="train compiled models (--no-compile to opt out)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("compare_models.py needs a CUDA GPU; see train_gpt.py for CPU runs")
+    cli.require_cuda(p, "compare_models.py (train_gpt.py runs on CPU)")
 
     corpus = build_corpus(args.max_bytes)
     work = Path(tempfile.mkdtemp(prefix="moda_compare_"))

@@ -12,14 +12,16 @@ property-tested, its gradient included, against the reference.
     python examples/custom_variant.py --examples 200
 """
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 from hypothesis import given, settings
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
+# Run from a checkout, installed or not: the helpers beside this file, the package above it.
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+import cli  # noqa: E402
+
 from moda_flex import Variant, depth_bias, moda_attention  # noqa: E402
 from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs, moda_shapes  # noqa: E402
 from moda_flex.visualize import mask_text  # noqa: E402
@@ -82,7 +84,7 @@ def train_bias(steps: int = 30) -> torch.Tensor:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser(__doc__)
     parser.add_argument("--examples", type=int, default=20, help="hypothesis examples to check")
     args = parser.parse_args(argv)
     print(mask_text(attention_slots_only(), q_len=5, kv_len=8, slots=6))

@@ -7,12 +7,21 @@
 The forward pass starts an empty DepthStream and threads it through the
 blocks: each block's attention reads what the blocks below wrote for the same
 token, and the block returns the stream with its own entries appended.
+
+Run as a script, it builds a model from flags (or loads a checkpoint written
+by train_gpt.py), prints its size and samples from it:
+
+    python examples/gpt.py                                       # an untrained MoDA GPT: its size, what it samples
+    python examples/gpt.py --depth-kv none --n-layer 12          # the baseline of that shape
+    python examples/gpt.py --ckpt out/pydoc-4x128/moda-pre.pt --prompt "class " --tokens 300
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import sys
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -20,7 +29,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from moda_flex.nn import Block, BlockConfig, DepthStream, KVCache
+# Run from a checkout: the helpers beside this file, the package above it.
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+import cli  # noqa: E402
+
+from moda_flex.nn import DEPTH_KV, NORMS, Block, BlockConfig, DepthStream, KVCache  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -130,3 +143,82 @@ class GPT(nn.Module):
             new = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)  # (B, 1)
             idx = torch.cat([idx, new], dim=1)
         return idx
+
+
+def load_checkpoint(path: str, device="cpu") -> GPT:
+    """A GPT in eval mode from a checkpoint written by train_gpt.py (read with ``weights_only=True``)."""
+    checkpoint = torch.load(path, map_location=device, weights_only=True)
+    model = GPT(GPTConfig(**checkpoint["config"])).to(device)
+    model.load_state_dict(checkpoint["model"])
+    return model.eval()
+
+
+def printable(data: bytes) -> str:
+    """Sampled bytes as text a terminal can show: invalid UTF-8 and control characters become ``?`` and ``·``."""
+    text = data.decode("utf-8", errors="replace").replace("\ufffd", "?")
+    return "".join(c if c.isprintable() or c in "\n\t" else "·" for c in text)
+
+
+def describe(model: GPT) -> str:
+    """One line: the shape, the depth K/V and the parameter count of ``model``."""
+    c = model.config
+    depth = f"{c.depth_slots} depth entries per token" if c.depth_kv != "none" else "no depth K/V (baseline)"
+    return (
+        f"GPT: {c.n_layer} layers, width {c.n_embd}, {c.n_head} query / {c.n_kv_head} KV heads, norm={c.norm}, "
+        f"depth_kv={c.depth_kv} ({depth}), context {c.block_size}: {model.num_params():,} parameters"
+    )
+
+
+def main(argv=None) -> str:
+    """Build or load a model, print its size and a sample; returns the sample."""
+    defaults = GPTConfig()
+    p = cli.parser(__doc__)
+    p.add_argument("--ckpt", help="a checkpoint written by train_gpt.py (default: a new, untrained model "
+                   "from the shape flags, which a checkpoint overrides)")  # fmt: skip
+    p.add_argument("--n-layer", type=int, default=defaults.n_layer, help="blocks")
+    p.add_argument("--n-embd", type=int, default=defaults.n_embd, help="model width C")
+    p.add_argument("--n-head", type=int, default=defaults.n_head, help="query heads")
+    p.add_argument("--n-kv-head", type=int, default=defaults.n_kv_head, help="key/value heads (GQA)")
+    p.add_argument("--depth-kv", choices=DEPTH_KV, default=defaults.depth_kv,
+                   help="which layers write depth K/V: none (the baseline), attn, attn+ffn")  # fmt: skip
+    p.add_argument("--norm", choices=NORMS, default=defaults.norm, help="pre- or post-norm blocks")
+    p.add_argument("--block-size", type=int, default=defaults.block_size, help="context length in bytes")
+    p.add_argument("--backend", default=defaults.backend, help="moda_attention backend")
+    p.add_argument("--prompt", default="The ", help="text the sample continues")
+    p.add_argument("--tokens", type=int, default=120, help="bytes to sample (0: none)")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
+    p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest bytes")
+    p.add_argument("--seed", type=int, default=1337, help="seed of the initial weights and the sampling")
+    p.add_argument("--device", default=cli.default_device(), help=cli.DEVICE_HELP)
+    args = p.parse_args(argv)
+    device = cli.check_device(p, args.device)
+    if not args.prompt and args.tokens > 0:
+        p.error("--prompt: sampling needs at least one byte to continue")
+    torch.manual_seed(args.seed)
+    if args.ckpt is not None:
+        if not Path(args.ckpt).is_file():
+            p.error(f"--ckpt {args.ckpt}: no such file")
+        model = load_checkpoint(args.ckpt, device)
+    else:
+        try:
+            config = GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, n_kv_head=args.n_kv_head,
+                               depth_kv=args.depth_kv, norm=args.norm, block_size=args.block_size,
+                               backend=args.backend)  # fmt: skip
+        except ValueError as error:
+            p.error(str(error))
+        model = GPT(config).to(device).eval()
+    print(describe(model) + ("" if args.ckpt else ", untrained"))
+    if args.tokens <= 0:
+        return ""
+    prompt = torch.tensor([list(args.prompt.encode("utf-8"))], device=device)  # (1, T)
+    if prompt.shape[1] + args.tokens > model.config.block_size and model.wpe is not None:
+        p.error(f"--prompt and --tokens need {prompt.shape[1] + args.tokens} positions; the model has "
+                f"{model.config.block_size}")  # fmt: skip
+    out = model.generate(prompt, args.tokens, temperature=args.temperature, top_k=args.top_k)
+    sample = printable(bytes(out[0].tolist()))
+    print(sample)
+    return sample
+
+
+if __name__ == "__main__":
+    main()

@@ -1,8 +1,9 @@
 """Train byte-level GPTs with and without MoDA on the same data, and compare them.
 
-    python examples/train_gpt.py                     # baseline vs MoDA, ~2 minutes on 2 CPU cores
+    python examples/train_gpt.py                     # baseline vs MoDA, ~3.5 minutes on 2 CPU cores
     python examples/train_gpt.py --depth-kv attn+ffn --norm pre,post --steps 2000
     python examples/train_gpt.py --data input.txt --n-layer 12 --n-embd 256 --device cuda
+    torchrun --nproc-per-node 2 examples/train_gpt.py --parallel ddp --device cuda    # or --parallel fsdp
 
 ``--depth-kv`` and ``--norm`` take comma-separated lists: every combination
 is trained in turn, from the same seed on the same batches, and a table of
@@ -10,28 +11,80 @@ validation loss, parameters and speed is printed at the end. The default is
 pre-norm, which trains faster at this small size; the paper sees MoDA's
 largest gain with post-norm in deep models (``--norm post``). The default data
 is the text of the standard library's ``pydoc_data.topics`` (about 0.46 MB of
-English, offline), read as bytes. Each run saves ``<out-dir>/<name>.pt``,
-loadable with ``torch.load(path, weights_only=True)``.
+English, offline), read as bytes.
+
+Each run saves ``<out-dir>/<name>.pt`` (loadable with ``torch.load(path,
+weights_only=True)``) and the table goes to ``<out-dir>/results.md``. The
+default ``<out-dir>`` is named after the data and the model shape
+(``out/pydoc-4x128`` for the default run), so that runs of other shapes keep
+their own files; files of an earlier run are never replaced silently: the
+run stops before training unless ``--overwrite`` is given. Progress is a bar
+with the time left on a terminal, plain lines in a log, and after the first
+timed steps the run prints how long it will take.
+
+Under ``torchrun``, ``--parallel ddp`` (DistributedDataParallel) or
+``--parallel fsdp`` (FSDP2, ``fully_shard`` per block) trains each model on
+all processes: every rank draws the same global batch of ``--batch-size``
+from the one generator and takes its slice, so the data, the loss and the
+updates are those of one process. Rank 0 prints and saves.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import math
 import os
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 # Run from a checkout: the model file beside this one, the package above it.
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+import cli  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
+from progress import Progress, format_duration  # noqa: E402
 
 from moda_flex.nn import DEPTH_KV, NORMS  # noqa: E402
+
+PARALLEL = ("none", "ddp", "fsdp")
+ESTIMATE_AFTER = 5  # timed steps before the run's length is estimated
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    """This process's place among the processes of a data-parallel run (rank 0 of 1 without one)."""
+
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        """Rank 0 prints and saves."""
+        return self.rank == 0
+
+    def shard(self, *batches: torch.Tensor) -> tuple:
+        """This rank's slice of each (global batch, ...) tensor: rows ``rank * b .. (rank + 1) * b``."""
+        return tuple(t.tensor_split(self.world)[self.rank] for t in batches)
+
+    def say(self, *args, **kwargs) -> None:
+        """``print`` on rank 0; the other ranks stay quiet."""
+        if self.main:
+            print(*args, **kwargs)
+
+    def mean(self, value: torch.Tensor) -> float:
+        """The mean over ranks of a scalar tensor (each rank's mean over an equal slice: the global mean)."""
+        if self.world > 1:
+            value = value.detach().clone()
+            dist.all_reduce(value)  # a sum: gloo has no average
+            value /= self.world
+        return value.item()
 
 
 def load_text(path: str | None) -> bytes:
@@ -58,20 +111,34 @@ def get_batch(tokens: torch.Tensor, batch_size: int, block_size: int, generator:
     return window[:, :-1].to(device), window[:, 1:].to(device)
 
 
+def model_config(args, depth_kv: str, norm: str) -> GPTConfig:
+    """The model of one configuration: the shape flags, with this ``depth_kv`` and ``norm``."""
+    return GPTConfig(
+        n_embd=args.n_embd,
+        n_head=args.n_head,
+        n_kv_head=args.n_kv_head,
+        depth_kv=depth_kv,
+        norm=norm,
+        backend=args.backend,
+        block_size=args.block_size,
+        n_layer=args.n_layer,
+    )
+
+
 def run_name(depth_kv: str, norm: str) -> str:
     return {"none": "baseline", "attn": "moda-attn", "attn+ffn": "moda"}[depth_kv] + f"-{norm}"
 
 
 @torch.no_grad()
-def evaluate(model, val, args, device, autocast) -> float:
-    """Mean loss over ``args.eval_iters`` batches, the same batches for every model."""
+def evaluate(model, val, args, device, autocast, ranks: Ranks = Ranks()) -> float:
+    """Mean loss over ``args.eval_iters`` batches, the same batches for every model (and every rank count)."""
     model.eval()
     generator = torch.Generator().manual_seed(1234)
     total = 0.0
     for _ in range(args.eval_iters):
-        x, y = get_batch(val, args.batch_size, args.block_size, generator, device)
+        x, y = ranks.shard(*get_batch(val, args.batch_size, args.block_size, generator, device))
         with autocast:
-            total += model(x, y)[1].item()
+            total += ranks.mean(model(x, y)[1])
     model.train()
     return total / args.eval_iters
 
@@ -84,10 +151,67 @@ def learning_rate(step: int, args) -> float:
     return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
-def train_one(config: GPTConfig, name: str, train, val, args, device) -> dict:
-    """Train one model; save its checkpoint; return its row of the comparison table."""
+def parallelize(model: GPT, args, device):
+    """The module to train: ``model`` compiled (``--compile``), under DDP or FSDP2 (``--parallel``).
+
+    DDP wraps the compiled model, as one process compiles it whole. FSDP2
+    shards every block and then the root (which keeps the tied embedding);
+    its hooks run between blocks, so each block is compiled on its own.
+    """
+    if args.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        # A block returns its depth entries, some of them views; FSDP2 warns that an in-place op on such a
+        # view would skip its hooks. Nothing writes to a depth entry in place (the stream is a value).
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+        if args.compile:
+            # Each block reads a depth stream of its own length: one graph per block for training and one
+            # for evaluation (no grad), where the limit would otherwise stop a deep model at 8.
+            limit = 2 * len(model.blocks) + 8
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+        for block in model.blocks:
+            if args.compile:
+                block.compile(fullgraph=True)
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    run = torch.compile(model, fullgraph=True) if args.compile else model
+    if args.parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        run = DistributedDataParallel(run, device_ids=[device.index] if device.type == "cuda" else None)
+    return run
+
+
+def full_state_dict(model: GPT, ranks: Ranks) -> dict:
+    """The model's whole state on rank 0, on CPU (FSDP2's shards gathered); every rank must call it."""
+    if ranks.world == 1:
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def announce_estimate(progress: Progress, name: str, step_s: float, steps_left: int, args, later_runs: int) -> None:
+    """One line, after the first timed steps: how long this model and the runs after it will take."""
+    line = f"  estimate: {format_duration(step_s * steps_left)} more for {name}"
+    if later_runs:
+        line += f", about {format_duration(step_s * args.steps * later_runs)} for the {later_runs} run(s) after it"
+    progress.note(line + f" ({1000 * step_s:.0f} ms/step so far)")
+
+
+def train_one(
+    config: GPTConfig, name: str, train, val, args, device, ranks: Ranks = Ranks(), later_runs: int = 0
+) -> dict:
+    """Train one model; save its checkpoint; return its row of the comparison table.
+
+    ``later_runs``: how many models the run trains after this one, for the estimate.
+    """
     torch.manual_seed(args.seed)
     model = GPT(config).to(device)
+    num_params = model.num_params()  # before FSDP2 replaces the parameters by their shards
+    run = parallelize(model, args, device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -102,10 +226,13 @@ def train_one(config: GPTConfig, name: str, train, val, args, device) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    # nanoGPT's default: the whole model compiled into one graph (the depth stream traces with it).
-    run = torch.compile(model, fullgraph=True) if args.compile else model
-    print(f"== {name}: {model.num_params() / 1e6:.2f}M parameters, depth_kv={config.depth_kv}, norm={config.norm}"
-          + (", compiled" if args.compile else ""))  # fmt: skip
+    compiled = ", compiled" if args.compile else ""
+    parallel = f", {args.parallel} on {ranks.world} processes" if ranks.world > 1 else ""
+    ranks.say(f"== {name}: {num_params / 1e6:.2f}M parameters, depth_kv={config.depth_kv}, norm={config.norm}"
+              f"{compiled}{parallel}")  # fmt: skip
+    # Ranks other than 0 keep their progress to themselves.
+    progress = Progress(args.steps, label="  train", every=args.log_interval,
+                        stream=sys.stdout if ranks.main else io.StringIO())  # fmt: skip
     tokens_per_step = args.batch_size * args.block_size
     train_time = 0.0
     timed_steps = 0
@@ -113,43 +240,47 @@ def train_one(config: GPTConfig, name: str, train, val, args, device) -> dict:
         t0 = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args)
-        x, y = get_batch(train, args.batch_size, args.block_size, generator, device)
+        x, y = ranks.shard(*get_batch(train, args.batch_size, args.block_size, generator, device))
         with autocast:
             _, loss = run(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        loss_value = loss.item()  # synchronizes, so the step time below is real
+        loss_value = ranks.mean(loss)  # synchronizes, so the step time below is real
         if step >= args.skip_timing:  # leave out warm-up steps (allocator, kernel autotuning)
             train_time += time.perf_counter() - t0
             timed_steps += 1
-        if (step + 1) % args.log_interval == 0 or step + 1 == args.steps:
-            tok_s = tokens_per_step * timed_steps / train_time if train_time else 0.0
-            print(f"\r  step {step + 1}/{args.steps} | loss {loss_value:.4f} | {tok_s:,.0f} tok/s", end="", flush=True)
-    print()
-    val_loss = evaluate(run, val, args, device, autocast)
+            if timed_steps == ESTIMATE_AFTER and step + 1 < args.steps:
+                announce_estimate(progress, name, train_time / timed_steps, args.steps - step - 1, args, later_runs)
+        tok_s = tokens_per_step * timed_steps / train_time if train_time else 0.0
+        progress.update(step + 1, f"loss {loss_value:.4f}", f"{tok_s:,.0f} tok/s")
+    progress.close()
+    val_loss = evaluate(run, val, args, device, autocast, ranks)
     peak_mb = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
     step_ms = 1000 * train_time / timed_steps
-    print(f"  val loss {val_loss:.4f} | {step_ms:.1f} ms/step" + (f" | peak {peak_mb:,.0f} MiB" if device.type == "cuda" else ""))
+    peak = f" | peak {peak_mb:,.0f} MiB" if device.type == "cuda" else ""
+    ranks.say(f"  val loss {val_loss:.4f} | {step_ms:.1f} ms/step{peak}")
 
-    path = Path(args.out_dir) / f"{name}.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(
-        {"model": model.state_dict(), "config": dataclasses.asdict(config), "step": args.steps, "val_loss": val_loss},
-        path,
-    )
+    state = full_state_dict(model, ranks)
+    if ranks.main:
+        path = Path(args.out_dir) / f"{name}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        checkpoint = {"model": state, "config": dataclasses.asdict(config), "step": args.steps, "val_loss": val_loss}
+        torch.save(checkpoint, path)
     if args.sample_tokens > 0:
+        # Every rank samples: an FSDP2 forward gathers parameters from all of them. Decoding runs eagerly
+        # (FSDP2's blocks are compiled in place for training; a graph per decoding length is not worth it).
         prompt = val[: args.block_size // 4].view(1, -1).to(device)
         model.eval()
-        with autocast:
+        with autocast, torch.compiler.set_stance("force_eager"):
             out = model.generate(prompt, args.sample_tokens, temperature=0.8, top_k=50)
         text = bytes(out[0, prompt.shape[1] :].tolist()).decode("utf-8", errors="replace")
-        print("  sample: " + text.replace("\n", "\n          "))
+        ranks.say("  sample: " + text.replace("\n", "\n          "))
     return {
         "name": name,
         "norm": config.norm,
-        "params_m": model.num_params() / 1e6,
+        "params_m": num_params / 1e6,
         "val_loss": val_loss,
         "tok_s": tokens_per_step * timed_steps / train_time,
         "step_ms": step_ms,
@@ -177,32 +308,40 @@ def format_table(rows: list[dict]) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=None, help="a text file (default: the stdlib's pydoc_data.topics)")
-    p.add_argument("--depth-kv", default="none,attn+ffn", help=f"comma-separated, from {DEPTH_KV}")
+    p = cli.parser(__doc__)
+    p.add_argument("--data", default=None, help="a text file, read as bytes (default: the stdlib's pydoc topics)")
+    p.add_argument("--depth-kv", default="none,attn+ffn",
+                   help=f"comma-separated, from {DEPTH_KV}: none is the baseline, attn+ffn the paper's MoDA")
     p.add_argument("--norm", default="pre", help=f"comma-separated, from {NORMS}")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-kv-head", type=int, default=2)
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--eval-iters", type=int, default=20)
-    p.add_argument("--log-interval", type=int, default=5, help="steps between progress-line updates")
+    p.add_argument("--n-layer", type=int, default=4, help="blocks")
+    p.add_argument("--n-embd", type=int, default=128, help="model width")
+    p.add_argument("--n-head", type=int, default=4, help="query heads")
+    p.add_argument("--n-kv-head", type=int, default=2, help="key/value heads (GQA)")
+    p.add_argument("--block-size", type=int, default=128, help="context length in bytes")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step, over all processes")
+    p.add_argument("--steps", type=int, default=400, help="training steps per model")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
+    p.add_argument("--warmup", type=int, default=30, help="steps of linear warmup before the cosine decay")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay of the matrices")
+    p.add_argument("--eval-iters", type=int, default=20, help="validation batches for the final loss")
+    p.add_argument("--log-interval", type=int, default=None,
+                   help="steps between progress lines in a log (default: a tenth of --steps; a terminal gets a bar)")
     p.add_argument("--skip-timing", type=int, default=3, help="first steps left out of the timings")
     p.add_argument("--sample-tokens", type=int, default=120, help="bytes to sample after training (0: none)")
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: bfloat16 on CUDA")
+    p.add_argument("--seed", type=int, default=1337, help="seed of the weights and the batches")
+    p.add_argument("--device", default=cli.default_device(), help=cli.DEVICE_HELP + "; under torchrun: cuda")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="bf16 runs under autocast (default: bfloat16 on CUDA, float32 on CPU)")  # fmt: skip
     p.add_argument("--backend", default="auto", help="moda_attention backend")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile(model, fullgraph=True) for training (default: on CUDA; --no-compile to opt out)")
-    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads for torch")
-    p.add_argument("--out-dir", default="out", help="checkpoints and results.md go here")
+    p.add_argument("--parallel", choices=PARALLEL, default="none",
+                   help="data parallelism under torchrun: DDP, or FSDP2's fully_shard")  # fmt: skip
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: the cores this process may use, shared among local ranks)")
+    p.add_argument("--out-dir", default=None,
+                   help="checkpoints and results.md (default: out/<data>-<n_layer>x<n_embd>, e.g. out/pydoc-4x128)")
+    p.add_argument("--overwrite", action="store_true", help="replace the files of an earlier run in --out-dir")
     args = p.parse_args(argv)
     args.depth_kv = args.depth_kv.split(",")
     args.norm = args.norm.split(",")
@@ -210,40 +349,86 @@ def parse_args(argv=None):
         for value in values:
             if value not in allowed:
                 p.error(f"{flag}: {value!r} is not one of {allowed}")
+    cli.check_device(p, args.device)
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     if args.compile is None:
         args.compile = args.device.startswith("cuda")
     if args.steps <= args.skip_timing:
         p.error(f"--steps ({args.steps}) must exceed --skip-timing ({args.skip_timing})")
+    if args.out_dir is None:
+        data = Path(args.data).stem if args.data is not None else "pydoc"
+        args.out_dir = str(Path("out") / f"{data}-{args.n_layer}x{args.n_embd}")
+    earlier = [path for path in output_paths(args) if path.exists()]
+    if earlier and not args.overwrite:
+        verb = "exists" if len(earlier) == 1 else "exist"
+        p.error(f"{', '.join(map(str, earlier))} {verb} from an earlier run: pass --overwrite to replace, or "
+                f"--out-dir for another folder")  # fmt: skip
+    check_parallel(p, args)
     return args
+
+
+def output_paths(args) -> list[Path]:
+    """The files a run writes: one checkpoint per configuration and the table."""
+    out = Path(args.out_dir)
+    names = [run_name(depth_kv, norm) for norm in args.norm for depth_kv in args.depth_kv]
+    return [out / f"{name}.pt" for name in names] + [out / "results.md"]
+
+
+def check_parallel(p: argparse.ArgumentParser, args) -> None:
+    """Usage errors of ``--parallel``, raised on every rank before any collective (so nothing hangs).
+
+    Under torchrun, ``--device cuda`` becomes the rank's own GPU.
+    """
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.parallel == "none":
+        if launched > 1:
+            p.error(f"{launched} processes were launched, but --parallel is none: pass --parallel ddp or fsdp")
+        return
+    if not dist.is_initialized() and "RANK" not in os.environ:
+        p.error(f"--parallel {args.parallel} runs under torchrun: "
+                f"torchrun --nproc-per-node N examples/train_gpt.py --parallel {args.parallel}")  # fmt: skip
+    world = dist.get_world_size() if dist.is_initialized() else launched
+    if args.batch_size % world:
+        p.error(f"--batch-size {args.batch_size} (the global batch) must be divisible by the {world} processes")
+    if args.device == "cuda":
+        args.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+        cli.check_device(p, args.device)
+
+
+def join(args) -> Ranks:
+    """This process's ranks: the process group of torchrun's environment, joined here unless already joined."""
+    if args.parallel == "none":
+        return Ranks()
+    if not dist.is_initialized():
+        if args.device.startswith("cuda"):
+            device = torch.device(args.device)
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+    return Ranks(dist.get_rank(), dist.get_world_size())
 
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    ranks = join(args)
     device = torch.device(args.device)
     if device.type == "cpu":
-        torch.set_num_threads(args.threads)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(ranks.world)))
+        torch.set_num_threads(args.threads or max(1, len(os.sched_getaffinity(0)) // local))
     train, val = split(load_text(args.data))
-    print(f"data: {len(train):,} train and {len(val):,} validation bytes")
+    ranks.say(f"data: {len(train):,} train and {len(val):,} validation bytes; writing to {args.out_dir}")
+    configs = [(norm, depth_kv) for norm in args.norm for depth_kv in args.depth_kv]
     rows = []
-    for norm in args.norm:
-        for depth_kv in args.depth_kv:
-            config = GPTConfig(
-                n_embd=args.n_embd,
-                n_head=args.n_head,
-                n_kv_head=args.n_kv_head,
-                depth_kv=depth_kv,
-                norm=norm,
-                backend=args.backend,
-                block_size=args.block_size,
-                n_layer=args.n_layer,
-            )
-            rows.append(train_one(config, run_name(depth_kv, norm), train, val, args, device))
+    for i, (norm, depth_kv) in enumerate(configs):
+        rows.append(train_one(model_config(args, depth_kv, norm), run_name(depth_kv, norm), train, val, args, device,
+                              ranks, later_runs=len(configs) - i - 1))  # fmt: skip
     table = format_table(rows)
-    print()
-    print(table)
-    (Path(args.out_dir) / "results.md").write_text(table + "\n")
+    ranks.say()
+    ranks.say(table)
+    if ranks.main:
+        (Path(args.out_dir) / "results.md").write_text(table + "\n")
     return rows
 
 

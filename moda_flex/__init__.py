@@ -1,6 +1,9 @@
 """moda_flex: Mixture-of-Depths Attention for PyTorch."""
 
-from . import nn  # layers: MoDAAttention, DepthKVProjection, KVCache, Block
+# The layers (MoDAAttention, DepthKVProjection, KVCache, Block) stay under
+# moda_flex.nn and out of __all__: `from moda_flex import *` must not rebind
+# the `nn` a model file has from `from torch import nn`.
+from . import nn
 from .depth import DepthStream
 from .attention import moda_attention
 from .context_parallel import context_parallel_moda_attention, gather_sequence, shard_sequence, zigzag_positions
@@ -24,7 +27,6 @@ __all__ = [
     "shard_sequence",
     "gather_sequence",
     "zigzag_positions",
-    "nn",
     "Variant",
     "Structure",
     "causal",

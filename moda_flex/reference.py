@@ -21,11 +21,14 @@ other row is exact (:mod:`moda_flex.nonfinite`).
 
 from __future__ import annotations
 
+import math
+from typing import Optional, Union
+
 import torch
 from torch import Tensor
 
 from .nonfinite import mark_rows, rows_seeing_dense, zero_nonfinite
-from .variants import Variant
+from .variants import Variant, resolve
 
 
 def reference_attention(
@@ -49,9 +52,19 @@ def reference_attention(
 
 
 def attention_probabilities(
-    q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: Tensor, variant: Variant, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    depth_k: Optional[Tensor] = None,
+    depth_v: Optional[Tensor] = None,
+    variant: Union[str, Variant] = "causal",
+    scale: Optional[float] = None,
 ) -> Tensor:
     """The attention weights over ``[sequence | depth]``, for pictures.
+
+    Arguments as :func:`moda_flex.moda_attention`, with its defaults: no depth
+    (L = 0), ``variant="causal"``, ``scale = 1 / sqrt(D)``; depth as one
+    (B, Hk, Tq, L, D) tensor.
 
     Returns:
         (B, Hq, Tq, Tk + L) when the variant reads only each token's own depth
@@ -59,7 +72,10 @@ def attention_probabilities(
         (B, Hq, Tq, Tk + Tq * L) with depth columns ordered (token, slot).
         Computed in float32 (float64 for float64 inputs).
     """
-    _, probs, _ = _attention(q, k, v, depth_k, depth_v, variant, scale)
+    if depth_k is None or depth_v is None:
+        depth_k = depth_v = k.new_empty(*k.shape[:2], q.shape[2], 0, k.shape[3])  # (B, Hk, Tq, 0, D)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    _, probs, _ = _attention(q, k, v, depth_k, depth_v, resolve(variant), scale)
     return probs
 
 

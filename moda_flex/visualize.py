@@ -22,14 +22,31 @@ own token's depth, else the chunk-packed depth of every query token
 The predicates are evaluated densely over every (row, column) pair: for small
 sizes only (at most :data:`MAX_CELLS` cells).
 
-``python -m moda_flex.visualize`` prints every built-in at a small size
-(``--png DIR`` also writes the PNGs).
+:func:`block_mask_grid` (text: :func:`block_mask_text`, PNG:
+:func:`plot_block_mask`) shows instead the flex backend's real ``BlockMask``
+at any size: which 128 x 128 blocks of folded rows and ``[sequence | depth]``
+columns are computed in full, computed with the mask, or skipped.
+
+Command line::
+
+    python -m moda_flex.visualize                                   # every built-in, as text
+    python -m moda_flex.visualize causal chunk_depth --png masks    # two of them, text and PNGs
+    python -m moda_flex.visualize examples/custom_variant.py:attention_slots_only
+    python -m moda_flex.visualize causal --blocks --q-len 512 --kv-len 512 --slots 16 --groups 8
+
+A variant is a built-in's name (:data:`BUILTINS`, sized to the picture) or
+``module:attribute`` (a module name or a ``.py`` file), where the attribute
+is a :class:`~moda_flex.Variant` or a function of no arguments that returns one.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
+import inspect
 import os
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -38,11 +55,26 @@ from torch import Tensor
 from . import variants as _variants
 from .variants import Variant
 
-__all__ = ["MAX_CELLS", "dense_mask", "mask_text", "plot_mask"]
+__all__ = [
+    "MAX_CELLS",
+    "BUILTINS",
+    "dense_mask",
+    "mask_text",
+    "plot_mask",
+    "block_mask_grid",
+    "block_mask_text",
+    "plot_block_mask",
+    "load_variant",
+]
 
 MAX_CELLS = 1 << 20  # dense evaluation bound, rows * columns
 
 VISIBLE, MASKED, BOUNDARY = "█", "·", "|"
+
+# Block kinds of a BlockMask grid, and how text and pictures draw them.
+SKIPPED, PARTIAL, FULL = 0, 1, 2
+BLOCK_CHARS = {SKIPPED: "·", PARTIAL: "▒", FULL: "█"}
+BLOCK_NAMES = {SKIPPED: "skipped", PARTIAL: "partial: the mask is applied", FULL: "full: computed, no mask"}
 
 
 def dense_mask(
@@ -204,8 +236,10 @@ def plot_mask(
 ):
     """The mask as a matplotlib picture, the sequence/depth boundary a dashed line.
 
-    Needs matplotlib (``pip install moda_flex[plot]``). Arguments as
-    :func:`dense_mask`, plus:
+    Columns are labelled like the text: key positions, then depth slots from 0
+    again (per token when packed); rows by the query's absolute position (or,
+    folded, the row ``r``). Needs matplotlib (``pip install moda_flex[plot]``).
+    Arguments as :func:`dense_mask`, plus:
 
     Args:
         path: if given, save the figure there (PNG for a ``.png`` name).
@@ -214,68 +248,315 @@ def plot_mask(
     Returns:
         the matplotlib ``Figure``.
     """
-    try:
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import MaxNLocator
-    except ImportError as error:
-        raise ImportError(
-            "plot_mask needs matplotlib: pip install matplotlib (or moda_flex[plot]); "
-            "mask_text draws the same mask without it"
-        ) from error
+    Figure, Patch, MaxNLocator = _matplotlib("plot_mask", "mask_text")
     variant = _variants.resolve(variant)
     mask, packed = _mask(variant, q_len, kv_len, slots, groups, folded, head, kv_head, batch, packed)
     rows, columns = mask.shape
     if ax is None:
-        figure = Figure(figsize=(max(4.0, 0.25 * columns + 1.5), max(3.0, 0.25 * rows + 1.2)))
+        figure = Figure(figsize=(min(16.0, max(4.0, 0.25 * columns + 3.0)), min(12.0, max(3.0, 0.25 * rows + 1.2))))
         ax = figure.subplots()
     else:
         figure = ax.figure
-    ax.imshow(mask.numpy(), cmap="Blues", vmin=0, vmax=1.25, interpolation="nearest", aspect="auto")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.axvline(kv_len - 0.5, color="black", linestyle="--", linewidth=1.2)
+    image = ax.imshow(mask.numpy(), cmap="Blues", vmin=0, vmax=1.25, interpolation="nearest", aspect="auto")
+    step = -(-columns // 40)  # at most about 40 labels; depth labels start again at slot 0
+    x_ticks, y_ticks = list(range(0, kv_len, step)) + list(range(kv_len, columns, step)), _ticks(rows)
+    ax.set_xticks(x_ticks, [_column_label(c, kv_len, slots) for c in x_ticks])
+    ax.set_yticks(y_ticks, [str(r if folded else kv_len - q_len + r) for r in y_ticks])
     ax.set_title(f"{variant.name}: Tq={q_len} Tk={kv_len} L={slots} G={groups}")
-    ax.set_xlabel("sequence keys | depth slots")
-    if folded:
-        ax.set_ylabel(f"folded row r (token r // {groups}), KV head {kv_head}")
+    if slots:
+        ax.axvline(kv_len - 0.5, color="black", linestyle="--", linewidth=1.2)
+        depth = "depth slot l of every query token (token-major)" if packed else "depth slot l"
+        ax.set_xlabel(f"sequence key k | {depth}")
     else:
-        ax.set_ylabel(f"query token (position - {kv_len - q_len}), head {head}")
+        ax.set_xlabel("sequence key k (no depth slots)")
+    if folded:
+        ax.set_ylabel(f"folded row r = t * {groups} + g, KV head {kv_head}")
+    else:
+        ax.set_ylabel(f"query position p, head {head}")
+    colors = {True: image.cmap(image.norm(1)), False: image.cmap(image.norm(0))}
+    handles = [Patch(facecolor=colors[True], label="visible"),
+               Patch(facecolor=colors[False], edgecolor="0.6", label="masked")]  # fmt: skip
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     if path is not None:
         figure.savefig(path, dpi=120, bbox_inches="tight")
     return figure
 
 
-def _builtin_examples(q_len: int, kv_len: int, slots: int) -> list:
-    """One instance of every built-in, sized for a picture."""
-    ids = torch.arange(kv_len) * 3 // kv_len  # three contiguous documents
-    return [
-        _variants.causal(),
-        _variants.full(),
-        _variants.sliding_window(max(1, kv_len // 3)),
-        _variants.depth_window(max(1, slots // 2)),
-        _variants.chunk_depth(max(1, kv_len // 3)),
-        _variants.depth_only(),
-        _variants.causal() & _variants.document(ids),
+def _ticks(count: int, most: int = 40) -> list:
+    """Every cell's index, or every n-th one so that at most ``most`` are labelled."""
+    return list(range(0, count, -(-count // most)))
+
+
+def _column_label(column: int, kv_len: int, slots: int) -> str:
+    """A column's tick: the key position, or the depth slot counted from 0 again."""
+    if column < kv_len:
+        return str(column)
+    return str((column - kv_len) % slots) if slots else ""
+
+
+def _matplotlib(what: str, instead: str):
+    """The matplotlib names the pictures use, or an ImportError that says what to install."""
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+        from matplotlib.ticker import MaxNLocator
+    except ImportError as error:
+        raise ImportError(
+            f"{what} needs matplotlib: pip install matplotlib (or moda_flex[plot]); "
+            f"{instead} draws the same without it"
+        ) from error
+    return Figure, Patch, MaxNLocator
+
+
+def block_mask_grid(variant, *, q_len: int, kv_len: int, slots: int = 0, groups: int = 1, batch: int = 0) -> Tensor:
+    """Which blocks of the flex backend's ``BlockMask`` are full, partial or skipped.
+
+    The mask is the one ``moda_attention(..., backend="flex")`` runs with
+    (:func:`moda_flex.flex.moda_block_mask`), for one batch row (KV heads
+    all have the same mask): rows are the ``q_len * groups`` folded rows (row ``r`` is token
+    ``r // groups``), columns the sequence keys padded to whole blocks, then
+    the depth slots of every query token, token after token. A causal
+    variant's depth columns are a band: a block of 128 rows holds
+    ``128 / groups`` consecutive tokens, whose slots are ``128 * slots /
+    groups`` consecutive columns.
+
+    Args:
+        variant: ``"causal"``, ``"full"`` or a :class:`~moda_flex.Variant`.
+        q_len, kv_len, slots, groups: Tq, Tk, L, G.
+        batch: the batch row shown (it matters for ``document``).
+
+    Returns:
+        (row blocks, column blocks) int64 of :data:`SKIPPED`, :data:`PARTIAL`,
+        :data:`FULL`; the sequence part is the first ``ceil(kv_len / 128)``
+        column blocks.
+    """
+    from .flex import moda_block_mask
+
+    variant = _variants.resolve(variant)
+    block_mask = moda_block_mask(
+        variant, batch=batch + 1, kv_heads=1, q_len=q_len, kv_len=kv_len, groups=groups, slots=slots, device="cpu"
+    )
+    rows, columns = block_mask.seq_lengths
+    block_rows, block_columns = block_mask.BLOCK_SIZE
+    grid = torch.full((-(-rows // block_rows), -(-columns // block_columns)), SKIPPED, dtype=torch.long)
+    b = min(batch, block_mask.kv_num_blocks.shape[0] - 1)  # a structural mask has one row for every batch row
+    for kind, counts, indices in (
+        (PARTIAL, block_mask.kv_num_blocks, block_mask.kv_indices),
+        (FULL, block_mask.full_kv_num_blocks, block_mask.full_kv_indices),
+    ):
+        if counts is None:
+            continue
+        for row in range(grid.shape[0]):
+            grid[row, indices[b, 0, row, : counts[b, 0, row]].long()] = kind
+    return grid
+
+
+def _sequence_blocks(kv_len: int) -> int:
+    """Column blocks of the sequence part: ``kv_len`` rounded up to whole blocks."""
+    from .flex import BLOCK
+
+    return -(-kv_len // BLOCK)
+
+
+def block_mask_text(variant, *, q_len: int, kv_len: int, slots: int = 0, groups: int = 1, batch: int = 0) -> str:
+    """:func:`block_mask_grid` as text: ``█`` full, ``▒`` partial, ``·`` skipped, ``|`` before the depth blocks."""
+    variant = _variants.resolve(variant)
+    grid = block_mask_grid(variant, q_len=q_len, kv_len=kv_len, slots=slots, groups=groups, batch=batch)
+    split = _sequence_blocks(kv_len)
+    legend = ", ".join(f"{BLOCK_CHARS[kind]} {BLOCK_NAMES[kind]}" for kind in (FULL, PARTIAL, SKIPPED))
+    lines = [
+        f"{variant.name}: BlockMask of Tq={q_len} Tk={kv_len} L={slots} G={groups}: {grid.shape[0]} x "
+        f"{grid.shape[1]} blocks of 128 folded rows x 128 columns [sequence {BOUNDARY} depth]; {legend}"
     ]
+    for row, kinds in enumerate(grid.tolist()):
+        cells = [BLOCK_CHARS[kind] for kind in kinds]
+        lines.append(f"{row:>4}  {''.join(cells[:split])}{BOUNDARY}{''.join(cells[split:])}")
+    return "\n".join(lines)
+
+
+def plot_block_mask(
+    variant,
+    *,
+    q_len: int,
+    kv_len: int,
+    slots: int = 0,
+    groups: int = 1,
+    batch: int = 0,
+    path: Optional[str] = None,
+    ax=None,
+):
+    """:func:`block_mask_grid` as a matplotlib picture, with a legend and the sequence/depth boundary dashed.
+
+    Arguments as :func:`block_mask_grid`, plus ``path`` and ``ax`` as in
+    :func:`plot_mask`. Returns the ``Figure``.
+    """
+    Figure, Patch, MaxNLocator = _matplotlib("plot_block_mask", "block_mask_text")
+    from matplotlib.colors import ListedColormap
+
+    variant = _variants.resolve(variant)
+    grid = block_mask_grid(variant, q_len=q_len, kv_len=kv_len, slots=slots, groups=groups, batch=batch)
+    rows, columns = grid.shape
+    if ax is None:
+        figure = Figure(figsize=(min(16.0, max(5.0, 0.2 * columns + 3.5)), min(10.0, max(2.5, 0.2 * rows + 1.5))))
+        ax = figure.subplots()
+    else:
+        figure = ax.figure
+    colors = {SKIPPED: "#f4f4f4", PARTIAL: "#9ecae1", FULL: "#08519c"}
+    cmap = ListedColormap([colors[kind] for kind in (SKIPPED, PARTIAL, FULL)])
+    ax.imshow(grid.numpy(), cmap=cmap, vmin=-0.5, vmax=2.5, interpolation="nearest", aspect="auto")
+    # Thin white lines between blocks, so that single blocks can be counted.
+    ax.set_xticks([c - 0.5 for c in range(1, columns)], minor=True)
+    ax.set_yticks([r - 0.5 for r in range(1, rows)], minor=True)
+    ax.grid(which="minor", color="white", linewidth=0.5)
+    ax.tick_params(which="minor", length=0)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    split = _sequence_blocks(kv_len)
+    ax.axvline(split - 0.5, color="black", linestyle="--", linewidth=1.2)
+    ax.set_title(
+        f"{variant.name}: flex BlockMask, Tq={q_len} Tk={kv_len} L={slots} G={groups} "
+        f"(a row block: {128 / groups:g} tokens x {groups} query heads)"
+    )
+    ax.set_xlabel(f"column block: sequence keys ({split} blocks) | depth slots of every token, token-major")
+    ax.set_ylabel("block of 128 folded rows")
+    kinds = (FULL, PARTIAL, SKIPPED)
+    handles = [Patch(facecolor=colors[kind], edgecolor="0.6", label=BLOCK_NAMES[kind]) for kind in kinds]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    if path is not None:
+        figure.savefig(path, dpi=120, bbox_inches="tight")
+    return figure
+
+
+BUILTINS = ("causal", "full", "sliding_window", "depth_window", "chunk_depth", "depth_only", "document")
+
+
+def _builtin_examples(q_len: int, kv_len: int, slots: int) -> dict:
+    """One instance of every built-in, sized for a picture, by name."""
+    ids = torch.arange(kv_len) * 3 // kv_len  # three contiguous documents
+    return {
+        "causal": _variants.causal(),
+        "full": _variants.full(),
+        "sliding_window": _variants.sliding_window(max(1, kv_len // 3)),
+        "depth_window": _variants.depth_window(max(1, slots // 2)),
+        "chunk_depth": _variants.chunk_depth(max(1, kv_len // 3)),
+        "depth_only": _variants.depth_only(),
+        "document": _variants.causal() & _variants.document(ids),
+    }
+
+
+def load_variant(spec: str) -> Variant:
+    """The variant named by ``module:attribute`` (a module name or a ``.py`` path, then a name in it).
+
+    The attribute is a :class:`~moda_flex.Variant`, or a function of no
+    arguments that returns one (a factory such as ``causal``).
+
+    Raises:
+        ValueError: naming ``spec`` when the module, the attribute or the
+            variant cannot be had.
+    """
+    module_name, _, attribute = spec.rpartition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"variant {spec!r}: expected module:attribute, e.g. my_masks:window_of_8")
+    try:
+        if module_name.endswith(".py"):
+            location = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            if location is None or not Path(module_name).is_file():
+                raise ImportError(f"no file {module_name}")
+            module = importlib.util.module_from_spec(location)
+            location.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"variant {spec!r}: cannot import {module_name!r}: {error}") from error
+    if not hasattr(module, attribute):
+        raise ValueError(f"variant {spec!r}: module {module_name!r} has no attribute {attribute!r}")
+    found = getattr(module, attribute)
+    if callable(found) and not isinstance(found, Variant):
+        try:
+            inspect.signature(found).bind()
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"variant {spec!r}: {attribute} takes arguments; name a Variant or a function of no arguments"
+            ) from None
+        found = found()
+    if not isinstance(found, Variant):
+        raise ValueError(f"variant {spec!r}: got {type(found).__name__}, not a moda_flex Variant")
+    return found
+
+
+def _select(specs: Sequence[str], q_len: int, kv_len: int, slots: int) -> list:
+    """The variants the command line names: built-ins by name, others as module:attribute; all built-ins if none."""
+    builtins = _builtin_examples(q_len, kv_len, slots)
+    if not specs:
+        return list(builtins.values())
+    selected = []
+    for spec in specs:
+        if spec in builtins:
+            selected.append(builtins[spec])
+        elif ":" in spec:
+            selected.append(load_variant(spec))
+        else:
+            raise ValueError(f"variant {spec!r}: not a built-in ({', '.join(BUILTINS)}) nor module:attribute")
+    return selected
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib.figure  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help, unless the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return action.help if "default" in (action.help or "") else super()._get_help_string(action)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """Print every built-in variant's mask; with ``--png DIR`` also save PNGs."""
-    parser = argparse.ArgumentParser(prog="python -m moda_flex.visualize", description=main.__doc__)
-    parser.add_argument("--q-len", type=int, default=6)
-    parser.add_argument("--kv-len", type=int, default=9)
-    parser.add_argument("--slots", type=int, default=3)
-    parser.add_argument("--groups", type=int, default=1)
+    """Print variants' masks as text; with ``--png DIR`` also save PNGs (matplotlib)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m moda_flex.visualize",
+        description=main.__doc__ + "\n\n" + __doc__[__doc__.index("Command line::") :],
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument(
+        "variants", nargs="*", metavar="VARIANT",
+        help=f"a built-in ({', '.join(BUILTINS)}) or module:attribute (default: every built-in)",
+    )  # fmt: skip
+    parser.add_argument("--q-len", type=int, default=6, help="query tokens Tq")
+    parser.add_argument("--kv-len", type=int, default=9, help="sequence keys Tk (>= Tq; queries sit at the end)")
+    parser.add_argument("--slots", type=int, default=3, help="depth slots L per token")
+    parser.add_argument("--groups", type=int, default=1, help="query heads G per KV head")
     parser.add_argument("--folded", action="store_true", help="show the folded rows of the flex/triton backends")
-    parser.add_argument("--png", metavar="DIR", help="also write one PNG per variant into DIR")
+    parser.add_argument("--blocks", action="store_true",
+                        help="show the flex backend's BlockMask (128 x 128 blocks) instead of every element")
+    parser.add_argument("--png", metavar="DIR", help="also write one PNG per variant into DIR (default: none)")
     args = parser.parse_args(argv)
-    sizes = dict(q_len=args.q_len, kv_len=args.kv_len, slots=args.slots, groups=args.groups, folded=args.folded)
-    for variant in _builtin_examples(args.q_len, args.kv_len, args.slots):
-        print(mask_text(variant, **sizes), end="\n\n")
-        if args.png:
+    try:
+        selected = _select(args.variants, args.q_len, args.kv_len, args.slots)
+    except ValueError as error:
+        parser.error(str(error))
+    sizes = dict(q_len=args.q_len, kv_len=args.kv_len, slots=args.slots, groups=args.groups)
+    if not args.blocks:
+        sizes["folded"] = args.folded
+    text, plot = (block_mask_text, plot_block_mask) if args.blocks else (mask_text, plot_mask)
+    pictures = args.png is not None and _has_matplotlib()
+    for variant in selected:
+        try:
+            print(text(variant, **sizes), end="\n\n")
+        except ValueError as error:
+            parser.error(str(error))
+        if pictures:
             os.makedirs(args.png, exist_ok=True)
             name = "".join(c if c.isalnum() else "_" for c in variant.name).strip("_")
-            plot_mask(variant, path=os.path.join(args.png, f"{name}.png"), **sizes)
+            path = os.path.join(args.png, f"{name}{'_blocks' if args.blocks else ''}.png")
+            plot(variant, path=path, **sizes)
+            print(f"wrote {path}")
+    if args.png is not None and not pictures:
+        print("PNGs need matplotlib (pip install matplotlib, or moda_flex[plot]): none written, the text is above")
 
 
 if __name__ == "__main__":

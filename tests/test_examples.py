@@ -1,18 +1,27 @@
-"""The examples: the GPT's cached decoding, a tiny training run, the heatmaps from its checkpoint, a custom variant."""
+"""The examples and benchmarks: the GPT's cached decoding, a tiny training run, the heatmaps from its
+checkpoint, a custom variant, every command line's help and device errors, progress output, the kernel ablation."""
 
+import importlib
+import io
+import runpy
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks")]
+import ablation  # noqa: E402
 import custom_variant  # noqa: E402
+import gpt  # noqa: E402
 import train_gpt  # noqa: E402
 import visualize_attention  # noqa: E402
-from gpt import GPT, GPTConfig  # noqa: E402
+from gpt import GPT, GPTConfig, load_checkpoint  # noqa: E402
+from progress import Progress, format_duration  # noqa: E402
 
 from moda_flex.nn import KVCache  # noqa: E402
+from moda_flex.visualize import dense_mask  # noqa: E402
 
 
 def _model(depth_kv, norm, rope=True):
@@ -53,38 +62,41 @@ def test_train_compare_checkpoint_and_heatmaps(tmp_path, capsys):
     rows = train_gpt.main(
         ["--data", str(data), "--depth-kv", "none,attn,attn+ffn", "--norm", "post", "--n-layer", "2",
          "--n-embd", "16", "--n-head", "2", "--n-kv-head", "1", "--block-size", "16", "--batch-size", "4",
-         "--steps", "4", "--skip-timing", "1", "--warmup", "2", "--eval-iters", "2", "--sample-tokens", "8",
+         "--steps", "7", "--skip-timing", "1", "--warmup", "2", "--eval-iters", "2", "--sample-tokens", "8",
          "--threads", "1", "--out-dir", str(tmp_path / "out")]
     )  # fmt: skip
     assert [r["name"] for r in rows] == ["baseline-post", "moda-attn-post", "moda-post"]
     assert rows[0]["params_m"] == rows[1]["params_m"] < rows[2]["params_m"]  # only FFN KV adds weights
     assert all(0 < r["val_loss"] < 10 for r in rows)
     table = (tmp_path / "out" / "results.md").read_text()
-    assert "| moda-post |" in table and table in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| moda-post |" in table and table in out
+    assert "\r" not in out  # not a terminal: plain progress lines
+    assert out.count("  train 7/7 100%") == 3 and out.count("  estimate: ") == 3
+    assert "for the 2 run(s) after it" in out
 
     ckpt = tmp_path / "out" / "moda-post.pt"
     checkpoint = torch.load(ckpt, weights_only=True)
     assert checkpoint["config"]["depth_kv"] == "attn+ffn"
-    model = visualize_attention.load_model(str(ckpt))
+    model = load_checkpoint(str(ckpt))
     idx = torch.randint(0, 256, (1, 6))
     maps = visualize_attention.attention_maps(model, idx)
     assert [m.shape for m in maps] == [(2, 6, 6), (2, 6, 6 + 2)]
     torch.testing.assert_close(maps[1].sum(-1), torch.ones(2, 6))
 
     pytest.importorskip("matplotlib")
-    out, mask = tmp_path / "attention.png", tmp_path / "mask.png"
-    visualize_attention.main(
-        ["--ckpt", str(ckpt), "--data", str(data), "--tokens", "12", "--out", str(out), "--mask-out", str(mask)]
-    )
-    for png in (out, mask):
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    paths = visualize_attention.main(["--ckpt", str(ckpt), "--data", str(data), "--tokens", "12",
+                                      "--block-tokens", "128"])  # fmt: skip
+    assert [path.name for path in paths] == ["moda-post-attention.png", "moda-post-mask.png", "moda-post-block-mask.png"]
+    for png in paths:
+        assert png.parent == ckpt.parent and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert capsys.readouterr().out.splitlines()[-3:] == [f"wrote {path}" for path in paths]
 
 
 def test_folded_mask_matches_the_paper():
-    from moda_flex import variants
-
+    # The mask of visualize_attention's picture: query groups folded into rows, every token's depth.
     T, G, L = 3, 2, 2
-    mask = visualize_attention.folded_mask(variants.resolve("causal"), T, G, L)
+    mask = dense_mask("causal", q_len=T, kv_len=T, slots=L, groups=G, folded=True, packed=True)
     assert mask.shape == (G * T, T + T * L)
     for r in range(G * T):
         for k in range(T):
@@ -104,3 +116,129 @@ def test_custom_variant_learns_its_depth_bias(capsys):
     custom_variant.check_learned_bias(examples=3)
     bias = custom_variant.train_bias(steps=12)
     assert int(bias.argmax()) == 2 and "loss" in capsys.readouterr().out
+
+
+# Every command line: --help exits 0 and gives each option a description and a default.
+SCRIPTS = [
+    "examples/gpt.py", "examples/train_gpt.py", "examples/visualize_attention.py", "examples/custom_variant.py",
+    "examples/compare_models.py", "benchmarks/ablation.py", "benchmarks/bench_call.py",
+    "benchmarks/bench_context_parallel.py", "benchmarks/bench_model.py", "benchmarks/bench_moda.py",
+    "benchmarks/flex_block_mask.py", "benchmarks/tune_moda.py", "benchmarks/bench_data_parallel.py",
+    "moda_flex.visualize",
+]  # fmt: skip
+WITH_DEVICE = ["examples/gpt.py", "examples/train_gpt.py", "benchmarks/ablation.py",
+               "benchmarks/bench_context_parallel.py", "benchmarks/flex_block_mask.py"]  # fmt: skip
+CUDA_ONLY = ["examples/compare_models.py", "benchmarks/bench_call.py", "benchmarks/bench_model.py",
+             "benchmarks/bench_moda.py", "benchmarks/tune_moda.py", "benchmarks/bench_data_parallel.py"]  # fmt: skip
+
+
+def _run_cli(script: str, args: list[str], monkeypatch) -> int:
+    """Run a script under the checkout as ``python script args`` would (a module: its main); the exit code."""
+    with pytest.raises(SystemExit) as exit_info:
+        if script.endswith(".py"):
+            path = ROOT / script
+            monkeypatch.setattr(sys, "argv", [str(path), *args])
+            monkeypatch.setattr(sys, "path", [str(path.parent), *sys.path])  # what python does for a script
+            runpy.run_path(str(path), run_name="__main__")
+        else:
+            importlib.import_module(script).main(args)
+    return exit_info.value.code
+
+
+def _option_entries(help_text: str) -> list[str]:
+    """The help of each option and positional argument, one string per entry (``-h`` left out)."""
+    entries, section = [], False
+    for line in help_text.splitlines():
+        if line.endswith(":") and not line.startswith(" "):
+            section = line in ("options:", "optional arguments:", "positional arguments:")
+        elif section and line.startswith("  ") and not line.startswith("   "):
+            entries.append(line.strip())
+        elif section and line.strip():
+            entries[-1] += "  " + line.strip()  # the name may stand alone on its line
+    return [entry for entry in entries if not entry.startswith("-h")]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_lists_every_option_with_a_default(script, monkeypatch, capsys):
+    assert _run_cli(script, ["--help"], monkeypatch) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:")
+    entries = _option_entries(out)
+    assert entries
+    for entry in entries:
+        name, _, description = entry.partition("  ")
+        assert description.strip(), f"{script}: {name} has no description"
+        assert "default" in description, f"{script}: {entry!r} does not say its default"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+@pytest.mark.parametrize("script", WITH_DEVICE + CUDA_ONLY)
+def test_cuda_on_a_machine_without_it_is_a_usage_error(script, monkeypatch, capsys):
+    args = ["--device", "cuda"] if script in WITH_DEVICE else []
+    assert _run_cli(script, args, monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "no CUDA device is available" in err or "needs a CUDA GPU" in err
+
+
+def test_gpt_cli_describes_and_samples(capsys):
+    sample = gpt.main(["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--n-kv-head", "1", "--tokens", "5",
+                       "--prompt", "ab"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert out.startswith("GPT: 2 layers, width 32, 2 query / 1 KV heads") and "untrained" in out
+    assert sample.startswith("ab") and sample in out
+
+
+def test_progress_in_a_log_is_plain_lines():
+    stream = io.StringIO()  # not a terminal
+    progress = Progress(20, label="  train", stream=stream, every=5)
+    for step in range(20):
+        progress.update(step + 1, f"loss {1.0 / (step + 1):.3f}")
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    assert "\r" not in stream.getvalue()
+    assert [line.split()[1] for line in lines] == ["5/20", "10/20", "15/20", "20/20"]
+    assert lines[1].endswith("left") and "100%" in lines[-1] and "left" not in lines[-1]
+
+
+def test_progress_on_a_terminal_is_one_bar():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    progress = Progress(3, label="  train", stream=stream)
+    for step in range(3):
+        progress.update(step + 1, "loss 1.0")
+    text = stream.getvalue()
+    assert text.startswith("\r  train [") and text.endswith("\n") and text.count("\n") == 1
+    assert "3/3 100%" in text.splitlines()[-1].split("\r")[-1]
+
+
+@pytest.mark.parametrize("seconds, text", [(5.4, "5s"), (65, "1m05s"), (3725, "1h02m")])
+def test_durations_read_like_a_clock(seconds, text):
+    assert format_duration(seconds) == text
+
+
+def test_runs_write_to_a_folder_of_their_shape_and_never_overwrite(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert train_gpt.parse_args([]).out_dir == str(Path("out") / "pydoc-4x128")
+    assert train_gpt.parse_args(["--n-layer", "8"]).out_dir == str(Path("out") / "pydoc-8x128")
+    assert train_gpt.parse_args(["--data", "input.txt"]).out_dir == str(Path("out") / "input-4x128")
+    (tmp_path / "out" / "pydoc-4x128").mkdir(parents=True)
+    (tmp_path / "out" / "pydoc-4x128" / "moda-pre.pt").write_bytes(b"")
+    with pytest.raises(SystemExit):
+        train_gpt.parse_args([])
+    assert "moda-pre.pt exists from an earlier run: pass --overwrite" in capsys.readouterr().err
+    assert train_gpt.parse_args(["--overwrite"]).overwrite
+
+
+def test_ablation_rows_compute_moda(capsys):
+    # On a GPU, triton and flex run their fp32 products as TF32; on CPU (Triton's interpreter) they are exact.
+    device, tolerance = ("cuda", 5e-3) if torch.cuda.is_available() else ("cpu", 1e-4)
+    results = ablation.main(["--device", device, "--dtype", "float32", "--quick", "--warmup", "0", "--repeats", "1"])
+    assert sorted(results) == [1, 2, 3, 4]
+    for row, (ms, error) in results.items():
+        assert ms > 0 and error < tolerance, (row, error)
+    table = capsys.readouterr().out
+    assert "| (4) | + group-aware (moda_attention triton) |" in table and "| 1.460 |" in table

@@ -1,13 +1,30 @@
 """Mask pictures: the dense matrix, the text rendering and the PNG."""
 
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from moda_flex import causal, chunk_depth, depth_only, depth_window, document, full, sliding_window
 from moda_flex.variants import Variant
-from moda_flex.visualize import MAX_CELLS, dense_mask, main, mask_text, plot_mask
+from moda_flex.visualize import (
+    FULL,
+    MAX_CELLS,
+    PARTIAL,
+    SKIPPED,
+    block_mask_grid,
+    block_mask_text,
+    dense_mask,
+    load_variant,
+    main,
+    mask_text,
+    plot_block_mask,
+    plot_mask,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_causal_mask_is_bottom_right_aligned_with_own_depth():
@@ -115,6 +132,17 @@ def test_png_has_the_dashed_boundary(tmp_path):
     assert image.shape == (3, 7) and image[:, :5].sum() == 0 and image[:, 5:].all()
 
 
+def test_png_labels_like_the_text(tmp_path):
+    pytest.importorskip("matplotlib")
+    figure = plot_mask(causal(), q_len=3, kv_len=5, slots=2)
+    ax = figure.axes[0]
+    figure.canvas.draw()  # tick labels are formatted at drawing time
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "1", "2", "3", "4", "0", "1"]  # slots from 0
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["2", "3", "4"]  # absolute positions
+    assert ax.get_ylabel().startswith("query position p")
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["visible", "masked"]
+
+
 def test_png_draws_into_a_given_axes():
     matplotlib_figure = pytest.importorskip("matplotlib.figure")
     figure = matplotlib_figure.Figure()
@@ -136,4 +164,96 @@ def test_command_line_prints_every_builtin(capsys, tmp_path):
     for name in ("causal:", "full:", "sliding_window(2):", "depth_window(1):", "chunk_depth(2):", "depth_only:",
                  "(causal & document):"):
         assert name in out
-    assert len(list(tmp_path.glob("*.png"))) == 7
+    written = sorted(tmp_path.glob("*.png"))
+    assert len(written) == 7
+    assert sorted(line.split()[1] for line in out.splitlines() if line.startswith("wrote ")) == sorted(
+        str(path) for path in written
+    )
+
+
+def test_command_line_selects_builtins_by_name(capsys):
+    main(["sliding_window", "causal", "--q-len", "3", "--kv-len", "4", "--slots", "1"])
+    titles = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if ": Tq=" in line]
+    assert titles == ["sliding_window(1)", "causal"]
+
+
+def test_command_line_loads_module_attribute(capsys):
+    example = ROOT / "examples" / "custom_variant.py"
+    main([f"{example}:attention_slots_only", "moda_flex.variants:depth_only", "--q-len", "2", "--kv-len", "2"])
+    out = capsys.readouterr().out
+    assert "attention_slots_only: Tq=2" in out and "depth_only: Tq=2" in out
+    assert load_variant("moda_flex.variants:causal").name == "causal"
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("nosuch", "not a built-in"),
+        ("no_such_module_here:x", "cannot import"),
+        ("moda_flex.variants:nothing", "has no attribute"),
+        ("moda_flex.variants:sliding_window", "takes arguments"),
+        ("moda_flex.visualize:MAX_CELLS", "not a moda_flex Variant"),
+    ],
+)
+def test_command_line_names_a_bad_variant(spec, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([spec])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_command_line_without_matplotlib_prints_text_and_exits_0(tmp_path):
+    # The import of matplotlib fails in the child, as where it is not installed.
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "from moda_flex.visualize import main\n"
+        f"main(['causal', 'full', '--png', {str(tmp_path)!r}])"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "causal: Tq=6" in result.stdout and "full: Tq=6" in result.stdout
+    assert "PNGs need matplotlib" in result.stdout
+    assert not list(tmp_path.glob("*.png"))
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [causal(), full(), sliding_window(70), chunk_depth(50), depth_window(2),
+     causal() & document(torch.arange(200) * 3 // 200)],
+    ids=lambda v: v.name,
+)  # fmt: skip
+def test_block_grid_agrees_with_the_elements(variant):
+    # 200 tokens, G=2: 400 folded rows (4 row blocks); 256 padded key columns + 200 * 3 depth columns.
+    T, G, L, B = 200, 2, 3, 128
+    grid = block_mask_grid(variant, q_len=T, kv_len=T, slots=L, groups=G)
+    elements = dense_mask(variant, q_len=T, kv_len=T, slots=L, groups=G, folded=True, packed=True)
+    padded = torch.zeros(4 * B, 256 + T * L + (-(T * L) % B), dtype=torch.bool)
+    padded[: T * G, :T] = elements[:, :T]
+    padded[: T * G, 256 : 256 + T * L] = elements[:, T:]
+    blocks = padded.view(4, B, -1, B).transpose(1, 2)  # (row blocks, column blocks, B, B)
+    assert grid.shape == blocks.shape[:2]
+    any_visible, all_visible = blocks.any(-1).any(-1), blocks[:T * G // B].all(-1).all(-1)
+    assert not (any_visible & (grid == SKIPPED)).any()  # nothing visible is skipped
+    assert all_visible.ge(grid[: T * G // B] == FULL).all()  # a full block has every element visible
+    assert (grid == PARTIAL).any()
+
+
+def test_block_grid_of_causal_moda_is_a_depth_band():
+    grid = block_mask_grid(causal(), q_len=512, kv_len=512, slots=16, groups=8)
+    assert grid.shape == (32, 4 + 64)
+    # A row block holds 128 / 8 = 16 tokens, whose 16 * 16 depth slots are two column blocks.
+    for row in range(32):
+        assert (grid[row, 4:] != SKIPPED).nonzero().flatten().tolist() == [2 * row, 2 * row + 1]
+    assert (grid[:, :4] == FULL).sum() == sum(range(4)) * 8  # sequence blocks wholly below the diagonal
+    text = block_mask_text(causal(), q_len=512, kv_len=512, slots=16, groups=8)
+    assert text.splitlines()[1] == "   0  ▒···|▒▒" + "·" * 62
+
+
+def test_block_png_has_a_legend_and_the_boundary(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "blocks.png"
+    figure = plot_block_mask(causal(), q_len=256, kv_len=256, slots=4, groups=4, path=str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ax = figure.axes[0]
+    assert [t.get_text().split(":")[0] for t in ax.get_legend().get_texts()] == ["full", "partial", "skipped"]
+    assert [list(line.get_xdata()) for line in ax.get_lines() if line.get_linestyle() == "--"] == [[1.5, 1.5]]

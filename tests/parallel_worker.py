@@ -1,0 +1,56 @@
+"""One rank of a data-parallel run of examples/train_gpt.py on CPU (gloo), for tests/test_train_parallel.py.
+
+    RANK=r WORLD_SIZE=w python tests/parallel_worker.py STORE GRADS [train_gpt flags...]
+
+Joins the process group through a FileStore at STORE (no network port to
+pick), then, if GRADS is not empty, takes one training step's gradients
+(rank 0 saves the loss and every full gradient to GRADS), then runs
+``train_gpt.main`` with the flags.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import train_gpt  # noqa: E402
+from gpt import GPT  # noqa: E402
+
+
+def first_gradients(flags: list[str], ranks: train_gpt.Ranks) -> tuple[float, dict]:
+    """The loss of the first training batch and every parameter's full gradient, as train_gpt's wiring computes them."""
+    args = train_gpt.parse_args(flags)
+    torch.manual_seed(args.seed)
+    model = GPT(train_gpt.model_config(args, args.depth_kv[0], args.norm[0]))
+    run = train_gpt.parallelize(model, args, torch.device("cpu"))
+    train, _ = train_gpt.split(train_gpt.load_text(args.data))
+    generator = torch.Generator().manual_seed(args.seed)
+    x, y = ranks.shard(*train_gpt.get_batch(train, args.batch_size, args.block_size, generator, "cpu"))
+    _, loss = run(x, y)
+    loss.backward()
+    grads = {
+        name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for name, p in model.named_parameters()
+    }
+    return ranks.mean(loss), grads
+
+
+def main() -> None:
+    store, grads_path, *flags = sys.argv[1:]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    try:
+        if grads_path:
+            loss, grads = first_gradients(flags, train_gpt.Ranks(rank, world))
+            if rank == 0:
+                torch.save({"loss": loss, "grads": grads}, grads_path)
+        train_gpt.main(flags)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
