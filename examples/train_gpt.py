@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -224,7 +225,7 @@ def seed_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def noise_note(args, rows: list[dict]) -> str:
+def noise_note(args) -> str:
     """What one seed's differences mean: the seed spread recorded for this very configuration, or how to measure it."""
     if CPU_MAIN_JOB.exists():
         recorded = json.loads(CPU_MAIN_JOB.read_text())
@@ -314,34 +315,33 @@ def main(argv=None) -> list[dict]:
     print(f"data: {len(train):,} train and {len(val):,} validation bytes")
     rows = []
     for seed in args.seeds:
-        seed_args = argparse.Namespace(**{**vars(args), "seed": seed})
-        for norm in args.norm:
-            for depth_kv in args.depth_kv:
-                config = GPTConfig(
-                    n_embd=args.n_embd,
-                    n_head=args.n_head,
-                    n_kv_head=args.n_kv_head,
-                    depth_kv=depth_kv,
-                    norm=norm,
-                    backend=args.backend,
-                    block_size=args.block_size,
-                    n_layer=args.n_layer,
-                )
-                model = run_name(depth_kv, norm)
-                name = model if len(args.seeds) == 1 else f"{model}-seed{seed}"
-                rows.append({**train_one(config, name, train, val, seed_args, device), "model": model})
+        for norm, depth_kv in itertools.product(args.norm, args.depth_kv):
+            config = GPTConfig(
+                n_embd=args.n_embd,
+                n_head=args.n_head,
+                n_kv_head=args.n_kv_head,
+                depth_kv=depth_kv,
+                norm=norm,
+                backend=args.backend,
+                block_size=args.block_size,
+                n_layer=args.n_layer,
+            )
+            model = run_name(depth_kv, norm)
+            name = model if len(args.seeds) == 1 else f"{model}-seed{seed}"
+            seed_args = argparse.Namespace(**{**vars(args), "seed": seed})
+            rows.append({**train_one(config, name, train, val, seed_args, device), "model": model})
     table = format_table(rows)
     print()
     print(table)
-    out = Path(args.out_dir)
     if len(args.seeds) > 1:
         table += "\n\n" + seed_table(rows)
         print()
         print(seed_table(rows))
     else:
         print()
-        print(noise_note(args, rows))
-    (out / "results.md").write_text(table + "\n")
+        print(noise_note(args))
+    (Path(args.out_dir) / "results.md").write_text(table + "\n")
+    out = Path(args.out_dir)
     record = {"command": "python examples/train_gpt.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "config": loss_config(args), "seeds": args.seeds, "threads": args.threads, "device": device_name(device),
               "torch": torch.__version__,
