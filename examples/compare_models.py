@@ -1,8 +1,7 @@
 """A fair comparison of MoDA with its baseline at the paper's Table 6 shape: tuned learning rates, seeds, curves.
 
-    python examples/compare_models.py --phase sweep --max-minutes 8    # repeat until "nothing left to run"
-    python examples/compare_models.py --phase final --max-minutes 8    # likewise
-    python examples/compare_models.py --report                         # tables and plots from results/study.json
+    python examples/compare_models.py --arms '*-post-L24' --max-minutes 8   # repeat until "nothing left to run"
+    python examples/compare_models.py --report       # results/study.md and the plots, from results/study.json
 
 Arms. A name says the model: ``baseline`` (sequence KV only), ``moda-attn``
 (+ depth KV from the attention layers), ``moda`` (+ depth KV + FFN KV), then
@@ -11,18 +10,26 @@ the norm and the number of layers: ``moda-post-L24``. Every model has width
 six 24-layer ones; ``--arms '*-L48'`` adds the three 48-layer post-norm ones,
 and any name of that form (``moda-pre-L12``) is an arm.
 
-Phases. ``sweep``: each arm at log-spaced learning rates (``--lrs``, a factor
-of 2 apart), ``--sweep-steps`` steps, seed 0; where the best rate is at the
-edge of those tried, the next rate beyond it is added (``--extend`` times at
-most per side). ``final``: each arm at its own best sweep rate for
-``--final-steps`` steps, once per seed of ``--seeds`` (not seed 0, so that
-the final losses do not inherit the luck that made a rate win the sweep).
-Every run warms up linearly over a tenth of its steps and then decays on a
-cosine to a tenth of its rate (train_gpt's schedule), uses AdamW (0.9, 0.95),
-weight decay 0.1, gradient clipping 1.0 and bf16 autocast on CUDA, and is
-evaluated every ``--eval-interval`` steps on the same validation batches. The
-runs of one seed see the same batches in the same order in every arm, so the
-report compares arms paired by seed.
+Phases (``--phase all``, the default, runs both, arm by arm). ``sweep``:
+each arm at log-spaced learning rates (``--lrs``, a factor of 2 apart),
+``--sweep-steps`` steps, seed 0; where the best rate is at the edge of those
+tried, the next rate beyond it is added (``--extend`` times at most per
+side). ``final``: each arm at its own best sweep rate for ``--final-steps``
+steps, once per seed of ``--seeds`` (not seed 0, so that the final losses do
+not inherit the luck that made a rate win the sweep). Every run warms up
+linearly over a tenth of its steps and then decays on a cosine to a tenth of
+its rate (train_gpt's schedule), uses AdamW (0.9, 0.95), weight decay 0.1,
+gradient clipping 1.0 and bf16 autocast on CUDA, and is evaluated every
+``--eval-interval`` steps on the same validation batches. The runs of one
+seed see the same batches in the same order in every arm, so the report
+compares arms paired by seed.
+
+Budget. By default a sweep run is 300 steps of 32 x 512 tokens (4.9M
+tokens) and a final run 900 (14.7M). On an H100, where a compiled 24-layer
+step takes about 36 ms (baseline), 61 ms (moda-attn) and 85 ms (moda) and a
+compilation about a minute and a half, one 24-layer arm's four sweep runs and
+three final runs take about 4, 6 and 8 minutes; 48 layers take about twice
+that.
 
 Resuming. Every finished run is appended to ``--results`` (default
 ``results/study.json``) at once; a run already recorded there is skipped, so
@@ -287,49 +294,52 @@ def estimate_s(results: dict, arm: Arm, steps: int, device: str, compiled_here: 
     return seconds
 
 
-def run_phase(phase: str, arms: list[Arm], results: dict, train, val, args, device, started: float) -> bool:
-    """Run what ``phase`` still needs for ``arms``, arm by arm; False when stopped by --max-minutes."""
-    steps = args.sweep_steps if phase == "sweep" else args.final_steps
-    device_name = train_gpt.device_name(device)
-    for arm in arms:
-        trainer = None
-        while True:
-            if phase == "sweep":
-                lr, seed = next_sweep_lr(results, arm.name, args.lrs, args.extend), args.sweep_seed
-                if lr is None:
-                    break
-            else:
-                if next_sweep_lr(results, arm.name, args.lrs, args.extend) is not None:
-                    print(f"{arm.name}: its sweep is not complete; run --phase sweep first")
-                    break
-                lr = best_lr(results, arm.name)
-                if lr is None:
-                    print(f"{arm.name}: every sweep run diverged; extend --lrs downwards")
-                    break
-                seeds = [s for s in args.seeds if find_run(results, "final", arm.name, lr, s) is None]
-                if not seeds:
-                    break
-                seed = seeds[0]
-            if args.max_minutes is not None:
-                elapsed = time.perf_counter() - started
-                need = estimate_s(results, arm, steps, device_name, trainer is not None, args)
-                if elapsed + need > 60 * args.max_minutes:
-                    print(f"stopping: {arm.name} {phase} lr {lr:.3g} seed {seed} needs about {need / 60:.1f} min "
-                          f"and {elapsed / 60:.1f} of --max-minutes {args.max_minutes:g} are used; "
-                          "run the same command again to go on")  # fmt: skip
-                    return False
-            if trainer is None:
-                torch.compiler.reset()  # the previous arm's graphs would count towards this one's recompile limit
-                trainer = Trainer(arm, args, device)
-            results["runs"].append(trainer.train(phase, lr, seed, steps, train, val))
-            save_results(args.results, results)
-            record = results["runs"][-1]
-            loss = "diverged" if record["diverged"] else f"{record['val_loss']:.4f}"
-            print(f"  recorded {phase} {arm.name} lr {lr:.3g} seed {seed}: val {loss}, "
-                  f"{record['step_ms']:.1f} ms/step, {record['wall_s']:.0f} s")  # fmt: skip
-        del trainer
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+def next_run(arm: Arm, phases: tuple[str, ...], results: dict, args) -> tuple[str, float, int] | None:
+    """The next run ``arm`` needs in ``phases``, as (phase, lr, seed), or None when there is none."""
+    sweep_lr = next_sweep_lr(results, arm.name, args.lrs, args.extend)
+    if "sweep" in phases and sweep_lr is not None:
+        return "sweep", sweep_lr, args.sweep_seed
+    if "final" not in phases:
+        return None
+    if sweep_lr is not None:
+        print(f"{arm.name}: its sweep is not complete; run --phase sweep first")
+        return None
+    lr = best_lr(results, arm.name)
+    if lr is None:
+        print(f"{arm.name}: every sweep run diverged; extend --lrs downwards")
+        return None
+    for seed in args.seeds:
+        if find_run(results, "final", arm.name, lr, seed) is None:
+            return "final", lr, seed
+    return None
+
+
+def run_arm(arm: Arm, phases: tuple[str, ...], results: dict, train, val, args, device, started: float) -> bool:
+    """Every run ``arm`` still needs in ``phases``, on one compiled model; False when stopped by --max-minutes."""
+    trainer = None
+    while (todo := next_run(arm, phases, results, args)) is not None:
+        phase, lr, seed = todo
+        steps = args.sweep_steps if phase == "sweep" else args.final_steps
+        if args.max_minutes is not None:
+            elapsed = time.perf_counter() - started
+            need = estimate_s(results, arm, steps, train_gpt.device_name(device), trainer is not None, args)
+            if elapsed + need > 60 * args.max_minutes:
+                print(f"stopping: {phase} {arm.name} lr {lr:.3g} seed {seed} needs about {need / 60:.1f} min and "
+                      f"{elapsed / 60:.1f} of --max-minutes {args.max_minutes:g} are used; run the same command "
+                      "again to go on")  # fmt: skip
+                return False
+        if trainer is None:
+            torch.compiler.reset()  # the previous arm's graphs would count towards this one's recompile limit
+            trainer = Trainer(arm, args, device)
+        record = trainer.train(phase, lr, seed, steps, train, val)
+        results["runs"].append(record)
+        save_results(args.results, results)
+        loss = "diverged" if record["diverged"] else f"{record['val_loss']:.4f}"
+        print(f"  recorded {phase} {arm.name} lr {lr:.3g} seed {seed}: val {loss}, "
+              f"{record['step_ms']:.1f} ms/step, {record['wall_s']:.0f} s")  # fmt: skip
+    del trainer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return True
 
 
@@ -580,8 +590,9 @@ def main(argv=None) -> dict:
     train, val = train_gpt.split(corpus)
     print(f"corpus: {len(corpus) / 1e6:.1f} MB; device: {train_gpt.device_name(device)}; "
           f"arms: {', '.join(a.name for a in arms)}")  # fmt: skip
-    for phase in ("sweep", "final") if args.phase == "all" else (args.phase,):
-        if not run_phase(phase, arms, results, train, val, args, device, started):
+    phases = ("sweep", "final") if args.phase == "all" else (args.phase,)
+    for arm in arms:  # arm by arm, so that one compiled model serves all of an arm's runs
+        if not run_arm(arm, phases, results, train, val, args, device, started):
             return results
     print(f"nothing left to run for --phase {args.phase} --arms {args.arms}")
     return results
