@@ -252,7 +252,7 @@ def plot_curves(rows: list[dict], path: Path) -> None:
         ax.plot(tokens, [p["val_loss"] for p in r["curve"]], "o-", color=colour, label=label, markersize=3)
         ax.plot(tokens, [p["train_loss"] for p in r["curve"]], ":", color=colour, linewidth=1)
     ax.set_xlabel("tokens")
-    ax.set_ylabel("loss (solid: validation, dotted: training)")
+    ax.set_ylabel("loss (solid: validation; dotted: training, mean since the previous point)", fontsize=9)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.savefig(path, dpi=120)
