@@ -202,7 +202,7 @@ def loss_config(args) -> dict:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu ({len(os.sched_getaffinity(0))} cores)"
+    return f"{len(os.sched_getaffinity(0))}-core CPU"
 
 
 def seed_table(rows: list[dict]) -> str:
@@ -230,8 +230,10 @@ def noise_note(args) -> str:
     if CPU_MAIN_JOB.exists():
         recorded = json.loads(CPU_MAIN_JOB.read_text())
         if recorded["config"] == loss_config(args):
-            return (f"One seed shows little. Measured over seeds {recorded['seeds']} on {recorded['device']} "
-                    f"({recorded['command']}):\n\n{seed_table(recorded['rows'])}")  # fmt: skip
+            seeds = ",".join(map(str, recorded["seeds"]))
+            return (f"One seed cannot tell a difference from seed noise. Over seeds {seeds} this configuration gave "
+                    f"({recorded['device']}, results/cpu_main_job.json):\n\n{seed_table(recorded['rows'])}\n\n"
+                    f"(--seeds {seeds} measures it again.)")  # fmt: skip
     return "One seed shows little: --seeds 1,2,3 trains each model three times and tells a difference from seed noise."
 
 

@@ -139,3 +139,11 @@ def test_train_gpt_curve_and_seeds(tmp_path, data, capsys):
     assert record["seeds"] == [1, 2] and record["config"]["n_layer"] == 2 and len(record["rows"]) == 4
     pytest.importorskip("matplotlib")
     assert (tmp_path / "out" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_default_run_has_its_seeds_on_record():
+    """The default configuration's seed spread is recorded, so that one default run can say what it means."""
+    recorded = json.loads(train_gpt.CPU_MAIN_JOB.read_text())
+    assert recorded["config"] == train_gpt.loss_config(train_gpt.parse_args([]))
+    assert len(recorded["seeds"]) >= 3
+    assert train_gpt.seed_table(recorded["rows"]) in train_gpt.noise_note(train_gpt.parse_args([]))
