@@ -41,10 +41,10 @@ and compile times already recorded for the arm on this device. One arm's
 runs reuse one compiled model, re-initialized for every run from a freshly
 built model of the run's seed, so an arm compiles once per invocation.
 
-Data: the largest text this Python installation holds without a network:
-the pydoc topics, the standard library's sources and the descriptions of
-the installed distributions, shuffled by document (fixed seed) so that the
-validation tail looks like the rest (``--data FILE`` for another text).
+Data: the largest text a Python installation holds without a network: the
+pydoc topics and the standard library's sources, shuffled by document (fixed
+seed) so that the validation tail looks like the rest (``--data FILE`` for
+another text).
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ import argparse
 import dataclasses
 import fnmatch
 import hashlib
-import importlib.metadata
 import json
 import math
 import os
@@ -118,16 +117,17 @@ def parse_arms(spec: str) -> list[Arm]:
 
 
 def build_corpus(max_bytes: int) -> bytes:
-    """pydoc topics + stdlib sources + distribution descriptions, shuffled by document, at most ``max_bytes``."""
+    """pydoc topics + the standard library's sources, shuffled by document, at most ``max_bytes``.
+
+    Both come with the Python build, not with what else is installed, so two
+    machines with the same Python build the same corpus (the results file
+    checks its hash).
+    """
     docs = [train_gpt.load_text(None)]
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     for path in sorted(stdlib.rglob("*.py")):
-        if "site-packages" not in path.parts:
+        if "site-packages" not in path.relative_to(stdlib).parts:
             docs.append(path.read_bytes())
-    for dist in sorted(importlib.metadata.distributions(), key=lambda d: d.metadata["Name"] or ""):
-        description = dist.metadata.get_payload() or ""
-        if len(description) > 1000:
-            docs.append(description.encode("utf-8", errors="replace"))
     random.Random(0).shuffle(docs)
     return b"\n\n".join(docs)[:max_bytes]
 
@@ -261,7 +261,8 @@ class Trainer:
         eval_s = statistics.median(eval_times[1:] or eval_times) if eval_times else 0.0
         record = {
             "phase": phase, "arm": self.arm.name, "n_layer": self.arm.n_layer, "norm": self.arm.norm,
-            "depth_kv": self.arm.depth_kv, "lr": lr_key(lr), "seed": seed, "steps": steps,
+            "depth_kv": self.arm.depth_kv, "config": dataclasses.asdict(self.config), "lr": lr_key(lr), "seed": seed,
+            "steps": steps,
             "tokens": tokens_per_step * steps, "warmup": schedule.warmup,
             "val_loss": None if diverged else curve[-1]["val_loss"], "diverged": diverged, "curve": curve,
             "step_ms": 1000 * step_s, "eval_s": eval_s, "wall_s": wall_s,
@@ -374,11 +375,14 @@ def report_table(results: dict) -> str:
     finals = final_runs(results)
     for name, runs in finals.items():
         arm = arm_of(runs[0])
-        losses = {r["seed"]: math.inf if r["val_loss"] is None else r["val_loss"] for r in runs}
+        losses = {r["seed"]: r["val_loss"] for r in runs if not r["diverged"]}
+        loss_cell = format_mean_std(*mean_std(list(losses.values())))
+        if len(losses) < len(runs):
+            loss_cell += f" ({len(runs) - len(losses)} of {len(runs)} diverged)"
         diff, reading = "-", "-"
         base_runs = finals.get(baseline_name(arm))
         if base_runs is not None and name != baseline_name(arm):
-            base = {r["seed"]: math.inf if r["val_loss"] is None else r["val_loss"] for r in base_runs}
+            base = {r["seed"]: r["val_loss"] for r in base_runs if not r["diverged"]}
             d = paired_difference(losses, base)
             diff = f"{format_mean_std(d.mean, d.std)} (95%: ± {d.half_width:.4f})"
             reading = d.verdict()
@@ -389,10 +393,12 @@ def report_table(results: dict) -> str:
             paper_cell = f"{paper:.4f}" + (f" ({paper - paper_base:+.4f})" if arm.depth_kv != "none" else "")
         depth = {"none": "-", "attn": "attn", "attn+ffn": "attn+ffn"}[arm.depth_kv]
         step_ms = statistics.fmean(r["step_ms"] for r in runs)
+        tried = sorted(sweep_losses(results, name))
+        lr_cell = f"{runs[0]['lr']:.3g}" + (" (edge of the sweep)" if runs[0]["lr"] in (tried[0], tried[-1]) else "")
         lines.append(
-            f"| {name} | {arm.n_layer} | {arm.norm} | {depth} | {runs[0]['params_m']:.2f} | {runs[0]['lr']:.3g} | "
-            f"{len(runs)} | {runs[0]['tokens'] / 1e6:.1f}M | {format_mean_std(*mean_std(list(losses.values())))} | "
-            f"{diff} | {reading} | {paper_cell} | {step_ms:.1f} |"
+            f"| {name} | {arm.n_layer} | {arm.norm} | {depth} | {runs[0]['params_m']:.2f} | {lr_cell} | "
+            f"{len(runs)} | {runs[0]['tokens'] / 1e6:.1f}M | {loss_cell} | {diff} | {reading} | {paper_cell} | "
+            f"{step_ms:.1f} |"
         )
     return "\n".join(lines)
 

@@ -77,6 +77,9 @@ def test_the_report_from_a_fixture(tmp_path):
     runs += [_record("final", base, 5e-4, s, loss) for s, loss in ((1, 1.70), (2, 1.72), (3, 1.71))]
     runs += [_record("final", moda, 5e-4, s, loss) for s, loss in ((1, 1.50), (2, 1.51), (3, 1.50))]
     runs += [_record("final", moda, 2.5e-4, 1, 1.9)]  # at a rate no longer the best: not reported
+    attn = "moda-attn-post-L24"  # best at the edge of its sweep, and one final run diverged
+    runs += [_record("sweep", attn, lr, 0, loss) for lr, loss in ((5e-4, 1.8), (1e-3, 1.6))]
+    runs += [_record("final", attn, 1e-3, s, loss) for s, loss in ((1, 1.60), (2, None), (3, 1.62))]
     setup = {"n_embd": 384, "n_head": 6, "n_kv_head": 2, "batch_size": 32, "block_size": 512, "sweep_seed": 0,
              "corpus_bytes": 12_900_000, "corpus_sha256": "0123456789abcdef"}  # fmt: skip
     text = compare_models.report({"setup": setup, "runs": runs}, tmp_path)
@@ -86,6 +89,8 @@ def test_the_report_from_a_fixture(tmp_path):
     assert rows[base][5:9] == ["0.0005", "3", "14.7M", "2.2100 ± 0.0100"]
     assert rows[moda][8:11] == ["2.0033 ± 0.0058", "-0.2067 ± 0.0058 (95%: ± 0.0143)", "better, beyond seed noise"]
     assert rows[moda][11] == "3.4338 (-0.0402)"  # the paper's Table 6, 24 layers, post-norm
+    assert rows[attn][5] == "0.001 (edge of the sweep)" and rows[attn][8] == "2.1100 ± 0.0141 (1 of 3 diverged)"
+    assert rows[attn][9].startswith("-0.0950 ± 0.0071 (95%: ± 0.0635)") and rows[attn][10] == "better, beyond seed noise"
     assert "| baseline-post-L24 | 2.4000 | **2.3000** | diverged |" in text
     assert "NVIDIA H100 80GB HBM3" in text and "final: seeds 1, 2, 3" in text
     pytest.importorskip("matplotlib")
