@@ -219,7 +219,7 @@ def seed_table(rows: list[dict]) -> str:
         cells = ["-", "-", "-"]
         if baseline is not None and baseline is not by_seed:
             d = paired_difference(by_seed, baseline)
-            cells = [f"{format_mean_std(d.mean, d.std, 4)}", f"± {d.half_width:.4f}", d.verdict()]
+            cells = [format_mean_std(d.mean, d.std), f"± {d.half_width:.4f}", d.verdict()]
         lines.append(f"| {model} | {len(by_seed)} | {format_mean_std(*mean_std(list(by_seed.values())))} | "
                      + " | ".join(cells) + " |")  # fmt: skip
     return "\n".join(lines)
@@ -248,9 +248,9 @@ def plot_curves(rows: list[dict], path: Path) -> None:
     ax = fig.subplots()
     colours = {}
     for r in rows:
+        label = None if r["model"] in colours else r["model"]  # one legend entry per model, not per seed
         colour = colours.setdefault(r["model"], f"C{len(colours)}")
         tokens = [p["tokens"] for p in r["curve"]]
-        label = r["model"] if r is next(q for q in rows if q["model"] == r["model"]) else None
         ax.plot(tokens, [p["val_loss"] for p in r["curve"]], "o-", color=colour, label=label, markersize=3)
         ax.plot(tokens, [p["train_loss"] for p in r["curve"]], ":", color=colour, linewidth=1)
     ax.set_xlabel("tokens")
