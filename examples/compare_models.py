@@ -384,7 +384,7 @@ def report_table(results: dict) -> str:
         if base_runs is not None and name != baseline_name(arm):
             base = {r["seed"]: r["val_loss"] for r in base_runs if not r["diverged"]}
             d = paired_difference(losses, base)
-            diff = f"{format_mean_std(d.mean, d.std)} (95%: ± {d.half_width:.4f})"
+            diff = f"{format_mean_std(d.mean, d.std, signed=True)} (95%: ± {d.half_width:.4f})"
             reading = d.verdict()
         paper = PAPER.get((arm.n_layer, arm.norm, arm.depth_kv))
         paper_base = PAPER.get((arm.n_layer, arm.norm, "none"))

@@ -26,7 +26,7 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 
 @dataclasses.dataclass
 class Difference:
-    """``model - baseline`` over the seeds both have: mean, standard deviation, the 95% half-width."""
+    """``model - baseline`` of a loss (lower is better) over the seeds both have: mean, std, the 95% half-width."""
 
     mean: float
     std: float
@@ -56,7 +56,9 @@ def paired_difference(model: dict[int, float], baseline: dict[int, float]) -> Di
     return Difference(mean, std, n, half)
 
 
-def format_mean_std(mean: float, std: float, digits: int = 4) -> str:
+def format_mean_std(mean: float, std: float, signed: bool = False) -> str:
+    """``mean ± std`` to four decimals (just the mean when std is NaN); ``signed`` writes a + before a gain."""
     if math.isnan(mean):
         return "-"
-    return f"{mean:.{digits}f}" if math.isnan(std) else f"{mean:.{digits}f} ± {std:.{digits}f}"
+    text = f"{mean:+.4f}" if signed else f"{mean:.4f}"
+    return text if math.isnan(std) else f"{text} ± {std:.4f}"

@@ -219,7 +219,7 @@ def seed_table(rows: list[dict]) -> str:
         cells = ["-", "-", "-"]
         if baseline is not None and baseline is not by_seed:
             d = paired_difference(by_seed, baseline)
-            cells = [format_mean_std(d.mean, d.std), f"± {d.half_width:.4f}", d.verdict()]
+            cells = [format_mean_std(d.mean, d.std, signed=True), f"± {d.half_width:.4f}", d.verdict()]
         lines.append(f"| {model} | {len(by_seed)} | {format_mean_std(*mean_std(list(by_seed.values())))} | "
                      + " | ".join(cells) + " |")  # fmt: skip
     return "\n".join(lines)
