@@ -464,7 +464,7 @@ def plot_study(results: dict, out_dir: Path) -> None:
         return
     finals = final_runs(results)
     sweeps = [r for r in results["runs"] if r["phase"] == "sweep"]
-    groups = list(dict.fromkeys(f"{arm_of(r).norm}-L{arm_of(r).n_layer}" for r in sweeps + results["runs"]))
+    groups = list(dict.fromkeys(f"{arm_of(r).norm}-L{arm_of(r).n_layer}" for r in results["runs"]))
     colours = {"none": "C0", "attn": "C1", "attn+ffn": "C2"}
     if not groups:
         return
