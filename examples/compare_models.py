@@ -578,6 +578,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     results = load_results(args.results)
     if args.report:
+        if not results["runs"]:
+            raise SystemExit(f"{args.results}: no runs recorded yet")
         print(report(results, args.report_dir))
         return results
     arms = parse_arms(args.arms)
