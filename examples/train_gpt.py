@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import io
+import json
 import math
 import os
 import sys
@@ -50,6 +51,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import cli  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 from progress import Progress, format_duration  # noqa: E402
+from seed_stats import format_mean_std, mean_std, paired_difference  # noqa: E402
 
 from moda_flex.nn import DEPTH_KV, NORMS  # noqa: E402
 
@@ -236,6 +238,8 @@ def train_one(
     tokens_per_step = args.batch_size * args.block_size
     train_time = 0.0
     timed_steps = 0
+    curve = []  # validation points: tokens seen, val loss, mean train loss since the last point
+    train_sum, train_count = 0.0, 0
     for step in range(args.steps):
         t0 = time.perf_counter()
         for group in optimizer.param_groups:
@@ -253,10 +257,16 @@ def train_one(
             timed_steps += 1
             if timed_steps == ESTIMATE_AFTER and step + 1 < args.steps:
                 announce_estimate(progress, name, train_time / timed_steps, args.steps - step - 1, args, later_runs)
+        train_sum, train_count = train_sum + loss_value, train_count + 1
+        if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
+            val_now = evaluate(run, val, args, device, autocast, ranks)
+            curve.append({"tokens": tokens_per_step * (step + 1), "val_loss": val_now,
+                          "train_loss": train_sum / train_count})  # fmt: skip
+            train_sum, train_count = 0.0, 0
         tok_s = tokens_per_step * timed_steps / train_time if train_time else 0.0
         progress.update(step + 1, f"loss {loss_value:.4f}", f"{tok_s:,.0f} tok/s")
     progress.close()
-    val_loss = evaluate(run, val, args, device, autocast, ranks)
+    val_loss = curve[-1]["val_loss"]
     peak_mb = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
     step_ms = 1000 * train_time / timed_steps
     peak = f" | peak {peak_mb:,.0f} MiB" if device.type == "cuda" else ""
@@ -285,6 +295,8 @@ def train_one(
         "tok_s": tokens_per_step * timed_steps / train_time,
         "step_ms": step_ms,
         "peak_mb": peak_mb,
+        "seed": args.seed,
+        "curve": curve,
     }
 
 
@@ -305,6 +317,79 @@ def format_table(rows: list[dict]) -> str:
             f"{mem} | {r['step_ms'] / first['step_ms']:.2f}x | {mem_ratio} |"
         )
     return "\n".join(lines)
+
+
+# The arguments that change what a run computes; results recorded under other values describe another experiment.
+LOSS_ARGS = ("data", "depth_kv", "norm", "n_layer", "n_embd", "n_head", "n_kv_head", "block_size", "batch_size",
+             "steps", "lr", "warmup", "weight_decay", "eval_iters", "dtype")  # fmt: skip
+# Seeds of the default run measured on a 2-core CPU (written by --seeds, see README "Training and comparing").
+CPU_MAIN_JOB = Path(__file__).resolve().parents[1] / "results" / "cpu_main_job.json"
+
+
+def loss_config(args) -> dict:
+    return {key: getattr(args, key) for key in LOSS_ARGS}
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{len(os.sched_getaffinity(0))}-core CPU"
+
+
+def seed_table(rows: list[dict]) -> str:
+    """Each model's val loss, mean ± std over seeds, and its difference from the baseline of its norm, paired by seed."""
+    losses: dict[str, dict[int, float]] = {}
+    for r in rows:
+        losses.setdefault(r["model"], {})[r["seed"]] = r["val_loss"]
+    lines = [
+        "| model | seeds | val loss | minus baseline (paired by seed) | 95% interval | reading |",
+        "|---|---|---|---|---|---|",
+    ]
+    for model, by_seed in losses.items():
+        baseline = losses.get("baseline-" + model.rsplit("-", 1)[1])
+        cells = ["-", "-", "-"]
+        if baseline is not None and baseline is not by_seed:
+            d = paired_difference(by_seed, baseline)
+            cells = [format_mean_std(d.mean, d.std, signed=True), f"± {d.half_width:.4f}", d.verdict()]
+        lines.append(f"| {model} | {len(by_seed)} | {format_mean_std(*mean_std(list(by_seed.values())))} | "
+                     + " | ".join(cells) + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def noise_note(args) -> str:
+    """What one seed's differences mean: the seed spread recorded for this very configuration, or how to measure it."""
+    if CPU_MAIN_JOB.exists():
+        recorded = json.loads(CPU_MAIN_JOB.read_text())
+        if recorded["config"] == loss_config(args):
+            seeds = ",".join(map(str, recorded["seeds"]))
+            return (f"One seed cannot tell a difference from seed noise. Over seeds {seeds} this configuration gave "
+                    f"({recorded['device']}, results/cpu_main_job.json):\n\n{seed_table(recorded['rows'])}\n\n"
+                    f"(--seeds {seeds} measures it again.)")  # fmt: skip
+    return "One seed shows little: --seeds 1,2,3 trains each model three times and tells a difference from seed noise."
+
+
+def plot_curves(rows: list[dict], path: Path) -> None:
+    """Validation loss (solid) and mean training loss (dotted) against tokens, one colour per model."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        print("(no matplotlib: no curves.png)")
+        return
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
+    colours = {}
+    for r in rows:
+        label = None if r["model"] in colours else r["model"]  # one legend entry per model, not per seed
+        colour = colours.setdefault(r["model"], f"C{len(colours)}")
+        tokens = [p["tokens"] for p in r["curve"]]
+        ax.plot(tokens, [p["val_loss"] for p in r["curve"]], "o-", color=colour, label=label, markersize=3)
+        ax.plot(tokens, [p["train_loss"] for p in r["curve"]], ":", color=colour, linewidth=1)
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("loss (solid: validation; dotted: training, mean since the previous point)", fontsize=9)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=120)
+    print(f"curves: {path}")
 
 
 def parse_args(argv=None):
@@ -329,6 +414,9 @@ def parse_args(argv=None):
     p.add_argument("--skip-timing", type=int, default=3, help="first steps left out of the timings")
     p.add_argument("--sample-tokens", type=int, default=120, help="bytes to sample after training (0: none)")
     p.add_argument("--seed", type=int, default=1337, help="seed of the weights and the batches")
+    p.add_argument("--seeds", default=None,
+                   help="comma-separated seeds: train every model once per seed, report mean ± std (default: --seed)")
+    p.add_argument("--eval-interval", type=int, default=100, help="steps between points of the validation curve")
     p.add_argument("--device", default=cli.default_device(), help=cli.DEVICE_HELP + "; under torchrun: cuda")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="bf16 runs under autocast (default: bfloat16 on CUDA, float32 on CPU)")  # fmt: skip
@@ -345,6 +433,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.depth_kv = args.depth_kv.split(",")
     args.norm = args.norm.split(",")
+    args.seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [args.seed]
     for flag, values, allowed in (("--depth-kv", args.depth_kv, DEPTH_KV), ("--norm", args.norm, NORMS)):
         for value in values:
             if value not in allowed:
@@ -421,14 +510,33 @@ def main(argv=None) -> list[dict]:
     ranks.say(f"data: {len(train):,} train and {len(val):,} validation bytes; writing to {args.out_dir}")
     configs = [(norm, depth_kv) for norm in args.norm for depth_kv in args.depth_kv]
     rows = []
-    for i, (norm, depth_kv) in enumerate(configs):
-        rows.append(train_one(model_config(args, depth_kv, norm), run_name(depth_kv, norm), train, val, args, device,
-                              ranks, later_runs=len(configs) - i - 1))  # fmt: skip
+    runs = [(seed, norm, depth_kv) for seed in args.seeds for norm, depth_kv in configs]
+    for i, (seed, norm, depth_kv) in enumerate(runs):
+        model = run_name(depth_kv, norm)
+        name = model if len(args.seeds) == 1 else f"{model}-seed{seed}"
+        seed_args = argparse.Namespace(**{**vars(args), "seed": seed})
+        row = train_one(model_config(args, depth_kv, norm), name, train, val, seed_args, device, ranks,
+                        later_runs=len(runs) - i - 1)  # fmt: skip
+        rows.append({**row, "model": model})
     table = format_table(rows)
     ranks.say()
     ranks.say(table)
+    if len(args.seeds) > 1:
+        table += "\n\n" + seed_table(rows)
+        ranks.say()
+        ranks.say(seed_table(rows))
+    else:
+        ranks.say()
+        ranks.say(noise_note(args))
     if ranks.main:
-        (Path(args.out_dir) / "results.md").write_text(table + "\n")
+        out = Path(args.out_dir)
+        (out / "results.md").write_text(table + "\n")
+        record = {"command": "python examples/train_gpt.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                  "config": loss_config(args), "seeds": args.seeds, "threads": args.threads,
+                  "device": device_name(device), "torch": torch.__version__,
+                  "rows": [{k: None if v != v else v for k, v in r.items()} for r in rows]}  # NaN is not JSON; fmt: skip
+        (out / "results.json").write_text(json.dumps(record, indent=1) + "\n")
+        plot_curves(rows, out / "curves.png")
     return rows
 
 

@@ -126,9 +126,9 @@ SCRIPTS = [
     "benchmarks/flex_block_mask.py", "benchmarks/tune_moda.py", "benchmarks/bench_data_parallel.py",
     "moda_flex.visualize",
 ]  # fmt: skip
-WITH_DEVICE = ["examples/gpt.py", "examples/train_gpt.py", "benchmarks/ablation.py",
+WITH_DEVICE = ["examples/gpt.py", "examples/train_gpt.py", "examples/compare_models.py", "benchmarks/ablation.py",
                "benchmarks/bench_context_parallel.py", "benchmarks/flex_block_mask.py"]  # fmt: skip
-CUDA_ONLY = ["examples/compare_models.py", "benchmarks/bench_call.py", "benchmarks/bench_model.py",
+CUDA_ONLY = ["benchmarks/bench_call.py", "benchmarks/bench_model.py",
              "benchmarks/bench_moda.py", "benchmarks/tune_moda.py", "benchmarks/bench_data_parallel.py"]  # fmt: skip
 
 

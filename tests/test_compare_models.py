@@ -1,0 +1,154 @@
+"""The comparison study: resuming, the learning-rate sweep's edges, the report; train_gpt's curves and seeds."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import compare_models  # noqa: E402
+import train_gpt  # noqa: E402
+
+TINY = ["--device", "cpu", "--n-embd", "16", "--n-head", "2", "--n-kv-head", "1", "--batch-size", "2",
+        "--block-size", "16", "--sweep-steps", "4", "--final-steps", "5", "--eval-interval", "2", "--eval-iters", "1",
+        "--skip-timing", "1", "--threads", "1", "--lrs", "1e-3,2e-3", "--extend", "0",
+        "--arms", "baseline-post-L2,moda-attn-post-L2", "--seeds", "1,2"]  # fmt: skip
+
+
+@pytest.fixture
+def data(tmp_path):
+    path = tmp_path / "data.txt"
+    path.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    return path
+
+
+def test_the_study_resumes_where_it_stopped(tmp_path, data, capsys):
+    study = ["--data", str(data), "--results", str(tmp_path / "study.json"), *TINY]
+    compare_models.main([*study, "--max-minutes", "0"])  # stops before the first run, cleanly
+    assert "stopping" in capsys.readouterr().out
+    assert not (tmp_path / "study.json").exists()
+
+    results = compare_models.main([*study, "--phase", "sweep"])
+    sweep = [(r["arm"], r["lr"], r["seed"]) for r in results["runs"]]
+    assert sweep == [(arm, lr, 0) for arm in ("baseline-post-L2", "moda-attn-post-L2") for lr in (1e-3, 2e-3)]
+
+    results = compare_models.main([*study, "--phase", "all"])  # the sweep is recorded: only the final runs
+    runs = results["runs"]
+    assert len(runs) == 8 and [r["phase"] for r in runs] == ["sweep"] * 4 + ["final"] * 4
+    for r in runs[4:]:
+        assert r["lr"] == compare_models.best_lr(results, r["arm"]) and r["seed"] in (1, 2)
+    capsys.readouterr()
+    again = compare_models.main(study)
+    assert again["runs"] == runs and "nothing left to run" in capsys.readouterr().out
+
+    on_disk = json.loads((tmp_path / "study.json").read_text())
+    assert on_disk == again
+    for r in on_disk["runs"]:
+        assert [p["tokens"] for p in r["curve"]] == [32 * s for s in ((2, 4) if r["phase"] == "sweep" else (2, 4, 5))]
+        assert r["curve"][-1]["val_loss"] == r["val_loss"] and r["tokens"] == 32 * r["steps"]
+        assert {"device", "torch", "step_ms", "params_m", "warmup"} <= r.keys()
+    assert on_disk["setup"]["corpus_bytes"] == len(data.read_bytes())
+
+    with pytest.raises(SystemExit, match="another experiment"):
+        compare_models.main([*study, "--final-steps", "6"])
+
+    compare_models.main([*study, "--report"])
+    text = (tmp_path / "study.md").read_text()
+    assert "| moda-attn-post-L2 | 2 | post | attn |" in text and "| baseline-post-L2 |" in text
+
+
+def _record(phase, arm, lr, seed, loss, steps=900):
+    a = compare_models.parse_arms(arm)[0]
+    curve = None if loss is None else [{"tokens": 1000 * s, "val_loss": loss + 1.0 / s, "train_loss": loss} for s in (1, 2)]
+    return {"phase": phase, "arm": arm, "n_layer": a.n_layer, "norm": a.norm, "depth_kv": a.depth_kv, "lr": lr,
+            "seed": seed, "steps": steps, "tokens": steps * 16384, "warmup": 10, "val_loss": None if loss is None else curve[-1]["val_loss"],
+            "diverged": loss is None, "curve": curve or [], "step_ms": 40.0, "eval_s": 0.1, "wall_s": 5.0,
+            "overhead_s": 1.0, "compiled_here": False, "peak_mb": 100.0, "params_m": 37.87,
+            "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "backend": "auto", "compiled": True,
+            "dtype": "bfloat16", "finished": "2025-01-01 00:00:00"}  # fmt: skip
+
+
+def test_the_report_from_a_fixture(tmp_path):
+    base, moda = "baseline-post-L24", "moda-post-L24"
+    runs = [_record("sweep", base, lr, 0, loss) for lr, loss in ((2.5e-4, 1.9), (5e-4, 1.8), (1e-3, None))]
+    runs += [_record("sweep", moda, lr, 0, loss) for lr, loss in ((2.5e-4, 1.7), (5e-4, 1.5), (1e-3, 1.6))]
+    runs += [_record("final", base, 5e-4, s, loss) for s, loss in ((1, 1.70), (2, 1.72), (3, 1.71))]
+    runs += [_record("final", moda, 5e-4, s, loss) for s, loss in ((1, 1.50), (2, 1.51), (3, 1.50))]
+    runs += [_record("final", moda, 2.5e-4, 1, 1.9)]  # at a rate no longer the best: not reported
+    attn = "moda-attn-post-L24"  # best at the edge of its sweep, and one final run diverged
+    runs += [_record("sweep", attn, lr, 0, loss) for lr, loss in ((5e-4, 1.8), (1e-3, 1.6))]
+    runs += [_record("final", attn, 1e-3, s, loss) for s, loss in ((1, 1.60), (2, None), (3, 1.62))]
+    setup = {"n_embd": 384, "n_head": 6, "n_kv_head": 2, "batch_size": 32, "block_size": 512, "sweep_seed": 0,
+             "corpus_bytes": 12_900_000, "corpus_sha256": "0123456789abcdef"}  # fmt: skip
+    text = compare_models.report({"setup": setup, "runs": runs}, tmp_path)
+
+    table = [line.split(" | ") for line in text.splitlines() if line.startswith("| ")]
+    rows = {cells[0][2:]: cells for cells in table if len(cells) == 13}  # the final runs, not the sweep
+    assert rows[base][5:9] == ["0.0005", "3", "14.7M", "2.2100 ± 0.0100"]
+    assert rows[moda][8:11] == ["2.0033 ± 0.0058", "-0.2067 ± 0.0058 (95%: ± 0.0143)", "better, beyond seed noise"]
+    assert rows[moda][11] == "3.4338 (-0.0402)"  # the paper's Table 6, 24 layers, post-norm
+    assert rows[attn][5] == "0.001 (edge of the sweep)" and rows[attn][8] == "2.1100 ± 0.0141 (1 of 3 diverged)"
+    assert rows[attn][9].startswith("-0.0950 ± 0.0071 (95%: ± 0.0635)") and rows[attn][10] == "better, beyond seed noise"
+    assert "| baseline-post-L24 | 2.4000 | **2.3000** | diverged |" in text
+    assert "NVIDIA H100 80GB HBM3" in text and "final: seeds 1, 2, 3" in text
+    pytest.importorskip("matplotlib")
+    for png in ("study_curves.png", "study_lr.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_sweep_extends_past_a_winning_edge():
+    grid = [1e-3, 2e-3]
+
+    def results(losses):
+        return {"runs": [_record("sweep", "moda-post-L24", lr, 0, loss) for lr, loss in losses.items()]}
+
+    assert compare_models.next_sweep_lr(results({1e-3: 2.0}), "moda-post-L24", grid, 2) == 2e-3
+    assert compare_models.next_sweep_lr(results({1e-3: 2.0, 2e-3: 2.1}), "moda-post-L24", grid, 2) == 5e-4
+    assert compare_models.next_sweep_lr(results({1e-3: 2.0, 2e-3: 1.9}), "moda-post-L24", grid, 2) == 4e-3
+    assert compare_models.next_sweep_lr(results({1e-3: 2.0, 2e-3: 1.9}), "moda-post-L24", grid, 0) is None
+    bracketed = {5e-4: 2.2, 1e-3: 2.0, 2e-3: 2.1}
+    assert compare_models.next_sweep_lr(results(bracketed), "moda-post-L24", grid, 2) is None
+    falling = results({2.5e-4: 1.0, 5e-4: 2, 1e-3: 3, 2e-3: 4})  # two rates below the grid already
+    assert compare_models.next_sweep_lr(falling, "moda-post-L24", grid, 2) is None
+    assert compare_models.next_sweep_lr(falling, "moda-post-L24", grid, 3) == 1.25e-4
+    assert compare_models.next_sweep_lr(results({1e-3: None, 2e-3: None}), "moda-post-L24", grid, 1) == 5e-4
+    assert compare_models.best_lr(results({1e-3: None, 2e-3: None}), "moda-post-L24") is None
+
+
+def test_arms_by_name_and_pattern():
+    assert [a.name for a in compare_models.parse_arms("*-L24")] == compare_models.DEFAULT_ARMS[:6]
+    arm = compare_models.parse_arms("moda-attn-pre-L12")[0]
+    assert (arm.n_layer, arm.norm, arm.depth_kv) == (12, "pre", "attn")
+    for bad in ("moda-sandwich-L24", "*-L96"):
+        with pytest.raises(SystemExit):
+            compare_models.parse_arms(bad)
+
+
+def test_train_gpt_curve_and_seeds(tmp_path, data, capsys):
+    rows = train_gpt.main(
+        ["--data", str(data), "--depth-kv", "none,attn", "--norm", "post", "--n-layer", "2", "--n-embd", "16",
+         "--n-head", "2", "--n-kv-head", "1", "--block-size", "16", "--batch-size", "2", "--steps", "5",
+         "--eval-interval", "2", "--skip-timing", "1", "--warmup", "2", "--eval-iters", "1", "--sample-tokens", "0",
+         "--threads", "1", "--seeds", "1,2", "--out-dir", str(tmp_path / "out")]
+    )  # fmt: skip
+    assert [(r["model"], r["seed"]) for r in rows] == [("baseline-post", 1), ("moda-attn-post", 1),
+                                                       ("baseline-post", 2), ("moda-attn-post", 2)]  # fmt: skip
+    for r in rows:
+        assert [p["tokens"] for p in r["curve"]] == [64, 128, 160]  # every 2 steps of 2 x 16 tokens, and the end
+        assert r["curve"][-1]["val_loss"] == r["val_loss"] and all(math.isfinite(p["train_loss"]) for p in r["curve"])
+    out = capsys.readouterr().out
+    assert "| moda-attn-post | 2 |" in out
+    record = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert record["seeds"] == [1, 2] and record["config"]["n_layer"] == 2 and len(record["rows"]) == 4
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "out" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_default_run_has_its_seeds_on_record():
+    """The default configuration's seed spread is recorded, so that one default run can say what it means."""
+    recorded = json.loads(train_gpt.CPU_MAIN_JOB.read_text())
+    assert recorded["config"] == train_gpt.loss_config(train_gpt.parse_args([]))
+    assert len(recorded["seeds"]) >= 3
+    assert train_gpt.seed_table(recorded["rows"]) in train_gpt.noise_note(train_gpt.parse_args([]))
