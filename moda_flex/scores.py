@@ -159,6 +159,12 @@ def softcap(cap: float) -> Score:
     return Score(f"softcap({cap:g})", fn)
 
 
+def _check_slopes(name: str, slopes: Tensor, q_heads: int) -> None:
+    """ALiBi slopes: one per query head of the call."""
+    if slopes.shape != (q_heads,):
+        raise ValueError(f"{name}: slopes must have shape (Hq={q_heads},), got {tuple(slopes.shape)}")
+
+
 def alibi(slopes: Tensor) -> Score:
     """ALiBi over the sequence: ``s - slopes[h] * |q_pos - k_pos|``; depth logits unchanged.
 
@@ -168,8 +174,7 @@ def alibi(slopes: Tensor) -> Score:
     _check_float("alibi", "slopes", slopes, 1)
 
     def build(q_heads, slots, slopes):
-        if slopes.shape != (q_heads,):
-            raise ValueError(f"alibi: slopes must have shape (Hq={q_heads},), got {tuple(slopes.shape)}")
+        _check_slopes("alibi", slopes, q_heads)
 
         def fn(s, b, h, q_pos, pos, slot, is_depth):
             return torch.where(is_depth, s, s - slopes[h] * (q_pos - pos).abs())
@@ -220,8 +225,7 @@ def depth_alibi(slopes: Tensor) -> Score:
     _check_float("depth_alibi", "slopes", slopes, 1)
 
     def build(q_heads, slots, slopes):
-        if slopes.shape != (q_heads,):
-            raise ValueError(f"depth_alibi: slopes must have shape (Hq={q_heads},), got {tuple(slopes.shape)}")
+        _check_slopes("depth_alibi", slopes, q_heads)
 
         def fn(s, b, h, q_pos, pos, slot, is_depth):
             return torch.where(is_depth, s - slopes[h] * (slots - 1 - slot), s)

@@ -536,14 +536,7 @@ def variants(
             no composition of two documents or of two different depth chunks.
         device: where document ids live: the device of the inputs.
     """
-    if not isinstance(shape, MoDAShape):
-        raise ValueError(f"shape must be a MoDAShape, got {type(shape).__name__}")
-    kinds = tuple(kinds)
-    unknown = [kind for kind in kinds if kind not in BUILTIN_KINDS]
-    if not kinds or unknown:
-        raise ValueError(f"kinds must be a non-empty subset of {BUILTIN_KINDS}, got {kinds!r}")
-    if not isinstance(max_terms, int) or max_terms < 1:
-        raise ValueError(f"max_terms must be a positive int, got {max_terms!r}")
+    kinds = _check_strategy_args(shape, kinds, BUILTIN_KINDS, max_terms)
 
     Tk, L, B = shape.kv_len, shape.slots, shape.batch
     families = {
@@ -584,14 +577,7 @@ def score_functions(
             :func:`assert_matches_reference` also compares their gradients.
         device: where the tensors live: the device of the inputs.
     """
-    if not isinstance(shape, MoDAShape):
-        raise ValueError(f"shape must be a MoDAShape, got {type(shape).__name__}")
-    kinds = tuple(kinds)
-    unknown = [kind for kind in kinds if kind not in SCORE_KINDS]
-    if not kinds or unknown:
-        raise ValueError(f"kinds must be a non-empty subset of {SCORE_KINDS}, got {kinds!r}")
-    if not isinstance(max_terms, int) or max_terms < 1:
-        raise ValueError(f"max_terms must be a positive int, got {max_terms!r}")
+    kinds = _check_strategy_args(shape, kinds, SCORE_KINDS, max_terms)
     Hq, L = shape.q_heads, shape.slots
 
     def uniform(low: float, high: float, *size: int):
@@ -610,6 +596,18 @@ def score_functions(
     }
     term = st.one_of([families[kind] for kind in kinds])
     return st.lists(term, min_size=1, max_size=max_terms).map(_intersect_all)
+
+
+def _check_strategy_args(shape, kinds: Sequence[str], allowed: tuple, max_terms) -> tuple:
+    """The strategies' common arguments, validated; ``kinds`` as a tuple."""
+    if not isinstance(shape, MoDAShape):
+        raise ValueError(f"shape must be a MoDAShape, got {type(shape).__name__}")
+    kinds = tuple(kinds)
+    if not kinds or any(kind not in allowed for kind in kinds):
+        raise ValueError(f"kinds must be a non-empty subset of {allowed}, got {kinds!r}")
+    if not isinstance(max_terms, int) or max_terms < 1:
+        raise ValueError(f"max_terms must be a positive int, got {max_terms!r}")
+    return kinds
 
 
 def document_ids(
