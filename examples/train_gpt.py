@@ -1,6 +1,6 @@
 """Train byte-level GPTs with and without MoDA on the same data, and compare them.
 
-    python examples/train_gpt.py                     # baseline vs MoDA, ~3.5 minutes on 2 CPU cores
+    python examples/train_gpt.py                     # baseline vs MoDA, ~2 minutes on 2 CPU cores
     python examples/train_gpt.py --depth-kv attn+ffn --norm pre,post --steps 2000
     python examples/train_gpt.py --data input.txt --n-layer 12 --n-embd 256 --device cuda
     torchrun --nproc-per-node 2 examples/train_gpt.py --parallel ddp --device cuda    # or --parallel fsdp
