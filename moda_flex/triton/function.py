@@ -113,20 +113,27 @@ def _as_list(depth: DepthKV) -> list[Tensor]:
     return [depth] if isinstance(depth, Tensor) else list(depth)
 
 
+def _is_slab(depth: list[Tensor]) -> bool:
+    """True when the op's depth list holds one (B, Hk, Tq, L, D) tensor rather than L entries."""
+    return len(depth) == 1 and depth[0].dim() == 5
+
+
 def _num_slots(depth: list[Tensor]) -> int:
-    return depth[0].shape[3] if len(depth) == 1 and depth[0].dim() == 5 else len(depth)
+    return depth[0].shape[3] if _is_slab(depth) else len(depth)
 
 
 def _slot_table(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device):
     """Addresses of the L key slots then the L value slots, (2L,) int64 on the device, and each side's strides.
 
     Returns:
-        table, key strides (b, h, t, d), value strides (b, h, t, d). Entries of
-        one side that disagree on strides are made contiguous first.
+        table, key strides (b, h, t, d), value strides (b, h, t, d), and the
+        tensors the addresses point into. Entries of one side that disagree on
+        strides are copied to contiguous ones first: the caller must hold the
+        returned tensors until the kernel is launched.
     """
-    addresses, strides = [], []
+    addresses, strides, held = [], [], []
     for depth in (depth_k, depth_v):
-        if len(depth) == 1 and depth[0].dim() == 5:
+        if _is_slab(depth):
             t = depth[0]  # (B, Hk, Tq, L, D): slot l sits l slot-strides after slot 0
             step = t.stride(3) * t.element_size()
             addresses += range(t.data_ptr(), t.data_ptr() + L * step, step) if step else [t.data_ptr()] * L
@@ -138,9 +145,10 @@ def _slot_table(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: to
             strides_seen = {t.stride() for t in depth}
         addresses += [t.data_ptr() for t in depth]
         strides.append(strides_seen.pop() if strides_seen else (0, 0, 0, 0))
+        held.append(depth)
     # From pageable memory, a non-blocking copy is staged at once and never waits for the GPU.
     table = torch.tensor(addresses or [0], dtype=torch.int64).to(device, non_blocking=True)
-    return table, strides[0], strides[1]
+    return table, strides[0], strides[1], held
 
 
 def _next_pow2(n: int) -> int:
@@ -222,7 +230,7 @@ def _forward(q, k, v, depth_k, depth_v, documents, scale, causal, window, depth_
     GP = _next_pow2(G)
     block_t = cfg["BLOCK_M"] // GP
     doc, doc_lo, doc_hi, sdoc = _doc_args(documents, q)
-    table, sdk, sdv = _slot_table(depth_k, depth_v, L, q.device)
+    table, sdk, sdv, _held = _slot_table(depth_k, depth_v, L, q.device)  # _held: alive until launched
     grid = (_cdiv(Tq, block_t), B * Hk)
     kernels._fwd_kernel[grid](
         q, k, v, table, table[L:], doc, doc_lo, doc_hi, out, lse,
@@ -260,7 +268,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents
     delta = torch.empty_like(lse)
     glse = delta if grad_lse is None else grad_lse.float().contiguous()
     cfg = _config(q, G, "dq", has_depth=L > depth_first)
-    table, sdk, sdv = _slot_table(depth_k, depth_v, L, q.device)
+    table, sdk, sdv, _held = _slot_table(depth_k, depth_v, L, q.device)  # _held: alive until launched
     grid = (_cdiv(Tq, cfg["BLOCK_M"] // GP), B * Hk)
     kernels._bwd_dq_kernel[grid](
         q, k, v, table, table[L:], out, grad_out, lse, glse, delta, doc, doc_lo, doc_hi, dq, ddk, ddv,
@@ -412,7 +420,7 @@ def _autograd_backward(ctx, grad_out, grad_lse, run_backward=None):
 
 def _depth_grads(grad: Tensor, depth: list[Tensor]) -> list[Tensor]:
     """(B, Hk, Tq, L, D) depth gradient in the form of the depth input: itself, or one view per entry."""
-    return [grad] if len(depth) == 1 and depth[0].dim() == 5 else list(grad.unbind(3))
+    return [grad] if _is_slab(depth) else list(grad.unbind(3))
 
 
 torch.library.register_autograd("moda_flex::triton_forward", _autograd_backward, setup_context=_setup_context)
