@@ -12,7 +12,7 @@ from torch import Tensor
 
 from . import variants as _variants
 from .depth import DepthKV, as_tensor, is_entries
-from .reference import reference_attention
+from .backends.reference import reference_attention
 from .scores import Score
 from .variants import Variant
 
@@ -137,7 +137,7 @@ def _pick_backend(backend: str, q: Tensor, variant: Variant):
     if backend == "reference":
         return reference_attention
     if backend == "flex":
-        from .flex import flex_attention_backend
+        from .backends.flex import flex_attention_backend
 
         return flex_attention_backend
     if backend == "triton":
@@ -160,7 +160,7 @@ def _pick_backend(backend: str, q: Tensor, variant: Variant):
 
             if unsupported_reason(q, variant) is None:
                 return triton_attention
-        from .flex import flex_attention_backend
+        from .backends.flex import flex_attention_backend
 
         return flex_attention_backend
     return reference_attention

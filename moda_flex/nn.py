@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from . import variants as _variants
 from .attention import moda_attention
 from .depth import DepthStream, as_tensor
-from .reference import attention_probabilities
+from .backends.reference import attention_probabilities
 from .scores import Score
 from .variants import Variant
 

@@ -312,7 +312,7 @@ def block_mask_grid(variant, *, q_len: int, kv_len: int, slots: int = 0, groups:
     """Which blocks of the flex backend's ``BlockMask`` are full, partial or skipped.
 
     The mask is the one ``moda_attention(..., backend="flex")`` runs with
-    (:func:`moda_flex.flex.moda_block_mask`), for one batch row (KV heads
+    (:func:`moda_flex.backends.flex.moda_block_mask`), for one batch row (KV heads
     all have the same mask): rows are the ``q_len * groups`` folded rows (row ``r`` is token
     ``r // groups``), columns the sequence keys padded to whole blocks, then
     the depth slots of every query token, token after token. A causal
@@ -330,7 +330,7 @@ def block_mask_grid(variant, *, q_len: int, kv_len: int, slots: int = 0, groups:
         :data:`FULL`; the sequence part is the first ``ceil(kv_len / 128)``
         column blocks.
     """
-    from .flex import moda_block_mask
+    from .backends.flex import moda_block_mask
 
     variant = _variants.resolve(variant)
     block_mask = moda_block_mask(
@@ -353,7 +353,7 @@ def block_mask_grid(variant, *, q_len: int, kv_len: int, slots: int = 0, groups:
 
 def _sequence_blocks(kv_len: int) -> int:
     """Column blocks of the sequence part: ``kv_len`` rounded up to whole blocks."""
-    from .flex import BLOCK
+    from .backends.flex import BLOCK
 
     return -(-kv_len // BLOCK)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from moda_flex import moda_attention
-from moda_flex.reference import attention_probabilities
+from moda_flex.backends.reference import attention_probabilities
 
 
 def test_star_import_keeps_torch_nn():

@@ -7,8 +7,9 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask
 
 import moda_flex
-from moda_flex.flex import BLOCK, _mask_mod, _round_up, flex_moda, moda_block_mask
-from moda_flex.reference import reference_attention
+from moda_flex.backends.flex import BLOCK, flex_moda, moda_block_mask
+from moda_flex.backends.flex.block_mask import mask_mod, padded_kv_len
+from moda_flex.backends.reference import reference_attention
 from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs, moda_shapes
 
 from budget import examples
@@ -81,7 +82,7 @@ def test_structural_block_mask_equals_dense_evaluation(kv_len, data, groups, slo
         variant, batch=1, kv_heads=1, q_len=q_len, kv_len=kv_len, groups=groups, slots=slots, device="cpu"
     )
     dense = create_block_mask(
-        _mask_mod(variant, q_len, kv_len, groups, slots),
+        mask_mod(variant, q_len, kv_len, groups, slots),
         1,
         1,
         mine.seq_lengths[0],
@@ -96,9 +97,9 @@ def test_structural_block_mask_equals_dense_evaluation(kv_len, data, groups, slo
     # are, depth blocks are always treated as partial (a chunk_depth block can
     # be wholly visible; the mask is then merely evaluated there).
     assert (partial | full).equal(dense_partial | dense_full)
-    depth_cols = slice(_round_up(kv_len, BLOCK) // BLOCK, None)
+    depth_cols = slice(padded_kv_len(kv_len) // BLOCK, None)
     assert not full[..., depth_cols].any()
-    sequence_cols = slice(0, _round_up(kv_len, BLOCK) // BLOCK)
+    sequence_cols = slice(0, padded_kv_len(kv_len) // BLOCK)
     assert full[..., sequence_cols].equal(dense_full[..., sequence_cols])
     # The KV-block -> row-block lists are the transpose of the row-block lists.
     q_partial = _dense_blocks(mine.q_num_blocks, mine.q_indices, q_blocks).transpose(1, 2)

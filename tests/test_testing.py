@@ -12,7 +12,7 @@ from hypothesis.errors import NoSuchExample
 from hypothesis import strategies as st
 
 from moda_flex import variants as v
-from moda_flex.reference import reference_attention
+from moda_flex.backends.reference import reference_attention
 from moda_flex.testing import (
     BUILTIN_KINDS,
     MoDAShape,
