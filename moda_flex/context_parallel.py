@@ -56,9 +56,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import variants as _variants
-from .attention import _check_inputs, _pick_backend, moda_attention
-from .variants import Documents, Structure, Variant
+from . import backends
+from .attention import check_inputs, moda_attention
+from .depth import slot_count
+from .variants import Documents, Structure, Variant, full, resolve
 
 
 def zigzag_positions(seq_len: int, world_size: int, rank: int, device=None) -> Tensor:
@@ -254,11 +255,11 @@ def _check_every_rank(q, k, v, depth_k, depth_v, variant, backend, group):
 
 def _check_locally(q, k, v, depth_k, depth_v, variant, backend, world):
     """The checks that need only this rank's inputs. Returns variant, depth_k, depth_v."""
-    variant = _variants.resolve(variant)
+    variant = resolve(variant)
     _check_ring_runs(variant)
-    depth_k, depth_v = _check_inputs(q, k, v, depth_k, depth_v)
+    depth_k, depth_v = check_inputs(q, k, v, depth_k, depth_v)
     # A backend that cannot run the blocks must say so now, not halfway round the ring.
-    _pick_backend(backend, q, variant)
+    backends.choose(backend, q, k, slot_count(depth_k), variant, return_lse=True)
     T = q.shape[2]
     if k.shape[2] != T:
         raise ValueError(
@@ -334,7 +335,7 @@ class _Block:
 
 
 _ALL = slice(None)
-_FULL = _variants.full()
+_FULL = full()
 
 
 def _plan(variant: Variant, rank: int, world: int, chunk: int, backend: str) -> list[list[_Block]]:
