@@ -21,7 +21,6 @@ from gpt import GPT, GPTConfig, load_checkpoint  # noqa: E402
 from progress import Progress, format_duration  # noqa: E402
 
 from moda_flex.nn import KVCache  # noqa: E402
-from moda_flex.visualize import dense_mask  # noqa: E402
 
 
 def _model(depth_kv, norm, rope=True):
@@ -96,7 +95,9 @@ def test_train_compare_checkpoint_and_heatmaps(tmp_path, capsys):
 def test_folded_mask_matches_the_paper():
     # The mask of visualize_attention's picture: query groups folded into rows, every token's depth.
     T, G, L = 3, 2, 2
-    mask = dense_mask("causal", q_len=T, kv_len=T, slots=L, groups=G, folded=True, packed=True)
+    config = GPTConfig(n_embd=16, n_head=4, n_kv_head=2, n_layer=2, depth_kv="attn+ffn")  # G = 2, L = 2
+    elements, _ = visualize_attention.mask_views(config, mask_tokens=T, block_tokens=128)
+    mask = elements.dense()
     assert mask.shape == (G * T, T + T * L)
     for r in range(G * T):
         for k in range(T):
