@@ -270,9 +270,9 @@ def _check_locally(q, k, v, depth_k, depth_v, variant, backend, world):
             f"q must hold two chunks of T / (2 * world) tokens (T divisible by 2 * world = {2 * world}); "
             f"got T_local={T} in q {tuple(q.shape)}"
         )
-    ids = variant.structure.doc_ids
-    if ids is not None:
-        _check_document_ids(ids, q.shape[0], world * T)
+    documents = variant.structure.documents
+    if documents is not None:
+        _check_documents(documents, q.shape[0], world * T)
     return variant, depth_k, depth_v
 
 
@@ -291,18 +291,16 @@ def _check_ring_runs(variant: Variant) -> None:
         raise NotImplementedError(f"context parallelism cannot run variant {variant.name!r}: {reason}")
 
 
-def _check_document_ids(ids: Tensor, batch: int, seq_len: int) -> None:
+def _check_documents(documents: Documents, batch: int, seq_len: int) -> None:
     """Document ids cover the global sequence, one contiguous run per document."""
+    ids = documents.ids
     if ids.shape[0] not in (1, batch) or ids.shape[1] != seq_len:
         raise ValueError(
             f"doc_ids must have shape (1 or B={batch}, T={seq_len}) for the global sequence "
             f"(world * T_local), got {tuple(ids.shape)}"
         )
-    starts = torch.ones_like(ids, dtype=torch.bool)
-    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    for row, row_starts in zip(ids, starts):
-        if int(row_starts.sum()) != row.unique().numel():
-            raise ValueError("doc_ids must give each document one contiguous run of positions")
+    if not documents.contiguous:
+        raise ValueError("doc_ids must give each document one contiguous run of positions")
 
 
 def _chunk_len(seq_len: int, world_size: int) -> int:
