@@ -113,6 +113,15 @@ def test_bad_flags_are_rejected():
         train_gpt.parse_args(["--norm", "sandwich"])
 
 
+def test_custom_variant_reads_attention_slots_and_matches_flex(capsys):
+    variant = custom_variant.attention_slots_only()
+    depth = variant.depth_predicate(5)(0, 0, torch.tensor(3), torch.tensor([[3], [2]]), torch.arange(5))
+    assert depth.tolist() == [[True, False, True, False, True], [False] * 5]
+    custom_variant.main(["--examples", "3"])
+    out = capsys.readouterr().out
+    assert "attention_slots_only" in out and "|█·█·█·" in out and "on 3 random shapes" in out
+
+
 def test_custom_variant_learns_its_depth_bias(capsys):
     custom_variant.check_learned_bias(examples=3)
     bias = custom_variant.train_bias(steps=12)
