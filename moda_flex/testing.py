@@ -541,8 +541,7 @@ def variants(
         make = _documents if builtin.argument == "doc_ids" else builtin.make
         return st.builds(make, *arguments[builtin.argument])
 
-    term = st.one_of([family(kind) for kind in kinds])
-    drawn = st.lists(term, min_size=1, max_size=max_terms).map(_intersect_all)
+    drawn = _joined({kind: family(kind) for kind in kinds}, max_terms)
     return drawn.filter(lambda variant: variant.structure is not None) if structured else drawn
 
 
@@ -550,8 +549,8 @@ def score_functions(
     shape: MoDAShape,
     *,
     kinds: Sequence[str] = SCORE_KINDS,
-    max_terms: int = 2,
     learned: bool = True,
+    max_terms: int = 2,
     device: Union[str, torch.device] = "cpu",
 ) -> st.SearchStrategy[Score]:
     """A hypothesis strategy of built-in score functions valid for ``shape``.
@@ -565,9 +564,9 @@ def score_functions(
     Args:
         shape: the sizes the tensors must fit (``Hq``, ``L``).
         kinds: which families to draw from, a subset of :data:`SCORE_KINDS`.
-        max_terms: the most terms in one composition.
         learned: the drawn tensors require grad, so that
             :func:`assert_matches_reference` also compares their gradients.
+        max_terms: the most terms in one composition.
         device: where the tensors live: the device of the inputs.
     """
     kinds = _check_strategy_args(shape, kinds, SCORE_KINDS, max_terms)
@@ -587,7 +586,12 @@ def score_functions(
         "depth_bias": st.builds(depth_bias, st.one_of(uniform(-2.0, 2.0, L), uniform(-2.0, 2.0, Hq, L))),
         "depth_alibi": st.builds(depth_alibi, uniform(0.0, 1.0, Hq)),
     }
-    term = st.one_of([families[kind] for kind in kinds])
+    return _joined({kind: families[kind] for kind in kinds}, max_terms)
+
+
+def _joined(families: dict, max_terms: int) -> st.SearchStrategy:
+    """One to ``max_terms`` terms, each drawn from one of ``families``, joined with ``&`` in order."""
+    term = st.one_of(list(families.values()))
     return st.lists(term, min_size=1, max_size=max_terms).map(_intersect_all)
 
 
