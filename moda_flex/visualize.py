@@ -221,7 +221,8 @@ class MaskView:
         mask, packed = self._dense()
         kv_len, slots = self.kv_len, self.slots
         rows, columns = mask.shape
-        figure, ax = _figure(Figure, ax, width=0.25 * columns + 3.0, height=0.25 * rows + 1.2, least=(4.0, 3.0), most=(16.0, 12.0))
+        size = (min(16.0, max(4.0, 0.25 * columns + 3.0)), min(12.0, max(3.0, 0.25 * rows + 1.2)))  # inches
+        figure, ax = _figure(Figure, ax, size)
         image = ax.imshow(mask.numpy(), cmap="Blues", vmin=0, vmax=1.25, interpolation="nearest", aspect="auto")
         step = -(-columns // 40)  # at most about 40 labels; depth labels start again at slot 0
         x_ticks, y_ticks = list(range(0, kv_len, step)) + list(range(kv_len, columns, step)), _ticks(rows)
@@ -305,7 +306,8 @@ class MaskView:
 
         grid = self.blocks()
         rows, columns = grid.shape
-        figure, ax = _figure(Figure, ax, width=0.2 * columns + 3.5, height=0.2 * rows + 1.5, least=(5.0, 2.5), most=(16.0, 10.0))
+        size = (min(16.0, max(5.0, 0.2 * columns + 3.5)), min(10.0, max(2.5, 0.2 * rows + 1.5)))  # inches
+        figure, ax = _figure(Figure, ax, size)
         colors = {SKIPPED: "#f4f4f4", PARTIAL: "#9ecae1", FULL: "#08519c"}
         cmap = ListedColormap([colors[kind] for kind in (SKIPPED, PARTIAL, FULL)])
         ax.imshow(grid.numpy(), cmap=cmap, vmin=-0.5, vmax=2.5, interpolation="nearest", aspect="auto")
@@ -369,11 +371,11 @@ def _matplotlib(what: str, instead: str):
     return Figure, Patch, MaxNLocator
 
 
-def _figure(Figure, ax, *, width: float, height: float, least: tuple, most: tuple):
-    """``ax`` and its figure, or a new figure of ``width`` x ``height`` inches clamped to ``least`` .. ``most``."""
+def _figure(Figure, ax, size: tuple):
+    """``ax`` and its figure, or a new figure of ``size`` (width, height) inches and its axes."""
     if ax is not None:
         return ax.figure, ax
-    figure = Figure(figsize=(min(most[0], max(least[0], width)), min(most[1], max(least[1], height))))
+    figure = Figure(figsize=size)
     return figure, figure.subplots()
 
 

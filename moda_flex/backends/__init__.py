@@ -119,6 +119,6 @@ def _triton():
         import triton  # noqa: F401
     except ImportError:
         return None
-    from .. import triton as package  # moves into this folder later: from . import triton as package
+    from .. import triton as package
 
     return package

@@ -204,7 +204,7 @@ class _KeyBlocks(NamedTuple):
 
 
 def _key_blocks(structure: Structure, first: Tensor, last: Tensor, q_len: int, kv_len: int, ragged: bool) -> _KeyBlocks:
-    """The sequence blocks of every row block, from the spans of its first and last token (``first``, ``last``: (NQ,))."""
+    """The sequence blocks of every row block, from the spans of its ``first`` and ``last`` token, (NQ,) each."""
     lo, hi = structure.key_spans(q_len, kv_len, first.device)  # (Bm, Tq) each
     first, last = first.expand(lo.shape[0], -1), last.expand(lo.shape[0], -1)
     # The ends never decrease: the union of the rows' spans runs from the first
@@ -245,8 +245,9 @@ def _depth_blocks(
 
 
 def _row_blocks_of_columns(
-    keys: _KeyBlocks, depth_lo: Tensor, depth_hi: Tensor, seq_blocks: int, depth_blocks: int, q_blocks: int, ragged: bool
-):
+    keys: _KeyBlocks, depth_lo: Tensor, depth_hi: Tensor, seq_blocks: int, depth_blocks: int, q_blocks: int,
+    ragged: bool,
+):  # fmt: skip
     """The transposed lists: for every column block, the row blocks that visit it, partially and in full.
 
     The ends of the row blocks' ranges never decrease, so the row blocks of
