@@ -176,8 +176,8 @@ class MoDAAttention(nn.Module):
         bias: biases in the projections.
         variant: the ``moda_attention`` mask variant.
         backend: the ``moda_attention`` backend; ``"auto"`` is its policy
-            (:mod:`moda_flex.backends`), which hands a call without depth to
-            PyTorch's SDPA.
+            (:mod:`moda_flex.backends`), under which a causal or full call
+            without depth runs on PyTorch's SDPA.
         score: the ``moda_attention`` score function, e.g.
             ``depth_bias(nn.Parameter(torch.zeros(L)))``; its ``nn.Parameter``
             tensors become parameters of the layer (``score_params``).

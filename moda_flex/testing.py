@@ -625,6 +625,7 @@ def document_ids(
 
 
 def _documents(doc_ids: Tensor, with_causal: bool) -> Variant:
+    """``document(doc_ids)``, alone or under ``causal()``."""
     documents = document(doc_ids)
     return causal() & documents if with_causal else documents
 

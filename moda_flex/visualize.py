@@ -49,7 +49,7 @@ import importlib.util
 import inspect
 import os
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -96,7 +96,7 @@ class MaskView:
         ValueError: naming a size that is not an int in range, or ``q_len > kv_len``.
     """
 
-    variant: Variant
+    variant: Union[str, Variant]
     _: dataclasses.KW_ONLY
     q_len: int
     kv_len: int
