@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from moda_flex import variants
-from moda_flex.flex import _mask_mod, _structural_block_mask
+from moda_flex.backends.flex.block_mask import mask_mod as _mask_mod, structural_block_mask as _structural_block_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import cli  # noqa: E402

@@ -24,7 +24,7 @@ import cli  # noqa: E402
 
 from moda_flex import Variant, depth_bias, moda_attention  # noqa: E402
 from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs, moda_shapes  # noqa: E402
-from moda_flex.visualize import mask_text  # noqa: E402
+from moda_flex.visualize import MaskView  # noqa: E402
 
 
 def attention_slots_only() -> Variant:
@@ -87,7 +87,7 @@ def main(argv=None) -> None:
     parser = cli.parser(__doc__)
     parser.add_argument("--examples", type=int, default=20, help="hypothesis examples to check")
     args = parser.parse_args(argv)
-    print(mask_text(attention_slots_only(), q_len=5, kv_len=8, slots=6))
+    print(MaskView(attention_slots_only(), q_len=5, kv_len=8, slots=6).text())
     check_against_reference(args.examples)
     check_learned_bias(args.examples)
     print(f"\nflex matches the reference on {args.examples} random shapes, with and without a learned depth bias\n")

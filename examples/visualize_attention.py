@@ -36,7 +36,7 @@ import cli  # noqa: E402
 from gpt import GPT, load_checkpoint  # noqa: E402
 from train_gpt import load_text, split  # noqa: E402
 
-from moda_flex.visualize import plot_block_mask, plot_mask  # noqa: E402
+from moda_flex.visualize import MaskView  # noqa: E402
 
 
 def _pyplot():
@@ -119,6 +119,18 @@ def plot_attention(maps: list[torch.Tensor], n_layers: int, n_heads: int, path: 
     plt.close(fig)
 
 
+def mask_views(config, mask_tokens: int, block_tokens: int) -> tuple[MaskView, MaskView]:
+    """The two mask pictures: the last layer's elements as the fused kernels see them, and its flex BlockMask.
+
+    The last layer reads the most depth: ``(n_layer - 1) * depth_writes`` slots.
+    """
+    G = config.n_head // config.n_kv_head
+    L = (config.n_layer - 1) * config.depth_writes
+    elements = MaskView("causal", q_len=mask_tokens, kv_len=mask_tokens, slots=L, groups=G, folded=True, packed=True)
+    blocks = MaskView("causal", q_len=block_tokens, kv_len=block_tokens, slots=L, groups=G)
+    return elements, blocks
+
+
 def main(argv=None) -> list[Path]:
     """Write the three PNGs; returns their paths."""
     p = cli.parser(__doc__)
@@ -145,13 +157,9 @@ def main(argv=None) -> list[Path]:
     idx = val[: args.tokens].view(1, -1)
     plot_attention(attention_maps(model, idx), args.layers, args.heads, paths[0])
 
-    config = model.config
-    G = config.n_head // config.n_kv_head
-    L = (config.n_layer - 1) * config.depth_writes  # the last layer reads the most
-    T = args.mask_tokens
-    plot_mask("causal", q_len=T, kv_len=T, slots=L, groups=G, folded=True, packed=True, path=str(paths[1]))
-    plot_block_mask("causal", q_len=args.block_tokens, kv_len=args.block_tokens, slots=L, groups=G,
-                    path=str(paths[2]))  # fmt: skip
+    elements, blocks = mask_views(model.config, args.mask_tokens, args.block_tokens)
+    elements.plot(path=str(paths[1]))
+    blocks.plot_blocks(path=str(paths[2]))
     for path in paths:
         print(f"wrote {path}")
     return paths

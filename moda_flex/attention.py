@@ -10,13 +10,10 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from . import variants as _variants
-from .depth import DepthKV, as_tensor, is_entries
-from .reference import reference_attention
+from . import backends
+from .depth import DepthKV, as_tensor, is_entries, slot_count
 from .scores import Score
-from .variants import Variant
-
-BACKENDS = ("auto", "reference", "flex", "triton")
+from .variants import Variant, resolve
 
 
 def moda_attention(
@@ -58,7 +55,8 @@ def moda_attention(
             before the softmax; the same as ``variant & score``. Runs on
             ``reference`` and ``flex`` (``triton`` refuses scores).
         scale: logit scale, a finite real number > 0; default ``1 / sqrt(D)``.
-        backend: ``"auto"`` | ``"reference"`` | ``"flex"`` | ``"triton"``.
+        backend: ``"auto"`` | ``"reference"`` | ``"flex"`` | ``"triton"``;
+            ``"auto"`` follows the policy of :mod:`moda_flex.backends`.
         return_lse: also return the log-sum-exp.
 
     Returns:
@@ -67,26 +65,23 @@ def moda_attention(
         ``return_lse`` also lse (B, Hq, Tq) float32, natural log. A row that
         sees no key gives zeros and ``lse = -inf``; a row whose query or a
         visible entry holds NaN or Inf gives NaN, and a masked one never
-        reaches it.
+        reaches it (except where ``"auto"`` hands a call without depth to
+        PyTorch's SDPA).
 
     Raises:
         ValueError: for shapes, dtypes, devices or a scale that break the contract.
         TypeError: for a scale that is not a real number.
         NotImplementedError: when the named backend cannot run the call.
     """
-    variant = _variants.resolve(variant)
+    variant = resolve(variant)
     if score is not None:
         if not isinstance(score, Score):
             raise TypeError(f"score must be a moda_flex Score or None, got {type(score).__name__} {score!r}")
         variant = variant & score
-    depth_k, depth_v = _check_inputs(q, k, v, depth_k, depth_v)
+    depth_k, depth_v = check_inputs(q, k, v, depth_k, depth_v)
     variant.check_fits(q.shape[0], k.shape[2])
     scale = _check_scale(scale, q.shape[-1])
-    run = _pick_backend(backend, q, variant)
-    if q.numel() == 0:
-        # No output element (B, Hq or Tq is 0): the reference gives the empty
-        # result, with a backward, on any backend.
-        run = reference_attention
+    run = backends.choose(backend, q, k, slot_count(depth_k), variant, return_lse=return_lse)
     if is_entries(depth_k) and not getattr(run, "reads_depth_entries", False):
         empty = k.new_empty(q.shape[0], k.shape[1], q.shape[2], q.shape[3])  # (B, Hk, Tq, D)
         depth_k, depth_v = as_tensor(depth_k, empty), as_tensor(depth_v, empty)
@@ -131,50 +126,7 @@ def _leave_autocast(tensors: tuple):
     return tensors, torch.autocast(device_type, enabled=False)
 
 
-def _pick_backend(backend: str, q: Tensor, variant: Variant):
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "reference":
-        return reference_attention
-    if backend == "flex":
-        from .flex import flex_attention_backend
-
-        return flex_attention_backend
-    if backend == "triton":
-        if not _triton_available():
-            raise NotImplementedError(
-                "backend 'triton' needs the triton package (installed with moda_flex on Linux); "
-                "use backend='flex' or 'reference'"
-            )
-        from .triton import triton_attention, unsupported_reason
-
-        reason = unsupported_reason(q, variant)
-        if reason is not None:
-            raise NotImplementedError(f"backend 'triton' cannot run variant {variant.name!r}: {reason}")
-        return triton_attention
-    # auto: the fused kernel on CUDA where it applies, FlexAttention for the
-    # rest on CUDA; dense PyTorch on CPU, where it beats eager FlexAttention.
-    if q.device.type == "cuda":
-        if _triton_available():
-            from .triton import triton_attention, unsupported_reason
-
-            if unsupported_reason(q, variant) is None:
-                return triton_attention
-        from .flex import flex_attention_backend
-
-        return flex_attention_backend
-    return reference_attention
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _check_inputs(q, k, v, depth_k, depth_v):
+def check_inputs(q, k, v, depth_k, depth_v):
     """Validate the contract; return depth tensors with L = 0 filled in when absent."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):

@@ -56,9 +56,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import variants as _variants
-from .attention import _check_inputs, _pick_backend, moda_attention
-from .variants import Documents, Structure, Variant
+from . import backends
+from .attention import check_inputs, moda_attention
+from .depth import slot_count
+from .variants import Documents, Structure, Variant, full, resolve
 
 
 def zigzag_positions(seq_len: int, world_size: int, rank: int, device=None) -> Tensor:
@@ -254,11 +255,11 @@ def _check_every_rank(q, k, v, depth_k, depth_v, variant, backend, group):
 
 def _check_locally(q, k, v, depth_k, depth_v, variant, backend, world):
     """The checks that need only this rank's inputs. Returns variant, depth_k, depth_v."""
-    variant = _variants.resolve(variant)
+    variant = resolve(variant)
     _check_ring_runs(variant)
-    depth_k, depth_v = _check_inputs(q, k, v, depth_k, depth_v)
+    depth_k, depth_v = check_inputs(q, k, v, depth_k, depth_v)
     # A backend that cannot run the blocks must say so now, not halfway round the ring.
-    _pick_backend(backend, q, variant)
+    backends.choose(backend, q, k, slot_count(depth_k), variant, return_lse=True)
     T = q.shape[2]
     if k.shape[2] != T:
         raise ValueError(
@@ -269,9 +270,9 @@ def _check_locally(q, k, v, depth_k, depth_v, variant, backend, world):
             f"q must hold two chunks of T / (2 * world) tokens (T divisible by 2 * world = {2 * world}); "
             f"got T_local={T} in q {tuple(q.shape)}"
         )
-    ids = variant.structure.doc_ids
-    if ids is not None:
-        _check_document_ids(ids, q.shape[0], world * T)
+    documents = variant.structure.documents
+    if documents is not None:
+        _check_documents(documents, q.shape[0], world * T)
     return variant, depth_k, depth_v
 
 
@@ -290,18 +291,16 @@ def _check_ring_runs(variant: Variant) -> None:
         raise NotImplementedError(f"context parallelism cannot run variant {variant.name!r}: {reason}")
 
 
-def _check_document_ids(ids: Tensor, batch: int, seq_len: int) -> None:
+def _check_documents(documents: Documents, batch: int, seq_len: int) -> None:
     """Document ids cover the global sequence, one contiguous run per document."""
+    ids = documents.ids
     if ids.shape[0] not in (1, batch) or ids.shape[1] != seq_len:
         raise ValueError(
             f"doc_ids must have shape (1 or B={batch}, T={seq_len}) for the global sequence "
             f"(world * T_local), got {tuple(ids.shape)}"
         )
-    starts = torch.ones_like(ids, dtype=torch.bool)
-    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    for row, row_starts in zip(ids, starts):
-        if int(row_starts.sum()) != row.unique().numel():
-            raise ValueError("doc_ids must give each document one contiguous run of positions")
+    if not documents.contiguous:
+        raise ValueError("doc_ids must give each document one contiguous run of positions")
 
 
 def _chunk_len(seq_len: int, world_size: int) -> int:
@@ -334,7 +333,7 @@ class _Block:
 
 
 _ALL = slice(None)
-_FULL = _variants.full()
+_FULL = full()
 
 
 def _plan(variant: Variant, rank: int, world: int, chunk: int, backend: str) -> list[list[_Block]]:

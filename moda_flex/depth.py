@@ -34,6 +34,11 @@ def is_entries(depth: DepthKV) -> bool:
     return not isinstance(depth, Tensor)
 
 
+def slot_count(depth: DepthKV) -> int:
+    """L, the depth entries per token, of either form."""
+    return len(depth) if is_entries(depth) else depth.shape[3]
+
+
 def as_tensor(depth: DepthKV, empty_like: Tensor) -> Tensor:
     """Depth K/V as one (B, Hk, Tq, L, D) tensor; stacks the per-slot form (a copy).
 

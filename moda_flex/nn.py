@@ -27,12 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import variants as _variants
 from .attention import moda_attention
+from .backends.reference import attention_probabilities
 from .depth import DepthStream, as_tensor
-from .reference import attention_probabilities
 from .scores import Score
-from .variants import Variant
+from .variants import Variant, resolve
 
 __all__ = ["DepthStream", "KVCache", "MoDAAttention", "DepthKVProjection", "SwiGLU", "Block", "BlockConfig",
            "apply_rope"]
@@ -176,8 +175,9 @@ class MoDAAttention(nn.Module):
         qk_norm: RMSNorm on every query and key head (before the rotation).
         bias: biases in the projections.
         variant: the ``moda_attention`` mask variant.
-        backend: the ``moda_attention`` backend. With ``"auto"``, a call that
-            reads no depth and no cache uses PyTorch's SDPA.
+        backend: the ``moda_attention`` backend; ``"auto"`` is its policy
+            (:mod:`moda_flex.backends`), under which a causal or full call
+            without depth runs on PyTorch's SDPA.
         score: the ``moda_attention`` score function, e.g.
             ``depth_bias(nn.Parameter(torch.zeros(L)))``; its ``nn.Parameter``
             tensors become parameters of the layer (``score_params``).
@@ -233,13 +233,7 @@ class MoDAAttention(nn.Module):
         q, k, v = self._project(x, cache.length if cache is not None else 0)
         depth_k, depth_v = depth.read() if depth is not None else (None, None)
         k_all, v_all = cache.update(k, v) if cache is not None else (k, v)
-        plain = self.variant in ("causal", "full") and self.score is None
-        if depth_k is None and self.backend == "auto" and plain and cache is None:
-            y = F.scaled_dot_product_attention(q, k_all, v_all, is_causal=self.variant == "causal", enable_gqa=True)
-        else:
-            y = moda_attention(
-                q, k_all, v_all, depth_k, depth_v, variant=self.variant, score=self.score, backend=self.backend
-            )
+        y = moda_attention(q, k_all, v_all, depth_k, depth_v, variant=self.variant, score=self.score, backend=self.backend)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, Hq*D)
         return self.o_proj(y), (depth.append(k, v) if depth is not None else None)
 
@@ -257,7 +251,7 @@ class MoDAAttention(nn.Module):
         q, k, v = self._project(x, 0)
         depth_k, depth_v = depth.read() if depth is not None else (None, None)
         depth_k, depth_v = as_tensor(depth_k or [], k), as_tensor(depth_v or [], v)  # (B, Hk, T, L, D)
-        variant = _variants.resolve(self.variant)
+        variant = resolve(self.variant)
         variant = variant if self.score is None else variant & self.score
         return attention_probabilities(q, k, v, depth_k, depth_v, variant, 1.0 / math.sqrt(self.head_dim))
 

@@ -44,11 +44,9 @@ try:
 except ImportError as error:
     raise ImportError("moda_flex.testing needs hypothesis: pip install hypothesis (or moda_flex[test])") from error
 
-from . import scores as _scores
-from . import variants as _variants
 from .attention import moda_attention
-from .scores import Score
-from .variants import Variant
+from .scores import Score, alibi, depth_alibi, depth_bias, softcap
+from .variants import BUILTINS, Variant, causal, document, resolve
 
 __all__ = [
     "MoDAShape",
@@ -66,16 +64,8 @@ __all__ = [
 
 INPUT_NAMES = ("q", "k", "v", "depth_k", "depth_v")
 
-# The built-in variant families that :func:`variants` can draw.
-BUILTIN_KINDS = (
-    "causal",
-    "full",
-    "sliding_window",
-    "depth_window",
-    "chunk_depth",
-    "depth_only",
-    "document",
-)
+# The built-in variant families that :func:`variants` can draw: all of them.
+BUILTIN_KINDS = tuple(BUILTINS)
 
 # The built-in score functions that :func:`score_functions` can draw.
 SCORE_KINDS = ("softcap", "alibi", "depth_bias", "depth_alibi")
@@ -340,7 +330,7 @@ def assert_matches_reference(
     missing = [name for name in ("q", "k", "v") if name not in inputs]
     if missing:
         raise ValueError(f"inputs must hold q, k, v (and depth_k, depth_v), missing {missing}; got {sorted(inputs)}")
-    variant = _variants.resolve(variant)
+    variant = resolve(variant)
     q = inputs["q"]
     if not isinstance(q, Tensor) or q.dim() != 4:
         raise ValueError(f"inputs['q'] must be a (B, Hq, Tq, D) tensor, got {getattr(q, 'shape', type(q))}")
@@ -520,12 +510,12 @@ def variants(
 ) -> st.SearchStrategy[Variant]:
     """A hypothesis strategy of built-in variants valid for ``shape``.
 
-    Each term is one of ``kinds``: ``causal()``, ``full()``,
-    ``sliding_window(w)`` with ``1 <= w <= Tk``, ``depth_window(s)`` with
-    ``1 <= s <= max(L, 1)``, ``chunk_depth(c)`` with ``1 <= c <= Tk``,
-    ``depth_only()``, ``document(ids)`` or ``causal() & document(ids)`` with
-    ids (B, Tk) splitting every batch row into contiguous documents of random
-    lengths. Up to ``max_terms`` terms are joined with ``&``.
+    Each term is a built-in of ``kinds`` (:data:`moda_flex.variants.BUILTINS`)
+    with an argument that fits: a number of positions ``1 .. Tk``
+    (``sliding_window``, ``chunk_depth``), of depth slots ``1 .. max(L, 1)``
+    (``depth_window``), or (B, Tk) ids splitting every batch row into
+    contiguous documents of random lengths (``document``, alone or under
+    ``causal()``). Up to ``max_terms`` terms are joined with ``&``.
 
     Args:
         shape: the sizes the variant must fit (``Tk``, ``L``, ``B``).
@@ -539,17 +529,19 @@ def variants(
     kinds = _check_strategy_args(shape, kinds, BUILTIN_KINDS, max_terms)
 
     Tk, L, B = shape.kv_len, shape.slots, shape.batch
-    families = {
-        "causal": st.builds(_variants.causal),
-        "full": st.builds(_variants.full),
-        "sliding_window": st.builds(_variants.sliding_window, st.integers(1, Tk)),
-        "depth_window": st.builds(_variants.depth_window, st.integers(1, max(L, 1))),
-        "chunk_depth": st.builds(_variants.chunk_depth, st.integers(1, Tk)),
-        "depth_only": st.builds(_variants.depth_only),
-        "document": st.builds(_documents, document_ids(B, Tk, device=device), st.booleans()),
+    arguments = {
+        None: (),
+        "tokens": (st.integers(1, Tk),),
+        "slots": (st.integers(1, max(L, 1)),),
+        "doc_ids": (document_ids(B, Tk, device=device), st.booleans()),  # alone or under causal()
     }
-    term = st.one_of([families[kind] for kind in kinds])
-    drawn = st.lists(term, min_size=1, max_size=max_terms).map(_intersect_all)
+
+    def family(kind: str) -> st.SearchStrategy[Variant]:
+        builtin = BUILTINS[kind]
+        make = _documents if builtin.argument == "doc_ids" else builtin.make
+        return st.builds(make, *arguments[builtin.argument])
+
+    drawn = _joined({kind: family(kind) for kind in kinds}, max_terms)
     return drawn.filter(lambda variant: variant.structure is not None) if structured else drawn
 
 
@@ -557,8 +549,8 @@ def score_functions(
     shape: MoDAShape,
     *,
     kinds: Sequence[str] = SCORE_KINDS,
-    max_terms: int = 2,
     learned: bool = True,
+    max_terms: int = 2,
     device: Union[str, torch.device] = "cpu",
 ) -> st.SearchStrategy[Score]:
     """A hypothesis strategy of built-in score functions valid for ``shape``.
@@ -572,9 +564,9 @@ def score_functions(
     Args:
         shape: the sizes the tensors must fit (``Hq``, ``L``).
         kinds: which families to draw from, a subset of :data:`SCORE_KINDS`.
-        max_terms: the most terms in one composition.
         learned: the drawn tensors require grad, so that
             :func:`assert_matches_reference` also compares their gradients.
+        max_terms: the most terms in one composition.
         device: where the tensors live: the device of the inputs.
     """
     kinds = _check_strategy_args(shape, kinds, SCORE_KINDS, max_terms)
@@ -589,12 +581,17 @@ def score_functions(
         return st.integers(0, 2**16).map(make)
 
     families = {
-        "softcap": st.builds(_scores.softcap, st.floats(0.5, 50.0)),
-        "alibi": st.builds(_scores.alibi, uniform(0.0, 1.0, Hq)),
-        "depth_bias": st.builds(_scores.depth_bias, st.one_of(uniform(-2.0, 2.0, L), uniform(-2.0, 2.0, Hq, L))),
-        "depth_alibi": st.builds(_scores.depth_alibi, uniform(0.0, 1.0, Hq)),
+        "softcap": st.builds(softcap, st.floats(0.5, 50.0)),
+        "alibi": st.builds(alibi, uniform(0.0, 1.0, Hq)),
+        "depth_bias": st.builds(depth_bias, st.one_of(uniform(-2.0, 2.0, L), uniform(-2.0, 2.0, Hq, L))),
+        "depth_alibi": st.builds(depth_alibi, uniform(0.0, 1.0, Hq)),
     }
-    term = st.one_of([families[kind] for kind in kinds])
+    return _joined({kind: families[kind] for kind in kinds}, max_terms)
+
+
+def _joined(families: dict, max_terms: int) -> st.SearchStrategy:
+    """One to ``max_terms`` terms, each drawn from one of ``families``, joined with ``&`` in order."""
+    term = st.one_of(list(families.values()))
     return st.lists(term, min_size=1, max_size=max_terms).map(_intersect_all)
 
 
@@ -628,8 +625,9 @@ def document_ids(
 
 
 def _documents(doc_ids: Tensor, with_causal: bool) -> Variant:
-    documents = _variants.document(doc_ids)
-    return _variants.causal() & documents if with_causal else documents
+    """``document(doc_ids)``, alone or under ``causal()``."""
+    documents = document(doc_ids)
+    return causal() & documents if with_causal else documents
 
 
 def _intersect_all(terms: list) -> Variant:

@@ -13,9 +13,10 @@ Arguments arrive as broadcastable integer tensors (``h`` is the query head).
 Depth predicates that depend on the number of slots ``L`` (the bounded depth
 window) are built per call by :meth:`Variant.depth_predicate`.
 
-Built-ins also carry a :class:`Structure`: what block-sparse backends may rely
-on to skip work without evaluating the predicates densely. A variant without a
-structure (a user's own) still runs on ``reference`` and ``flex``.
+Built-ins (:data:`BUILTINS`, the one list of them) also carry a
+:class:`Structure`: what block-sparse backends may rely on to skip work
+without evaluating the predicates densely. A variant without a structure (a
+user's own) still runs on ``reference`` and ``flex``.
 
 Predicates must return bool tensors; a variant checks this on every call and
 names itself and the predicate otherwise. Arguments are validated where the
@@ -501,6 +502,48 @@ def document(doc_ids: Tensor) -> Variant:
 def _check_positive(name: str, value: int) -> None:
     if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Builtin:
+    """A built-in variant family: its factory and what its one argument counts.
+
+    Attributes:
+        make: the factory (:func:`causal`, :func:`sliding_window`, ...).
+        argument: ``"tokens"`` (positions, ``1 .. Tk``), ``"slots"`` (depth
+            slots, ``1 .. L``), ``"doc_ids"`` (the ids :func:`document` takes)
+            or None (no argument).
+    """
+
+    make: Callable[..., Variant]
+    argument: Optional[str] = None
+
+    def example(self, kv_len: int, slots: int) -> Variant:
+        """One instance for ``kv_len`` keys and ``slots`` depth slots, as pictures show it.
+
+        A third of the keys, half the slots, or three contiguous documents
+        under :func:`causal` (how packed sequences use them).
+        """
+        if self.argument == "tokens":
+            return self.make(max(1, kv_len // 3))
+        if self.argument == "slots":
+            return self.make(max(1, slots // 2))
+        if self.argument == "doc_ids":
+            return causal() & self.make(torch.arange(kv_len) * 3 // kv_len)
+        return self.make()
+
+
+# Every built-in family by name: what the test strategies, the pictures and
+# the tests enumerate.
+BUILTINS = {
+    "causal": Builtin(causal),
+    "full": Builtin(full),
+    "sliding_window": Builtin(sliding_window, "tokens"),
+    "depth_window": Builtin(depth_window, "slots"),
+    "chunk_depth": Builtin(chunk_depth, "tokens"),
+    "depth_only": Builtin(depth_only),
+    "document": Builtin(document, "doc_ids"),
+}
 
 
 def resolve(variant) -> Variant:

@@ -3,7 +3,7 @@
 Rows are queries, columns the sequence keys and then the depth slots, with the
 boundary marked (``|`` in text, a dashed line in the PNG)::
 
-    >>> print(mask_text(causal(), q_len=4, kv_len=6, slots=2))
+    >>> print(MaskView(causal(), q_len=4, kv_len=6, slots=2).text())
     causal: Tq=4 Tk=6 L=2 G=1, query head 0; columns: key k | depth slot l (█ visible, · masked)
        p  012345|01
        2  ███···|██
@@ -22,10 +22,11 @@ own token's depth, else the chunk-packed depth of every query token
 The predicates are evaluated densely over every (row, column) pair: for small
 sizes only (at most :data:`MAX_CELLS` cells).
 
-:func:`block_mask_grid` (text: :func:`block_mask_text`, PNG:
-:func:`plot_block_mask`) shows instead the flex backend's real ``BlockMask``
-at any size: which 128 x 128 blocks of folded rows and ``[sequence | depth]``
-columns are computed in full, computed with the mask, or skipped.
+:meth:`MaskView.blocks` (text: :meth:`~MaskView.blocks_text`, PNG:
+:meth:`~MaskView.plot_blocks`) shows instead the flex backend's real
+``BlockMask`` at any size: which 128 x 128 blocks of folded rows and
+``[sequence | depth]`` columns are computed in full, computed with the mask,
+or skipped.
 
 Command line::
 
@@ -34,7 +35,7 @@ Command line::
     python -m moda_flex.visualize examples/custom_variant.py:attention_slots_only
     python -m moda_flex.visualize causal --blocks --q-len 512 --kv-len 512 --slots 16 --groups 8
 
-A variant is a built-in's name (:data:`BUILTINS`, sized to the picture) or
+A variant is a built-in's name (:data:`moda_flex.variants.BUILTINS`, sized to the picture) or
 ``module:attribute`` (a module name or a ``.py`` file), where the attribute
 is a :class:`~moda_flex.Variant` or a function of no arguments that returns one.
 """
@@ -42,30 +43,20 @@ is a :class:`~moda_flex.Variant` or a function of no arguments that returns one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import inspect
 import os
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
-from . import variants as _variants
-from .variants import Variant
+from .variants import BUILTINS, Variant, resolve
 
-__all__ = [
-    "MAX_CELLS",
-    "BUILTINS",
-    "dense_mask",
-    "mask_text",
-    "plot_mask",
-    "block_mask_grid",
-    "block_mask_text",
-    "plot_block_mask",
-    "load_variant",
-]
+__all__ = ["MAX_CELLS", "MaskView", "load_variant"]
 
 MAX_CELLS = 1 << 20  # dense evaluation bound, rows * columns
 
@@ -77,209 +68,281 @@ BLOCK_CHARS = {SKIPPED: "·", PARTIAL: "▒", FULL: "█"}
 BLOCK_NAMES = {SKIPPED: "skipped", PARTIAL: "partial: the mask is applied", FULL: "full: computed, no mask"}
 
 
-def dense_mask(
-    variant,
-    *,
-    q_len: int,
-    kv_len: int,
-    slots: int = 0,
-    groups: int = 1,
-    folded: bool = False,
-    head: int = 0,
-    kv_head: int = 0,
-    batch: int = 0,
-    packed: Optional[bool] = None,
-) -> Tensor:
-    """The variant's mask as a dense bool matrix, rows = queries.
+@dataclasses.dataclass(frozen=True)
+class MaskView:
+    """One view of a variant's mask: its sizes, and which rows and depth columns are shown.
 
-    Args:
+    Pictures of elements (:meth:`dense`, :meth:`text`, :meth:`plot`) evaluate
+    the predicates densely, for small sizes only (at most :data:`MAX_CELLS`
+    cells); pictures of blocks (:meth:`blocks`, :meth:`blocks_text`,
+    :meth:`plot_blocks`) show the flex backend's real ``BlockMask`` at any
+    size, in its own layout (folded rows, every token's depth).
+
+    Attributes:
         variant: ``"causal"``, ``"full"`` or a :class:`~moda_flex.Variant`.
         q_len, kv_len: Tq <= Tk; query ``i`` sits at position ``Tk - Tq + i``.
         slots: L, depth slots per token.
         groups: G, query heads per KV head (the predicates see the query head).
         folded: rows ``r = t * G + g`` of KV head ``kv_head`` (the flex /
             triton view) instead of the Tq rows of query head ``head``.
-        head: the query head shown when not folded, ``0 <= head``.
+        head: the query head shown when not folded.
         kv_head: the KV head shown when folded.
         batch: the batch row (it matters for ``document``).
         packed: depth columns for every query token's slots (True), the
             query's own slots (False), or the latter whenever the variant
             reads only its own token's depth (None).
 
-    Returns:
-        (Tq, Tk + C) or, folded, (Tq * G, Tk + C) bool, with ``C = L`` or,
-        packed, ``C = Tq * L``.
+    Raises:
+        ValueError: naming a size that is not an int in range, or ``q_len > kv_len``.
     """
-    return _mask(
-        _variants.resolve(variant), q_len, kv_len, slots, groups, folded, head, kv_head, batch, packed
-    )[0]
 
+    variant: Union[str, Variant]
+    _: dataclasses.KW_ONLY
+    q_len: int
+    kv_len: int
+    slots: int = 0
+    groups: int = 1
+    folded: bool = False
+    head: int = 0
+    kv_head: int = 0
+    batch: int = 0
+    packed: Optional[bool] = None
 
-def _mask(variant: Variant, q_len, kv_len, slots, groups, folded, head, kv_head, batch, packed):
-    """``dense_mask`` and whether its depth columns are packed."""
-    for name, value, least in (
-        ("q_len", q_len, 1),
-        ("kv_len", kv_len, 1),
-        ("slots", slots, 0),
-        ("groups", groups, 1),
-        ("head", head, 0),
-        ("kv_head", kv_head, 0),
-        ("batch", batch, 0),
-    ):
-        if not isinstance(value, int) or value < least:
-            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
-    if q_len > kv_len:
-        raise ValueError(f"q_len ({q_len}) must be at most kv_len ({kv_len})")
-    rows = q_len * groups if folded else q_len
-    widest = kv_len + q_len * slots
-    if rows * widest > MAX_CELLS:
-        raise ValueError(
-            f"the picture would have {rows} x {widest} cells (q_len={q_len}, kv_len={kv_len}, slots={slots}, "
-            f"groups={groups}); dense evaluation is for small sizes, at most {MAX_CELLS} cells"
+    def __post_init__(self):
+        object.__setattr__(self, "variant", resolve(self.variant))
+        for name, least in (
+            ("q_len", 1), ("kv_len", 1), ("slots", 0), ("groups", 1), ("head", 0), ("kv_head", 0), ("batch", 0)
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+        if self.q_len > self.kv_len:
+            raise ValueError(f"q_len ({self.q_len}) must be at most kv_len ({self.kv_len})")
+
+    @property
+    def rows(self) -> int:
+        """Rows shown: Tq, or Tq * G folded."""
+        return self.q_len * self.groups if self.folded else self.q_len
+
+    def dense(self) -> Tensor:
+        """The mask as a dense bool matrix, rows = queries.
+
+        Returns:
+            (Tq, Tk + C) or, folded, (Tq * G, Tk + C) bool, with ``C = L`` or,
+            packed, ``C = Tq * L``.
+        """
+        return self._dense()[0]
+
+    def _dense(self) -> tuple[Tensor, bool]:
+        """:meth:`dense` and whether its depth columns are packed."""
+        q_len, kv_len, slots, groups, rows = self.q_len, self.kv_len, self.slots, self.groups, self.rows
+        widest = kv_len + q_len * slots
+        if rows * widest > MAX_CELLS:
+            raise ValueError(
+                f"the picture would have {rows} x {widest} cells (q_len={q_len}, kv_len={kv_len}, slots={slots}, "
+                f"groups={groups}); dense evaluation is for small sizes, at most {MAX_CELLS} cells"
+            )
+        if self.folded:
+            r = torch.arange(rows)
+            token = r // groups  # (rows,)
+            q_head = self.kv_head * groups + r % groups  # (rows,)
+        else:
+            token = torch.arange(q_len)
+            q_head = torch.full((q_len,), self.head)
+        q_pos = kv_len - q_len + token  # (rows,) absolute positions
+        b = torch.tensor(self.batch)
+
+        k_pos = torch.arange(kv_len)
+        sequence = self.variant.sequence(b, q_head[:, None], q_pos[:, None], k_pos[None, :])
+        sequence = sequence.expand(rows, kv_len)  # (rows, Tk)
+
+        # Every (query row, token whose depth, slot) triple: (rows, Tq, L).
+        depth_fn = self.variant.depth_predicate(slots)
+        d_pos = (kv_len - q_len + torch.arange(q_len)).view(1, q_len, 1)
+        slot = torch.arange(slots).view(1, 1, slots)
+        depth = depth_fn(b, q_head.view(rows, 1, 1), q_pos.view(rows, 1, 1), d_pos, slot)
+        depth = depth.expand(rows, q_len, slots)
+
+        reads_others = bool((depth & (token.view(rows, 1, 1) != torch.arange(q_len).view(1, q_len, 1))).any())
+        packed = reads_others if self.packed is None else self.packed
+        if packed:
+            depth_columns = depth.reshape(rows, q_len * slots)  # (rows, Tq*L), (token, slot) order
+        elif reads_others:
+            raise ValueError(
+                f"packed=False, but variant {self.variant.name!r} reads depth of other tokens; use packed=True or None"
+            )
+        else:
+            depth_columns = depth[torch.arange(rows), token]  # (rows, L): the row's own token
+        return torch.cat([sequence, depth_columns], dim=1).bool(), packed
+
+    def text(self) -> str:
+        """The mask as text: one line per query, ``█`` visible, ``·`` masked, ``|`` before the depth columns.
+
+        Rows are labelled with the query's absolute position ``p`` (and,
+        folded, the row ``r``).
+        """
+        mask, packed = self._dense()
+        q_len, kv_len, groups = self.q_len, self.kv_len, self.groups
+        packed_note = ", depth of every query token" if packed else ""
+        if self.folded:
+            view = f"folded rows r = t * G + g of KV head {self.kv_head}"
+            labels = [f"{r:>4} {kv_len - q_len + r // groups:>4}" for r in range(self.rows)]
+            header = f"{'r':>4} {'p':>4}"
+        else:
+            view = f"query head {self.head}"
+            labels = [f"{kv_len - q_len + i:>4}" for i in range(self.rows)]
+            header = f"{'p':>4}"
+        lines = [
+            f"{self._title()}, {view}{packed_note}; "
+            f"columns: key k {BOUNDARY} depth slot l ({VISIBLE} visible, {MASKED} masked)",
+            f"{header}  {_digits(range(kv_len))}{BOUNDARY}{_digits(range(mask.shape[1] - kv_len), self.slots)}",
+        ]
+        for label, row in zip(labels, mask.tolist()):
+            cells = [VISIBLE if seen else MASKED for seen in row]
+            lines.append(f"{label}  {''.join(cells[:kv_len])}{BOUNDARY}{''.join(cells[kv_len:])}")
+        return "\n".join(lines)
+
+    def plot(self, path: Optional[str] = None, ax=None):
+        """The mask as a matplotlib picture, the sequence/depth boundary a dashed line.
+
+        Columns are labelled like the text: key positions, then depth slots
+        from 0 again (per token when packed); rows by the query's absolute
+        position (or, folded, the row ``r``). Needs matplotlib (``pip install
+        moda_flex[plot]``).
+
+        Args:
+            path: if given, save the figure there (PNG for a ``.png`` name).
+            ax: draw into this Axes instead of a new figure.
+
+        Returns:
+            the matplotlib ``Figure``.
+        """
+        Figure, Patch, _ = _matplotlib("MaskView.plot", "MaskView.text")
+        mask, packed = self._dense()
+        kv_len, slots = self.kv_len, self.slots
+        rows, columns = mask.shape
+        size = (min(16.0, max(4.0, 0.25 * columns + 3.0)), min(12.0, max(3.0, 0.25 * rows + 1.2)))  # inches
+        figure, ax = _figure(Figure, ax, size)
+        image = ax.imshow(mask.numpy(), cmap="Blues", vmin=0, vmax=1.25, interpolation="nearest", aspect="auto")
+        step = -(-columns // 40)  # at most about 40 labels; depth labels start again at slot 0
+        x_ticks, y_ticks = list(range(0, kv_len, step)) + list(range(kv_len, columns, step)), _ticks(rows)
+        ax.set_xticks(x_ticks, [_column_label(c, kv_len, slots) for c in x_ticks])
+        ax.set_yticks(y_ticks, [str(r if self.folded else kv_len - self.q_len + r) for r in y_ticks])
+        ax.set_title(self._title())
+        if slots:
+            ax.axvline(kv_len - 0.5, color="black", linestyle="--", linewidth=1.2)
+            depth = "depth slot l of every query token (token-major)" if packed else "depth slot l"
+            ax.set_xlabel(f"sequence key k | {depth}")
+        else:
+            ax.set_xlabel("sequence key k (no depth slots)")
+        if self.folded:
+            ax.set_ylabel(f"folded row r = t * {self.groups} + g, KV head {self.kv_head}")
+        else:
+            ax.set_ylabel(f"query position p, head {self.head}")
+        colors = {True: image.cmap(image.norm(1)), False: image.cmap(image.norm(0))}
+        handles = [Patch(facecolor=colors[True], label="visible"),
+                   Patch(facecolor=colors[False], edgecolor="0.6", label="masked")]  # fmt: skip
+        return _finish(figure, ax, handles, path)
+
+    def blocks(self) -> Tensor:
+        """Which blocks of the flex backend's ``BlockMask`` are full, partial or skipped.
+
+        The mask is the one ``moda_attention(..., backend="flex")`` runs with
+        (:func:`moda_flex.backends.flex.moda_block_mask`), for the batch row
+        ``batch`` (KV heads all have the same mask): rows are the ``Tq * G``
+        folded rows (row ``r`` is token ``r // G``), columns the sequence keys
+        padded to whole blocks, then the depth slots of every query token,
+        token after token. A causal variant's depth columns are a band: a
+        block of 128 rows holds ``128 / G`` consecutive tokens, whose slots
+        are ``128 * L / G`` consecutive columns.
+
+        Returns:
+            (row blocks, column blocks) int64 of :data:`SKIPPED`,
+            :data:`PARTIAL`, :data:`FULL`; the sequence part is the first
+            ``ceil(kv_len / 128)`` column blocks.
+        """
+        from .backends.flex import moda_block_mask
+
+        block_mask = moda_block_mask(
+            self.variant, batch=self.batch + 1, kv_heads=1, q_len=self.q_len, kv_len=self.kv_len,
+            groups=self.groups, slots=self.slots, device="cpu",
+        )  # fmt: skip
+        rows, columns = block_mask.seq_lengths
+        block_rows, block_columns = block_mask.BLOCK_SIZE
+        grid = torch.full((-(-rows // block_rows), -(-columns // block_columns)), SKIPPED, dtype=torch.long)
+        b = min(self.batch, block_mask.kv_num_blocks.shape[0] - 1)  # a structural mask has one row for every batch row
+        for kind, counts, indices in (
+            (PARTIAL, block_mask.kv_num_blocks, block_mask.kv_indices),
+            (FULL, block_mask.full_kv_num_blocks, block_mask.full_kv_indices),
+        ):
+            if counts is None:
+                continue
+            for row in range(grid.shape[0]):
+                grid[row, indices[b, 0, row, : counts[b, 0, row]].long()] = kind
+        return grid
+
+    def blocks_text(self) -> str:
+        """:meth:`blocks` as text: ``█`` full, ``▒`` partial, ``·`` skipped, ``|`` before the depth blocks."""
+        grid = self.blocks()
+        split = self._sequence_blocks()
+        legend = ", ".join(f"{BLOCK_CHARS[kind]} {BLOCK_NAMES[kind]}" for kind in (FULL, PARTIAL, SKIPPED))
+        lines = [
+            f"{self.variant.name}: BlockMask of Tq={self.q_len} Tk={self.kv_len} L={self.slots} G={self.groups}: "
+            f"{grid.shape[0]} x {grid.shape[1]} blocks of 128 folded rows x 128 columns [sequence {BOUNDARY} depth]; "
+            f"{legend}"
+        ]
+        for row, kinds in enumerate(grid.tolist()):
+            cells = [BLOCK_CHARS[kind] for kind in kinds]
+            lines.append(f"{row:>4}  {''.join(cells[:split])}{BOUNDARY}{''.join(cells[split:])}")
+        return "\n".join(lines)
+
+    def plot_blocks(self, path: Optional[str] = None, ax=None):
+        """:meth:`blocks` as a matplotlib picture, with a legend and the sequence/depth boundary dashed.
+
+        Arguments and return as :meth:`plot`.
+        """
+        Figure, Patch, MaxNLocator = _matplotlib("MaskView.plot_blocks", "MaskView.blocks_text")
+        from matplotlib.colors import ListedColormap
+
+        grid = self.blocks()
+        rows, columns = grid.shape
+        size = (min(16.0, max(5.0, 0.2 * columns + 3.5)), min(10.0, max(2.5, 0.2 * rows + 1.5)))  # inches
+        figure, ax = _figure(Figure, ax, size)
+        colors = {SKIPPED: "#f4f4f4", PARTIAL: "#9ecae1", FULL: "#08519c"}
+        cmap = ListedColormap([colors[kind] for kind in (SKIPPED, PARTIAL, FULL)])
+        ax.imshow(grid.numpy(), cmap=cmap, vmin=-0.5, vmax=2.5, interpolation="nearest", aspect="auto")
+        # Thin white lines between blocks, so that single blocks can be counted.
+        ax.set_xticks([c - 0.5 for c in range(1, columns)], minor=True)
+        ax.set_yticks([r - 0.5 for r in range(1, rows)], minor=True)
+        ax.grid(which="minor", color="white", linewidth=0.5)
+        ax.tick_params(which="minor", length=0)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        split = self._sequence_blocks()
+        ax.axvline(split - 0.5, color="black", linestyle="--", linewidth=1.2)
+        ax.set_title(
+            f"{self.variant.name}: flex BlockMask, Tq={self.q_len} Tk={self.kv_len} L={self.slots} G={self.groups} "
+            f"(a row block: {128 / self.groups:g} tokens x {self.groups} query heads)"
         )
+        ax.set_xlabel(f"column block: sequence keys ({split} blocks) | depth slots of every token, token-major")
+        ax.set_ylabel("block of 128 folded rows")
+        kinds = (FULL, PARTIAL, SKIPPED)
+        handles = [Patch(facecolor=colors[kind], edgecolor="0.6", label=BLOCK_NAMES[kind]) for kind in kinds]
+        return _finish(figure, ax, handles, path)
 
-    if folded:
-        r = torch.arange(rows)
-        token = r // groups  # (rows,)
-        q_head = kv_head * groups + r % groups  # (rows,)
-    else:
-        token = torch.arange(q_len)
-        q_head = torch.full((q_len,), head)
-    q_pos = kv_len - q_len + token  # (rows,) absolute positions
-    b = torch.tensor(batch)
+    def _title(self) -> str:
+        return f"{self.variant.name}: Tq={self.q_len} Tk={self.kv_len} L={self.slots} G={self.groups}"
 
-    k_pos = torch.arange(kv_len)
-    sequence = variant.sequence(b, q_head[:, None], q_pos[:, None], k_pos[None, :])
-    sequence = sequence.expand(rows, kv_len)  # (rows, Tk)
+    def _sequence_blocks(self) -> int:
+        """Column blocks of the sequence part: ``kv_len`` rounded up to whole blocks."""
+        from .backends.flex import BLOCK
 
-    # Every (query row, token whose depth, slot) triple: (rows, Tq, L).
-    depth_fn = variant.depth_predicate(slots)
-    d_pos = (kv_len - q_len + torch.arange(q_len)).view(1, q_len, 1)
-    slot = torch.arange(slots).view(1, 1, slots)
-    depth = depth_fn(b, q_head.view(rows, 1, 1), q_pos.view(rows, 1, 1), d_pos, slot)
-    depth = depth.expand(rows, q_len, slots)
-
-    reads_others = bool((depth & (token.view(rows, 1, 1) != torch.arange(q_len).view(1, q_len, 1))).any())
-    if packed is None:
-        packed = reads_others
-    if packed:
-        depth_columns = depth.reshape(rows, q_len * slots)  # (rows, Tq*L), (token, slot) order
-    elif reads_others:
-        raise ValueError(
-            f"packed=False, but variant {variant.name!r} reads depth of other tokens; use packed=True or None"
-        )
-    else:
-        depth_columns = depth[torch.arange(rows), token]  # (rows, L): the row's own token
-    return torch.cat([sequence, depth_columns], dim=1).bool(), packed
-
-
-def mask_text(
-    variant,
-    *,
-    q_len: int,
-    kv_len: int,
-    slots: int = 0,
-    groups: int = 1,
-    folded: bool = False,
-    head: int = 0,
-    kv_head: int = 0,
-    batch: int = 0,
-    packed: Optional[bool] = None,
-) -> str:
-    """The mask as text: one line per query, ``█`` visible, ``·`` masked, ``|`` before the depth columns.
-
-    Arguments as :func:`dense_mask`. Rows are labelled with the query's
-    absolute position ``p`` (and, folded, the row ``r``).
-    """
-    variant = _variants.resolve(variant)
-    mask, packed = _mask(variant, q_len, kv_len, slots, groups, folded, head, kv_head, batch, packed)
-    rows = mask.shape[0]
-    packed_note = ", depth of every query token" if packed else ""
-    if folded:
-        view = f"folded rows r = t * G + g of KV head {kv_head}"
-        labels = [f"{r:>4} {kv_len - q_len + r // groups:>4}" for r in range(rows)]
-        header = f"{'r':>4} {'p':>4}"
-    else:
-        view = f"query head {head}"
-        labels = [f"{kv_len - q_len + i:>4}" for i in range(rows)]
-        header = f"{'p':>4}"
-    lines = [
-        f"{variant.name}: Tq={q_len} Tk={kv_len} L={slots} G={groups}, {view}{packed_note}; "
-        f"columns: key k {BOUNDARY} depth slot l ({VISIBLE} visible, {MASKED} masked)",
-        f"{header}  {_digits(range(kv_len))}{BOUNDARY}{_digits(range(mask.shape[1] - kv_len), slots)}",
-    ]
-    for label, row in zip(labels, mask.tolist()):
-        cells = [VISIBLE if seen else MASKED for seen in row]
-        lines.append(f"{label}  {''.join(cells[:kv_len])}{BOUNDARY}{''.join(cells[kv_len:])}")
-    return "\n".join(lines)
+        return -(-self.kv_len // BLOCK)
 
 
 def _digits(columns: range, period: Optional[int] = None) -> str:
     """Column labels, last digit only: key positions, or depth slots (``period = L``)."""
     return "".join(str((c % period if period else c) % 10) for c in columns)
-
-
-def plot_mask(
-    variant,
-    *,
-    q_len: int,
-    kv_len: int,
-    slots: int = 0,
-    groups: int = 1,
-    folded: bool = False,
-    head: int = 0,
-    kv_head: int = 0,
-    batch: int = 0,
-    packed: Optional[bool] = None,
-    path: Optional[str] = None,
-    ax=None,
-):
-    """The mask as a matplotlib picture, the sequence/depth boundary a dashed line.
-
-    Columns are labelled like the text: key positions, then depth slots from 0
-    again (per token when packed); rows by the query's absolute position (or,
-    folded, the row ``r``). Needs matplotlib (``pip install moda_flex[plot]``).
-    Arguments as :func:`dense_mask`, plus:
-
-    Args:
-        path: if given, save the figure there (PNG for a ``.png`` name).
-        ax: draw into this Axes instead of a new figure.
-
-    Returns:
-        the matplotlib ``Figure``.
-    """
-    Figure, Patch, MaxNLocator = _matplotlib("plot_mask", "mask_text")
-    variant = _variants.resolve(variant)
-    mask, packed = _mask(variant, q_len, kv_len, slots, groups, folded, head, kv_head, batch, packed)
-    rows, columns = mask.shape
-    if ax is None:
-        figure = Figure(figsize=(min(16.0, max(4.0, 0.25 * columns + 3.0)), min(12.0, max(3.0, 0.25 * rows + 1.2))))
-        ax = figure.subplots()
-    else:
-        figure = ax.figure
-    image = ax.imshow(mask.numpy(), cmap="Blues", vmin=0, vmax=1.25, interpolation="nearest", aspect="auto")
-    step = -(-columns // 40)  # at most about 40 labels; depth labels start again at slot 0
-    x_ticks, y_ticks = list(range(0, kv_len, step)) + list(range(kv_len, columns, step)), _ticks(rows)
-    ax.set_xticks(x_ticks, [_column_label(c, kv_len, slots) for c in x_ticks])
-    ax.set_yticks(y_ticks, [str(r if folded else kv_len - q_len + r) for r in y_ticks])
-    ax.set_title(f"{variant.name}: Tq={q_len} Tk={kv_len} L={slots} G={groups}")
-    if slots:
-        ax.axvline(kv_len - 0.5, color="black", linestyle="--", linewidth=1.2)
-        depth = "depth slot l of every query token (token-major)" if packed else "depth slot l"
-        ax.set_xlabel(f"sequence key k | {depth}")
-    else:
-        ax.set_xlabel("sequence key k (no depth slots)")
-    if folded:
-        ax.set_ylabel(f"folded row r = t * {groups} + g, KV head {kv_head}")
-    else:
-        ax.set_ylabel(f"query position p, head {head}")
-    colors = {True: image.cmap(image.norm(1)), False: image.cmap(image.norm(0))}
-    handles = [Patch(facecolor=colors[True], label="visible"),
-               Patch(facecolor=colors[False], edgecolor="0.6", label="masked")]  # fmt: skip
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    if path is not None:
-        figure.savefig(path, dpi=120, bbox_inches="tight")
-    return figure
 
 
 def _ticks(count: int, most: int = 40) -> list:
@@ -308,140 +371,20 @@ def _matplotlib(what: str, instead: str):
     return Figure, Patch, MaxNLocator
 
 
-def block_mask_grid(variant, *, q_len: int, kv_len: int, slots: int = 0, groups: int = 1, batch: int = 0) -> Tensor:
-    """Which blocks of the flex backend's ``BlockMask`` are full, partial or skipped.
-
-    The mask is the one ``moda_attention(..., backend="flex")`` runs with
-    (:func:`moda_flex.flex.moda_block_mask`), for one batch row (KV heads
-    all have the same mask): rows are the ``q_len * groups`` folded rows (row ``r`` is token
-    ``r // groups``), columns the sequence keys padded to whole blocks, then
-    the depth slots of every query token, token after token. A causal
-    variant's depth columns are a band: a block of 128 rows holds
-    ``128 / groups`` consecutive tokens, whose slots are ``128 * slots /
-    groups`` consecutive columns.
-
-    Args:
-        variant: ``"causal"``, ``"full"`` or a :class:`~moda_flex.Variant`.
-        q_len, kv_len, slots, groups: Tq, Tk, L, G.
-        batch: the batch row shown (it matters for ``document``).
-
-    Returns:
-        (row blocks, column blocks) int64 of :data:`SKIPPED`, :data:`PARTIAL`,
-        :data:`FULL`; the sequence part is the first ``ceil(kv_len / 128)``
-        column blocks.
-    """
-    from .flex import moda_block_mask
-
-    variant = _variants.resolve(variant)
-    block_mask = moda_block_mask(
-        variant, batch=batch + 1, kv_heads=1, q_len=q_len, kv_len=kv_len, groups=groups, slots=slots, device="cpu"
-    )
-    rows, columns = block_mask.seq_lengths
-    block_rows, block_columns = block_mask.BLOCK_SIZE
-    grid = torch.full((-(-rows // block_rows), -(-columns // block_columns)), SKIPPED, dtype=torch.long)
-    b = min(batch, block_mask.kv_num_blocks.shape[0] - 1)  # a structural mask has one row for every batch row
-    for kind, counts, indices in (
-        (PARTIAL, block_mask.kv_num_blocks, block_mask.kv_indices),
-        (FULL, block_mask.full_kv_num_blocks, block_mask.full_kv_indices),
-    ):
-        if counts is None:
-            continue
-        for row in range(grid.shape[0]):
-            grid[row, indices[b, 0, row, : counts[b, 0, row]].long()] = kind
-    return grid
+def _figure(Figure, ax, size: tuple):
+    """``ax`` and its figure, or a new figure of ``size`` (width, height) inches and its axes."""
+    if ax is not None:
+        return ax.figure, ax
+    figure = Figure(figsize=size)
+    return figure, figure.subplots()
 
 
-def _sequence_blocks(kv_len: int) -> int:
-    """Column blocks of the sequence part: ``kv_len`` rounded up to whole blocks."""
-    from .flex import BLOCK
-
-    return -(-kv_len // BLOCK)
-
-
-def block_mask_text(variant, *, q_len: int, kv_len: int, slots: int = 0, groups: int = 1, batch: int = 0) -> str:
-    """:func:`block_mask_grid` as text: ``█`` full, ``▒`` partial, ``·`` skipped, ``|`` before the depth blocks."""
-    variant = _variants.resolve(variant)
-    grid = block_mask_grid(variant, q_len=q_len, kv_len=kv_len, slots=slots, groups=groups, batch=batch)
-    split = _sequence_blocks(kv_len)
-    legend = ", ".join(f"{BLOCK_CHARS[kind]} {BLOCK_NAMES[kind]}" for kind in (FULL, PARTIAL, SKIPPED))
-    lines = [
-        f"{variant.name}: BlockMask of Tq={q_len} Tk={kv_len} L={slots} G={groups}: {grid.shape[0]} x "
-        f"{grid.shape[1]} blocks of 128 folded rows x 128 columns [sequence {BOUNDARY} depth]; {legend}"
-    ]
-    for row, kinds in enumerate(grid.tolist()):
-        cells = [BLOCK_CHARS[kind] for kind in kinds]
-        lines.append(f"{row:>4}  {''.join(cells[:split])}{BOUNDARY}{''.join(cells[split:])}")
-    return "\n".join(lines)
-
-
-def plot_block_mask(
-    variant,
-    *,
-    q_len: int,
-    kv_len: int,
-    slots: int = 0,
-    groups: int = 1,
-    batch: int = 0,
-    path: Optional[str] = None,
-    ax=None,
-):
-    """:func:`block_mask_grid` as a matplotlib picture, with a legend and the sequence/depth boundary dashed.
-
-    Arguments as :func:`block_mask_grid`, plus ``path`` and ``ax`` as in
-    :func:`plot_mask`. Returns the ``Figure``.
-    """
-    Figure, Patch, MaxNLocator = _matplotlib("plot_block_mask", "block_mask_text")
-    from matplotlib.colors import ListedColormap
-
-    variant = _variants.resolve(variant)
-    grid = block_mask_grid(variant, q_len=q_len, kv_len=kv_len, slots=slots, groups=groups, batch=batch)
-    rows, columns = grid.shape
-    if ax is None:
-        figure = Figure(figsize=(min(16.0, max(5.0, 0.2 * columns + 3.5)), min(10.0, max(2.5, 0.2 * rows + 1.5))))
-        ax = figure.subplots()
-    else:
-        figure = ax.figure
-    colors = {SKIPPED: "#f4f4f4", PARTIAL: "#9ecae1", FULL: "#08519c"}
-    cmap = ListedColormap([colors[kind] for kind in (SKIPPED, PARTIAL, FULL)])
-    ax.imshow(grid.numpy(), cmap=cmap, vmin=-0.5, vmax=2.5, interpolation="nearest", aspect="auto")
-    # Thin white lines between blocks, so that single blocks can be counted.
-    ax.set_xticks([c - 0.5 for c in range(1, columns)], minor=True)
-    ax.set_yticks([r - 0.5 for r in range(1, rows)], minor=True)
-    ax.grid(which="minor", color="white", linewidth=0.5)
-    ax.tick_params(which="minor", length=0)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    split = _sequence_blocks(kv_len)
-    ax.axvline(split - 0.5, color="black", linestyle="--", linewidth=1.2)
-    ax.set_title(
-        f"{variant.name}: flex BlockMask, Tq={q_len} Tk={kv_len} L={slots} G={groups} "
-        f"(a row block: {128 / groups:g} tokens x {groups} query heads)"
-    )
-    ax.set_xlabel(f"column block: sequence keys ({split} blocks) | depth slots of every token, token-major")
-    ax.set_ylabel("block of 128 folded rows")
-    kinds = (FULL, PARTIAL, SKIPPED)
-    handles = [Patch(facecolor=colors[kind], edgecolor="0.6", label=BLOCK_NAMES[kind]) for kind in kinds]
+def _finish(figure, ax, handles: list, path: Optional[str]):
+    """The legend beside the picture; the figure saved to ``path`` if given."""
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     if path is not None:
         figure.savefig(path, dpi=120, bbox_inches="tight")
     return figure
-
-
-BUILTINS = ("causal", "full", "sliding_window", "depth_window", "chunk_depth", "depth_only", "document")
-
-
-def _builtin_examples(q_len: int, kv_len: int, slots: int) -> dict:
-    """One instance of every built-in, sized for a picture, by name."""
-    ids = torch.arange(kv_len) * 3 // kv_len  # three contiguous documents
-    return {
-        "causal": _variants.causal(),
-        "full": _variants.full(),
-        "sliding_window": _variants.sliding_window(max(1, kv_len // 3)),
-        "depth_window": _variants.depth_window(max(1, slots // 2)),
-        "chunk_depth": _variants.chunk_depth(max(1, kv_len // 3)),
-        "depth_only": _variants.depth_only(),
-        "document": _variants.causal() & _variants.document(ids),
-    }
 
 
 def load_variant(spec: str) -> Variant:
@@ -484,9 +427,9 @@ def load_variant(spec: str) -> Variant:
     return found
 
 
-def _select(specs: Sequence[str], q_len: int, kv_len: int, slots: int) -> list:
+def _select(specs: Sequence[str], kv_len: int, slots: int) -> list:
     """The variants the command line names: built-ins by name, others as module:attribute; all built-ins if none."""
-    builtins = _builtin_examples(q_len, kv_len, slots)
+    builtins = {name: builtin.example(kv_len, slots) for name, builtin in BUILTINS.items()}
     if not specs:
         return list(builtins.values())
     selected = []
@@ -536,24 +479,23 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--png", metavar="DIR", help="also write one PNG per variant into DIR (default: none)")
     args = parser.parse_args(argv)
     try:
-        selected = _select(args.variants, args.q_len, args.kv_len, args.slots)
+        selected = _select(args.variants, args.kv_len, args.slots)
     except ValueError as error:
         parser.error(str(error))
-    sizes = dict(q_len=args.q_len, kv_len=args.kv_len, slots=args.slots, groups=args.groups)
-    if not args.blocks:
-        sizes["folded"] = args.folded
-    text, plot = (block_mask_text, plot_block_mask) if args.blocks else (mask_text, plot_mask)
     pictures = args.png is not None and _has_matplotlib()
     for variant in selected:
         try:
-            print(text(variant, **sizes), end="\n\n")
+            view = MaskView(variant, q_len=args.q_len, kv_len=args.kv_len, slots=args.slots, groups=args.groups,
+                            folded=args.folded)  # fmt: skip
+            text, plot = (view.blocks_text, view.plot_blocks) if args.blocks else (view.text, view.plot)
+            print(text(), end="\n\n")
         except ValueError as error:
             parser.error(str(error))
         if pictures:
             os.makedirs(args.png, exist_ok=True)
             name = "".join(c if c.isalnum() else "_" for c in variant.name).strip("_")
             path = os.path.join(args.png, f"{name}{'_blocks' if args.blocks else ''}.png")
-            plot(variant, path=path, **sizes)
+            plot(path=path)
             print(f"wrote {path}")
     if args.png is not None and not pictures:
         print("PNGs need matplotlib (pip install matplotlib, or moda_flex[plot]): none written, the text is above")

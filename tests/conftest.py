@@ -1,4 +1,4 @@
-"""Test settings: hypothesis profiles and the Triton interpreter on CPU.
+"""Test settings: hypothesis profiles, the Triton interpreter on CPU, and the ``gpu`` marker.
 
 Profiles: ``ci`` (default) is derandomized so that a landing never flakes;
 ``dev`` explores more, with fresh random examples and ten times each test's
@@ -7,6 +7,7 @@ count (``tests/budget.py``): ``HYPOTHESIS_PROFILE=dev python -m pytest -q``.
 
 import os
 
+import pytest
 import torch
 
 # The Triton backend runs on CPU through the interpreter; it must be chosen
@@ -31,3 +32,10 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(items):
+    """Every test of a ``test_*_gpu.py`` module carries the ``gpu`` marker (``pytest -m gpu``, ``-m "not gpu"``)."""
+    for item in items:
+        if item.path.name.endswith("_gpu.py"):
+            item.add_marker(pytest.mark.gpu)

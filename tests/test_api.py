@@ -1,14 +1,11 @@
-"""The package's public names, and the defaults shared by the public functions."""
+"""The package's public names."""
 
-import math
 import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
-from moda_flex import moda_attention
-from moda_flex.reference import attention_probabilities
+import moda_flex
+from moda_flex.variants import BUILTINS
 
 
 def test_star_import_keeps_torch_nn():
@@ -23,20 +20,6 @@ print(nn.__name__, moda_flex.nn.__name__)
     assert result.stdout.split() == ["torch.nn", "moda_flex.nn"]
 
 
-def test_attention_probabilities_defaults_are_moda_attentions():
-    torch.manual_seed(0)
-    q = torch.randn(1, 4, 5, 8, dtype=torch.float64)
-    k, v = torch.randn(2, 1, 2, 7, 8, dtype=torch.float64)
-    depth_k, depth_v = torch.randn(2, 1, 2, 5, 3, 8, dtype=torch.float64)
-
-    probs = attention_probabilities(q, k, v, depth_k, depth_v)  # causal, 1 / sqrt(D)
-    explicit = attention_probabilities(q, k, v, depth_k, depth_v, "causal", 1 / math.sqrt(8))
-    torch.testing.assert_close(probs, explicit)
-    seq_probs, depth_probs = probs.split([7, 3], dim=-1)  # (B, Hq, Tq, Tk), (B, Hq, Tq, L)
-    out = seq_probs @ v.repeat_interleave(2, dim=1)
-    out = out + torch.einsum("bhtl,bhtld->bhtd", depth_probs, depth_v.repeat_interleave(2, dim=1))
-    torch.testing.assert_close(out, moda_attention(q, k, v, depth_k, depth_v))
-
-    no_depth = attention_probabilities(q, k, v)
-    assert no_depth.shape == (1, 4, 5, 7)
-    torch.testing.assert_close(no_depth.sum(-1), torch.ones(1, 4, 5, dtype=torch.float64))
+def test_every_builtin_is_a_public_name():
+    for name, builtin in BUILTINS.items():
+        assert name in moda_flex.__all__ and getattr(moda_flex, name) is builtin.make

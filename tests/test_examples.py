@@ -21,7 +21,6 @@ from gpt import GPT, GPTConfig, load_checkpoint  # noqa: E402
 from progress import Progress, format_duration  # noqa: E402
 
 from moda_flex.nn import KVCache  # noqa: E402
-from moda_flex.visualize import dense_mask  # noqa: E402
 
 
 def _model(depth_kv, norm, rope=True):
@@ -96,7 +95,9 @@ def test_train_compare_checkpoint_and_heatmaps(tmp_path, capsys):
 def test_folded_mask_matches_the_paper():
     # The mask of visualize_attention's picture: query groups folded into rows, every token's depth.
     T, G, L = 3, 2, 2
-    mask = dense_mask("causal", q_len=T, kv_len=T, slots=L, groups=G, folded=True, packed=True)
+    config = GPTConfig(n_embd=16, n_head=4, n_kv_head=2, n_layer=2, depth_kv="attn+ffn")  # G = 2, L = 2
+    elements, _ = visualize_attention.mask_views(config, mask_tokens=T, block_tokens=128)
+    mask = elements.dense()
     assert mask.shape == (G * T, T + T * L)
     for r in range(G * T):
         for k in range(T):
@@ -110,6 +111,15 @@ def test_bad_flags_are_rejected():
         train_gpt.parse_args(["--depth-kv", "none,ffn"])
     with pytest.raises(SystemExit):
         train_gpt.parse_args(["--norm", "sandwich"])
+
+
+def test_custom_variant_reads_attention_slots_and_matches_flex(capsys):
+    variant = custom_variant.attention_slots_only()
+    depth = variant.depth_predicate(5)(0, 0, torch.tensor(3), torch.tensor([[3], [2]]), torch.arange(5))
+    assert depth.tolist() == [[True, False, True, False, True], [False] * 5]
+    custom_variant.main(["--examples", "3"])
+    out = capsys.readouterr().out
+    assert "attention_slots_only" in out and "|█·█·█·" in out and "on 3 random shapes" in out
 
 
 def test_custom_variant_learns_its_depth_bias(capsys):

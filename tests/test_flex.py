@@ -1,17 +1,17 @@
-"""The flex backend against the reference, and its BlockMask against FlexAttention's own."""
+"""The flex backend against the reference: shapes, dtypes, compositions, documents; first derivatives, compiling."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.nn.attention.flex_attention import create_block_mask
 
 import moda_flex
-from moda_flex.flex import BLOCK, _mask_mod, _round_up, flex_moda, moda_block_mask
-from moda_flex.reference import reference_attention
-from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs, moda_shapes
+from moda_flex.backends.flex import flex_moda
+from moda_flex.backends.reference import reference_attention
+from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs, moda_shapes, variants
 
 from budget import examples
+from own_variant import user_variant
 
 
 @settings(max_examples=examples(40))
@@ -32,112 +32,40 @@ def test_flex_bfloat16_matches_reference(shape):
     assert_matches_reference(make_inputs(shape, dtype=torch.bfloat16, strided_depth=True), backend="flex")
 
 
-def _dense_blocks(num_blocks, indices, width):
-    """(Bm, N) counts and (Bm, 1, N, W) lists -> (Bm, N, width) bool grid; no block listed twice."""
-    grid = torch.zeros(num_blocks.shape[0], num_blocks.shape[-1], width, dtype=torch.int64)
-    for b in range(num_blocks.shape[0]):
-        for row in range(num_blocks.shape[-1]):
-            listed = indices[b, 0, row, : num_blocks[b, 0, row]].long()
-            grid[b, row].index_add_(0, listed, torch.ones_like(listed))
-    assert grid.numel() == 0 or int(grid.max()) <= 1, "a block is listed twice"
-    return grid.bool()
+# Smaller shapes for the calls that draw variants: every one runs a dense reference.
+FLEX_SHAPES = moda_shapes(max_batch=2, max_groups=3, max_kv_heads=2, max_kv_len=40, max_slots=6, head_dims=(8, 16))
 
 
-def _block_grids(block_mask, q_blocks, kv_blocks):
-    partial = _dense_blocks(block_mask.kv_num_blocks, block_mask.kv_indices, kv_blocks)
-    full = _dense_blocks(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, kv_blocks)
-    return partial, full
+@settings(max_examples=examples(25))
+@given(shape=FLEX_SHAPES, strided=st.booleans(), data=st.data())
+def test_flex_matches_reference_on_compositions(shape, strided, data):
+    with_user = st.builds(lambda builtin: builtin & user_variant(), variants(shape, max_terms=1))
+    variant = data.draw(variants(shape, max_terms=3) | with_user)
+    assert_matches_reference(make_inputs(shape, strided_depth=strided), backend="flex", variant=variant)
 
 
-structured_variants = st.one_of(
-    st.just(moda_flex.causal()),
-    st.just(moda_flex.full()),
-    st.just(moda_flex.depth_only()),
-    st.integers(1, 300).map(moda_flex.sliding_window),
-    st.integers(1, 9).map(moda_flex.depth_window),
-    st.integers(1, 200).map(moda_flex.chunk_depth),
-    st.integers(1, 200).map(lambda w: moda_flex.sliding_window(w) & moda_flex.depth_window(2)),
-)
+@settings(max_examples=examples(6))
+@given(shape=moda_shapes(max_kv_len=24, max_slots=4, max_groups=2, head_dims=(8,)), data=st.data())
+def test_flex_matches_reference_in_float64(shape, data):
+    variant = data.draw(variants(shape))
+    assert_matches_reference(make_inputs(shape, dtype=torch.float64), backend="flex", variant=variant)
 
 
-@settings(max_examples=examples(60))
-@given(
-    kv_len=st.integers(1, 700),
-    data=st.data(),
-    groups=st.integers(1, 8),
-    slots=st.integers(0, 9),
-    variant=structured_variants,
-    with_documents=st.booleans(),
-)
-def test_structural_block_mask_equals_dense_evaluation(kv_len, data, groups, slots, variant, with_documents):
-    """Same partial and full blocks as create_block_mask, and a consistent transpose."""
-    q_len = data.draw(st.integers(1, kv_len))
-    if with_documents:
-        lengths = data.draw(st.lists(st.integers(1, 150), min_size=1, max_size=8))
-        ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-        ids = torch.cat([ids, ids.new_full((max(kv_len - len(ids), 0),), len(lengths))])[:kv_len]
-        variant = variant & moda_flex.document(ids)
-    mine = moda_block_mask(
-        variant, batch=1, kv_heads=1, q_len=q_len, kv_len=kv_len, groups=groups, slots=slots, device="cpu"
+def _split_ids(batch: int, kv_len: int):
+    """(batch, kv_len) ids from a few values, so that documents come back after others."""
+    return st.lists(
+        st.lists(st.integers(0, 2), min_size=kv_len, max_size=kv_len), min_size=batch, max_size=batch
+    ).map(torch.tensor)
+
+
+@settings(max_examples=examples(15))
+@given(shape=FLEX_SHAPES, data=st.data())
+def test_documents_split_into_runs_are_computed_exactly_by_flex(shape, data):
+    documents = moda_flex.document(data.draw(_split_ids(shape.batch, shape.kv_len)))
+    variant = data.draw(
+        st.sampled_from([documents, moda_flex.causal() & documents, documents & moda_flex.depth_window(1)])
     )
-    dense = create_block_mask(
-        _mask_mod(variant, q_len, kv_len, groups, slots),
-        1,
-        1,
-        mine.seq_lengths[0],
-        mine.seq_lengths[1],
-        device="cpu",
-        BLOCK_SIZE=BLOCK,
-    )
-    q_blocks, kv_blocks = dense.kv_num_blocks.shape[-1], dense.q_num_blocks.shape[-1]
-    partial, full = _block_grids(mine, q_blocks, kv_blocks)
-    dense_partial, dense_full = _block_grids(dense, q_blocks, kv_blocks)
-    # The same blocks are visited; sequence blocks are full exactly when they
-    # are, depth blocks are always treated as partial (a chunk_depth block can
-    # be wholly visible; the mask is then merely evaluated there).
-    assert (partial | full).equal(dense_partial | dense_full)
-    depth_cols = slice(_round_up(kv_len, BLOCK) // BLOCK, None)
-    assert not full[..., depth_cols].any()
-    sequence_cols = slice(0, _round_up(kv_len, BLOCK) // BLOCK)
-    assert full[..., sequence_cols].equal(dense_full[..., sequence_cols])
-    # The KV-block -> row-block lists are the transpose of the row-block lists.
-    q_partial = _dense_blocks(mine.q_num_blocks, mine.q_indices, q_blocks).transpose(1, 2)
-    q_full = _dense_blocks(mine.full_q_num_blocks, mine.full_q_indices, q_blocks).transpose(1, 2)
-    assert q_partial.equal(partial) and q_full.equal(full)
-
-
-def test_block_masks_are_cached_per_shape():
-    args = dict(batch=1, kv_heads=2, q_len=300, kv_len=300, groups=4, slots=3, device="cpu")
-    assert moda_block_mask(moda_flex.causal(), **args) is moda_block_mask(moda_flex.causal(), **args)
-    assert moda_block_mask(moda_flex.causal(), **args) is not moda_block_mask(moda_flex.sliding_window(8), **args)
-
-
-def _windowed(window: int) -> moda_flex.Variant:
-    """A user's own sliding window: the name stays "mine", the structure says the window."""
-
-    def sequence(b, h, q_pos, k_pos):
-        return (k_pos <= q_pos) & (k_pos > q_pos - window)
-
-    return moda_flex.Variant("mine", sequence, structure=moda_flex.Structure(causal=True, window=window))
-
-
-def test_block_masks_are_cached_by_structure_not_by_name():
-    inputs = make_inputs(MoDAShape(1, 2, 1, 200, 200, 1, 8), requires_grad=False)
-    for window in (150, 3):
-        assert_matches_reference(inputs, backend="flex", variant=_windowed(window), check_grads=False)
-    args = dict(batch=1, kv_heads=1, q_len=200, kv_len=200, groups=2, slots=1, device="cpu")
-    assert moda_block_mask(_windowed(3), **args) is moda_block_mask(moda_flex.sliding_window(3), **args)
-
-
-def test_document_masks_are_cached_by_their_ids():
-    ids = torch.repeat_interleave(torch.arange(3), torch.tensor([100, 60, 40]))
-    inputs = make_inputs(MoDAShape(1, 2, 1, 200, 200, 1, 8), requires_grad=False)
-    first, second = moda_flex.document(ids), moda_flex.document(ids.flip(0))
-    for documents in (first, second, first):
-        assert_matches_reference(inputs, backend="flex", variant=moda_flex.causal() & documents, check_grads=False)
-    args = dict(batch=1, kv_heads=1, q_len=200, kv_len=200, groups=2, slots=1, device="cpu")
-    assert moda_block_mask(first, **args) is moda_block_mask(first, **args)
-    assert moda_block_mask(first, **args) is not moda_block_mask(moda_flex.document(ids), **args)
+    assert_matches_reference(make_inputs(shape), backend="flex", variant=variant)
 
 
 @pytest.mark.parametrize("name", ["q", "depth_v"])

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from moda_flex import moda_attention
 from moda_flex import variants as v
 from moda_flex.nonfinite import rows_seeing, rows_seeing_dense, zero_nonfinite
-from moda_flex.reference import visible_entries
+from moda_flex.backends.reference import visible_entries
 from moda_flex.testing import MoDAShape, make_inputs, moda_shapes, variants
 
 from budget import examples

@@ -1,9 +1,7 @@
 """The testing helpers: shapes, inputs, variant strategy and the reference assertion."""
 
-import importlib
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ from hypothesis.errors import NoSuchExample
 from hypothesis import strategies as st
 
 from moda_flex import variants as v
-from moda_flex.reference import reference_attention
+from moda_flex.backends.reference import reference_attention
 from moda_flex.testing import (
     BUILTIN_KINDS,
     MoDAShape,
@@ -66,20 +64,21 @@ def test_drawn_shapes_are_valid(shape):
     assert shape.head_dim in (8, 16, 24, 32, 64)
 
 
-@pytest.mark.parametrize(
-    "description, condition",
-    [
-        ("decode", lambda s: s.q_len == 1 and s.kv_len > 1),
-        ("prefill", lambda s: s.q_len == s.kv_len > 1),
-        ("chunked prefill", lambda s: 1 < s.q_len < s.kv_len),
-        ("odd lengths", lambda s: s.q_len % 2 == 1 and s.kv_len % 2 == 1 and s.q_len > 1),
-        ("no depth", lambda s: s.slots == 0),
-        ("most slots", lambda s: s.slots == 9),
-        ("grouped heads", lambda s: s.groups > 1 and s.kv_heads > 1),
-        ("longest", lambda s: s.kv_len == 70),
-    ],
-)
-def test_shapes_reach_every_regime(description, condition):
+REGIMES = {
+    "decode": lambda s: s.q_len == 1 and s.kv_len > 1,
+    "prefill": lambda s: s.q_len == s.kv_len > 1,
+    "chunked prefill": lambda s: 1 < s.q_len < s.kv_len,
+    "odd lengths": lambda s: s.q_len % 2 == 1 and s.kv_len % 2 == 1 and s.q_len > 1,
+    "no depth": lambda s: s.slots == 0,
+    "most slots": lambda s: s.slots == 9,
+    "grouped heads": lambda s: s.groups > 1 and s.kv_heads > 1,
+    "longest": lambda s: s.kv_len == 70,
+}
+
+
+@pytest.mark.parametrize("description", REGIMES)
+def test_shapes_reach_every_regime(description):
+    condition = REGIMES[description]
     assert condition(find(moda_shapes(), condition, settings=settings(database=None, max_examples=2000)))
 
 
@@ -340,20 +339,20 @@ def test_document_ids_are_contiguous_runs(batch, kv_len, data):
     assert int(ids[:, 0].max()) == 0
 
 
-@pytest.mark.parametrize(
-    "description, condition",
-    [
-        ("whole window", lambda s, var: var.name == f"sliding_window({s.kv_len})"),
-        ("one-token window", lambda s, var: var.name == "sliding_window(1)"),
-        ("whole depth window", lambda s, var: var.name == f"depth_window({s.slots})" and s.slots > 1),
-        ("composition", lambda s, var: "&" in var.name and "document" not in var.name),
-        ("causal documents", lambda s, var: var.name == "(causal & document)"),
-        ("several documents", lambda s, var: var.name == "document"
-            and int(var.structure.doc_ids.max()) >= 2),
-        ("chunk of one", lambda s, var: var.name == "chunk_depth(1)"),
-    ],
-)
-def test_variants_reach_every_family_and_edge(description, condition):
+FAMILIES_AND_EDGES = {
+    "whole window": lambda s, var: var.name == f"sliding_window({s.kv_len})",
+    "one-token window": lambda s, var: var.name == "sliding_window(1)",
+    "whole depth window": lambda s, var: var.name == f"depth_window({s.slots})" and s.slots > 1,
+    "composition": lambda s, var: "&" in var.name and "document" not in var.name,
+    "causal documents": lambda s, var: var.name == "(causal & document)",
+    "several documents": lambda s, var: var.name == "document" and int(var.structure.doc_ids.max()) >= 2,
+    "chunk of one": lambda s, var: var.name == "chunk_depth(1)",
+}
+
+
+@pytest.mark.parametrize("description", FAMILIES_AND_EDGES)
+def test_variants_reach_every_family_and_edge(description):
+    condition = FAMILIES_AND_EDGES[description]
     pairs = moda_shapes(max_kv_len=12, max_slots=4).flatmap(lambda s: st.tuples(st.just(s), variants(s)))
     shape, variant = find(pairs, lambda pair: condition(*pair), settings=settings(database=None, max_examples=5000))
     assert condition(shape, variant)
@@ -371,18 +370,3 @@ def test_variants_respect_kinds():
         variants(shape, max_terms=0)
     with pytest.raises(ValueError, match="shape"):
         variants((1, 2))
-
-
-# --- the custom variant example ---------------------------------------------------
-
-
-def test_custom_variant_example_reads_attention_slots_and_matches_flex(capsys, monkeypatch):
-    examples = Path(__file__).resolve().parents[1] / "examples"
-    monkeypatch.syspath_prepend(str(examples))
-    custom_variant = importlib.import_module("custom_variant")
-    variant = custom_variant.attention_slots_only()
-    depth = variant.depth_predicate(5)(0, 0, torch.tensor(3), torch.tensor([[3], [2]]), torch.arange(5))
-    assert depth.tolist() == [[True, False, True, False, True], [False] * 5]
-    custom_variant.main(["--examples", "3"])
-    out = capsys.readouterr().out
-    assert "attention_slots_only" in out and "|█·█·█·" in out and "on 3 random shapes" in out

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 from moda_flex import moda_attention  # noqa: E402
 from moda_flex import variants as v  # noqa: E402
-from moda_flex.reference import reference_attention  # noqa: E402
+from moda_flex.backends.reference import reference_attention  # noqa: E402
 from moda_flex.testing import (  # noqa: E402
     MoDAShape,
     assert_matches_reference,

@@ -9,7 +9,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from moda_flex import variants as v  # noqa: E402
-from moda_flex.reference import reference_attention  # noqa: E402
+from moda_flex.backends.reference import reference_attention  # noqa: E402
 from moda_flex.testing import relative_error, tolerance  # noqa: E402
 
 BF16_TOL = tolerance(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""Variants: predicates against their definitions, composition, structures, and every backend.
+"""Variants: predicates against their definitions, composition, structures, documents and the built-in list.
 
 The hand-written masks below restate each built-in's definition one position
 at a time; the predicates must agree with them on every (query, key) and
@@ -15,10 +15,11 @@ from hypothesis import strategies as st
 
 from moda_flex import moda_attention
 from moda_flex import variants as v
-from moda_flex.testing import BUILTIN_KINDS, MoDAShape, assert_matches_reference, make_inputs, moda_shapes, variants
-from moda_flex.variants import Documents, Structure, Variant
+from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs, moda_shapes, variants
+from moda_flex.variants import BUILTINS, Documents, Structure, Variant
 
 from budget import examples
+from own_variant import user_variant
 
 B, H = 2, 3
 SIZES = [(1, 1, 0), (4, 4, 3), (3, 8, 4), (1, 7, 2), (6, 9, 1)]  # (Tq, Tk, L)
@@ -130,18 +131,6 @@ def test_own_depth_only_is_true_exactly_when_no_other_token_is_read(name):
     assert variant.own_depth_only == (variant.structure.depth_chunk is None)
 
 
-def _user_variant() -> Variant:
-    """Even query heads, keys at even distance, odd depth slots: touches every argument."""
-
-    def sequence(b, h, q_pos, k_pos):
-        return (h % 2 == 0) & ((q_pos - k_pos) % 2 == 0) & (k_pos <= q_pos)
-
-    def depth(b, h, q_pos, d_pos, slot):
-        return (d_pos == q_pos) & (slot % 2 == 1) & (b == 0)
-
-    return Variant("user", sequence, depth)
-
-
 COMPOSABLE = {
     "causal": v.causal,
     "full": v.full,
@@ -150,7 +139,7 @@ COMPOSABLE = {
     "chunk_depth(2)": lambda: v.chunk_depth(2),
     "depth_only": v.depth_only,
     "document": lambda: v.document(DOC_IDS),
-    "user": _user_variant,
+    "user": user_variant,
 }
 
 
@@ -176,7 +165,7 @@ def test_composition_structures():
     assert documents.structure.causal and torch.equal(documents.structure.doc_ids, DOC_IDS.int())
     chunked = v.chunk_depth(2) & (v.chunk_depth(2) | v.full())
     assert chunked.structure is None
-    assert (v.causal() & _user_variant()).structure is None
+    assert (v.causal() & user_variant()).structure is None
     assert (v.chunk_depth(2) & v.chunk_depth(3)).structure is None
     assert (v.document(DOC_IDS) & v.document(DOC_IDS)).structure is None
     nested = (v.causal() & v.depth_window(3)) & v.depth_window(1)
@@ -275,7 +264,11 @@ def test_structure_intersect():
         (lambda: v.resolve("diagonal"), "variant"),
         (lambda: Variant("x", v.causal().sequence, v.own_token, depth_for_slots=lambda L: v.own_token), "depth"),
     ],
-)
+    ids=[
+        "window-0", "window-float", "depth-window-negative", "chunk-0", "doc-ids-float", "doc-ids-3d", "doc-ids-list",
+        "doc-ids-bool", "unknown-name", "depth-and-depth-for-slots",
+    ],
+)  # fmt: skip
 def test_bad_arguments_raise(make, argument):
     with pytest.raises(ValueError, match=argument):
         make()
@@ -296,6 +289,7 @@ def test_composing_with_a_non_variant_names_the_operand(other):
         (lambda b, h, q, k: (k <= q).int(), None, "sequence", "torch.int32 tensor"),
         (v.causal().sequence, lambda b, h, q, d, s: (q == d).long(), "depth", "torch.int64 tensor"),
     ],
+    ids=["sequence-bool", "sequence-int32", "depth-int64"],
 )
 def test_a_predicate_that_returns_no_bool_tensor_is_named(backend, sequence, depth, role, got):
     inputs = make_inputs(MoDAShape(1, 2, 1, 3, 4, 2, 8), requires_grad=False)
@@ -304,85 +298,22 @@ def test_a_predicate_that_returns_no_bool_tensor_is_named(backend, sequence, dep
         moda_attention(**inputs, variant=variant, backend=backend)
 
 
+def test_every_builtin_has_a_written_definition():
+    assert {name.split("(")[0].split(" ")[0] for name in DEFINITIONS} == set(BUILTINS)
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_every_builtin_has_an_example_with_a_structure(name):
+    """The catalogue's examples are the family's own, and keep the structure the block-sparse backends read."""
+    example = BUILTINS[name].example(kv_len=9, slots=4)
+    assert isinstance(example, Variant) and example.structure is not None
+    assert name in example.name
+
+
 def test_named_variants_resolve():
     assert v.resolve("causal").name == "causal" and v.resolve("full").name == "full"
-    custom = _user_variant()
+    custom = user_variant()
     assert v.resolve(custom) is custom
-
-
-# --- every built-in on every backend against the reference --------------------------
-
-FLEX_SHAPES = moda_shapes(max_batch=2, max_groups=3, max_kv_heads=2, max_kv_len=40, max_slots=6, head_dims=(8, 16))
-
-
-@pytest.mark.parametrize("kind", BUILTIN_KINDS)
-@settings(max_examples=examples(8))
-@given(shape=FLEX_SHAPES, strided=st.booleans(), data=st.data())
-def test_flex_matches_reference(kind, shape, strided, data):
-    variant = data.draw(variants(shape, kinds=(kind,), max_terms=1))
-    assert_matches_reference(make_inputs(shape, strided_depth=strided), backend="flex", variant=variant)
-
-
-@settings(max_examples=examples(25))
-@given(shape=FLEX_SHAPES, strided=st.booleans(), data=st.data())
-def test_flex_matches_reference_on_compositions(shape, strided, data):
-    with_user = st.builds(lambda builtin: builtin & _user_variant(), variants(shape, max_terms=1))
-    variant = data.draw(variants(shape, max_terms=3) | with_user)
-    assert_matches_reference(make_inputs(shape, strided_depth=strided), backend="flex", variant=variant)
-
-
-@settings(max_examples=examples(6))
-@given(shape=moda_shapes(max_kv_len=24, max_slots=4, max_groups=2, head_dims=(8,)), data=st.data())
-def test_flex_matches_reference_in_float64(shape, data):
-    variant = data.draw(variants(shape))
-    assert_matches_reference(make_inputs(shape, dtype=torch.float64), backend="flex", variant=variant)
-
-
-def _triton():
-    """The triton backend module, or a skip when it cannot run here."""
-    triton_backend = pytest.importorskip("moda_flex.triton")
-    probe = torch.zeros(1, 1, 1, 16)
-    reason = triton_backend.unsupported_reason(probe, v.causal())
-    if reason is not None:
-        pytest.skip(f"the triton backend cannot run here: {reason}")
-    return triton_backend
-
-
-TRITON_KINDS = ("causal", "full", "sliding_window", "depth_window", "depth_only", "document")
-
-
-@pytest.mark.parametrize("kind", TRITON_KINDS)
-@settings(max_examples=examples(2))
-@given(
-    shape=moda_shapes(max_batch=2, max_groups=2, max_kv_heads=2, max_kv_len=20, max_slots=4, head_dims=(16,)),
-    data=st.data(),
-)
-def test_triton_matches_reference(kind, shape, data):
-    triton_backend = _triton()
-    variant = data.draw(variants(shape, kinds=(kind,), max_terms=1))
-    inputs = make_inputs(shape, strided_depth=True)
-    assert triton_backend.unsupported_reason(inputs["q"], variant) is None, variant.name
-    assert_matches_reference(inputs, backend="triton", variant=variant)
-
-
-@pytest.mark.parametrize(
-    "variant", [v.chunk_depth(2), _user_variant(), v.causal() | v.sliding_window(2)], ids=lambda x: x.name
-)
-def test_triton_refuses_unsupported_variants_by_name(variant):
-    _triton()
-    inputs = make_inputs(MoDAShape(batch=1, q_heads=2, kv_heads=1, q_len=3, kv_len=5, slots=2, head_dim=16))
-    with pytest.raises(NotImplementedError, match=re.escape(f"variant {variant.name!r}")):
-        moda_attention(*inputs.values(), variant=variant, backend="triton")
-
-
-def test_triton_refuses_documents_split_into_runs_and_auto_computes_them():
-    triton_backend = _triton()
-    variant = v.causal() & v.document(torch.tensor([0, 0, 1, 1, 0]))
-    inputs = make_inputs(MoDAShape(batch=1, q_heads=2, kv_heads=1, q_len=3, kv_len=5, slots=2, head_dim=16))
-    assert "contiguous run" in triton_backend.unsupported_reason(inputs["q"], variant)
-    with pytest.raises(NotImplementedError, match="contiguous run"):
-        moda_attention(**inputs, variant=variant, backend="triton")
-    assert_matches_reference(inputs, backend="auto", variant=variant)
 
 
 # --- documents ------------------------------------------------------------------------
@@ -442,43 +373,6 @@ def test_doc_ids_are_copied_where_the_variant_is_made():
     variant = v.document(ids)
     ids[3:] = 1
     assert variant.structure.documents.contiguous and variant.structure.doc_ids.unique().tolist() == [0]
-
-
-DOC_BACKENDS = ["auto", "reference", "flex", "triton"]
-
-
-@pytest.mark.parametrize("backend", DOC_BACKENDS)
-@pytest.mark.parametrize(
-    "doc_ids, combine",
-    [
-        (torch.zeros(5, dtype=torch.long), lambda d: v.causal() & d),  # Tk = 7
-        (torch.zeros(1, 9, dtype=torch.long), lambda d: d),
-        (torch.zeros(3, 7, dtype=torch.long), lambda d: v.causal() & d),  # B = 2
-        (torch.zeros(5, dtype=torch.long), lambda d: d | v.causal()),  # a union keeps no structure
-    ],
-    ids=["short", "long", "batch", "union"],
-)
-def test_doc_ids_must_fit_the_call_on_every_backend(backend, doc_ids, combine):
-    if backend == "triton":
-        _triton()
-    inputs = make_inputs(MoDAShape(batch=2, q_heads=2, kv_heads=1, q_len=4, kv_len=7, slots=2, head_dim=16))
-    with pytest.raises(ValueError, match=r"doc_ids must have shape \(B, Tk\) or \(1, Tk\) for inputs with B=2, Tk=7"):
-        moda_attention(**inputs, variant=combine(v.document(doc_ids)), backend=backend)
-
-
-def _split_ids(batch: int, kv_len: int):
-    """(batch, kv_len) ids from a few values, so that documents come back after others."""
-    return st.lists(
-        st.lists(st.integers(0, 2), min_size=kv_len, max_size=kv_len), min_size=batch, max_size=batch
-    ).map(torch.tensor)
-
-
-@settings(max_examples=examples(15))
-@given(shape=FLEX_SHAPES, data=st.data())
-def test_documents_split_into_runs_are_computed_exactly_by_flex(shape, data):
-    documents = v.document(data.draw(_split_ids(shape.batch, shape.kv_len)))
-    variant = data.draw(st.sampled_from([documents, v.causal() & documents, documents & v.depth_window(1)]))
-    assert_matches_reference(make_inputs(shape), backend="flex", variant=variant)
 
 
 def test_a_document_that_comes_back_is_one_document():

@@ -9,26 +9,13 @@ import torch
 
 from moda_flex import causal, chunk_depth, depth_only, depth_window, document, full, sliding_window
 from moda_flex.variants import Variant
-from moda_flex.visualize import (
-    FULL,
-    MAX_CELLS,
-    PARTIAL,
-    SKIPPED,
-    block_mask_grid,
-    block_mask_text,
-    dense_mask,
-    load_variant,
-    main,
-    mask_text,
-    plot_block_mask,
-    plot_mask,
-)
+from moda_flex.visualize import FULL, MAX_CELLS, PARTIAL, SKIPPED, MaskView, load_variant, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_causal_mask_is_bottom_right_aligned_with_own_depth():
-    mask = dense_mask(causal(), q_len=3, kv_len=5, slots=2)
+    mask = MaskView(causal(), q_len=3, kv_len=5, slots=2).dense()
     expected = torch.tensor(
         [
             [1, 1, 1, 0, 0, 1, 1],
@@ -41,8 +28,8 @@ def test_causal_mask_is_bottom_right_aligned_with_own_depth():
 
 
 def test_folded_rows_repeat_each_token_per_group():
-    unfolded = dense_mask(sliding_window(2), q_len=4, kv_len=6, slots=3)
-    folded = dense_mask(sliding_window(2), q_len=4, kv_len=6, slots=3, groups=3, folded=True)
+    unfolded = MaskView(sliding_window(2), q_len=4, kv_len=6, slots=3).dense()
+    folded = MaskView(sliding_window(2), q_len=4, kv_len=6, slots=3, groups=3, folded=True).dense()
     assert folded.shape == (12, 9)
     assert torch.equal(folded, unfolded.repeat_interleave(3, dim=0))
 
@@ -50,13 +37,13 @@ def test_folded_rows_repeat_each_token_per_group():
 def test_folded_rows_pass_the_query_head_to_the_predicates():
     # Odd query heads see nothing of the sequence: the head index must be h = kv_head * G + r % G.
     even_heads = Variant("even_heads", lambda b, h, q_pos, k_pos: (h % 2 == 0) & (k_pos <= q_pos))
-    folded = dense_mask(even_heads, q_len=2, kv_len=3, groups=2, folded=True, kv_head=1)
+    folded = MaskView(even_heads, q_len=2, kv_len=3, groups=2, folded=True, kv_head=1).dense()
     assert folded[:, :3].any(dim=1).tolist() == [True, False, True, False]
-    assert not dense_mask(even_heads, q_len=2, kv_len=3, head=3).any()
+    assert not MaskView(even_heads, q_len=2, kv_len=3, head=3).dense().any()
 
 
 def test_chunk_depth_packs_the_depth_of_every_token():
-    mask = dense_mask(chunk_depth(2), q_len=3, kv_len=4, slots=2)
+    mask = MaskView(chunk_depth(2), q_len=3, kv_len=4, slots=2).dense()
     # Positions 1, 2, 3: chunks {0, 1}, {2, 3}; token t's slots are columns 4 + 2t, 5 + 2t.
     expected_depth = torch.tensor(
         [
@@ -68,21 +55,21 @@ def test_chunk_depth_packs_the_depth_of_every_token():
     )
     assert torch.equal(mask[:, 4:], expected_depth)
     with pytest.raises(ValueError, match="packed=False"):
-        dense_mask(chunk_depth(2), q_len=3, kv_len=4, slots=2, packed=False)
-    packed_causal = dense_mask(causal(), q_len=3, kv_len=4, slots=2, packed=True)
+        MaskView(chunk_depth(2), q_len=3, kv_len=4, slots=2, packed=False).dense()
+    packed_causal = MaskView(causal(), q_len=3, kv_len=4, slots=2, packed=True).dense()
     assert torch.equal(packed_causal[:, 4:], torch.eye(3, dtype=torch.bool).repeat_interleave(2, dim=1))
 
 
 def test_document_uses_the_batch_row():
     ids = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]])
-    row0 = dense_mask(causal() & document(ids), q_len=4, kv_len=4, batch=0)
-    row1 = dense_mask(causal() & document(ids), q_len=4, kv_len=4, batch=1)
+    row0 = MaskView(causal() & document(ids), q_len=4, kv_len=4, batch=0).dense()
+    row1 = MaskView(causal() & document(ids), q_len=4, kv_len=4, batch=1).dense()
     assert row0[3].tolist() == [False, False, True, True]
     assert row1[3].tolist() == [False, True, True, True]
 
 
 def test_text_marks_cells_and_the_boundary():
-    text = mask_text(depth_window(1), q_len=3, kv_len=5, slots=2)
+    text = MaskView(depth_window(1), q_len=3, kv_len=5, slots=2).text()
     lines = text.splitlines()
     assert lines[0].startswith("depth_window(1): Tq=3 Tk=5 L=2 G=1")
     assert lines[1].split() == ["p", "01234|01"]
@@ -91,7 +78,7 @@ def test_text_marks_cells_and_the_boundary():
 
 
 def test_text_of_folded_rows_labels_row_and_position():
-    lines = mask_text(full(), q_len=2, kv_len=2, slots=1, groups=2, folded=True).splitlines()
+    lines = MaskView(full(), q_len=2, kv_len=2, slots=1, groups=2, folded=True).text().splitlines()
     assert "folded rows" in lines[0]
     assert [line.split()[:2] for line in lines[2:]] == [["0", "0"], ["1", "0"], ["2", "1"], ["3", "1"]]
     assert all(line.split()[2] == "██|█" for line in lines[2:])
@@ -99,9 +86,9 @@ def test_text_of_folded_rows_labels_row_and_position():
 
 def test_text_cell_count_matches_the_mask():
     kwargs = dict(q_len=5, kv_len=7, slots=2, groups=2, folded=True)
-    text = mask_text(chunk_depth(3), **kwargs)
+    text = MaskView(chunk_depth(3), **kwargs).text()
     assert "depth of every query token" in text
-    assert text.count("█") - 1 == int(dense_mask(chunk_depth(3), **kwargs).sum())  # minus the legend
+    assert text.count("█") - 1 == int(MaskView(chunk_depth(3), **kwargs).dense().sum())  # minus the legend
 
 
 @pytest.mark.parametrize(
@@ -117,13 +104,13 @@ def test_text_cell_count_matches_the_mask():
 )
 def test_bad_sizes_raise(kwargs, argument):
     with pytest.raises(ValueError, match=argument):
-        dense_mask(causal(), **kwargs)
+        MaskView(causal(), **kwargs).dense()
 
 
 def test_png_has_the_dashed_boundary(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "mask.png"
-    figure = plot_mask(depth_only(), q_len=3, kv_len=5, slots=2, path=str(path))
+    figure = MaskView(depth_only(), q_len=3, kv_len=5, slots=2).plot(path=str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     ax = figure.axes[0]
     dashed = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
@@ -134,7 +121,7 @@ def test_png_has_the_dashed_boundary(tmp_path):
 
 def test_png_labels_like_the_text(tmp_path):
     pytest.importorskip("matplotlib")
-    figure = plot_mask(causal(), q_len=3, kv_len=5, slots=2)
+    figure = MaskView(causal(), q_len=3, kv_len=5, slots=2).plot()
     ax = figure.axes[0]
     figure.canvas.draw()  # tick labels are formatted at drawing time
     assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "1", "2", "3", "4", "0", "1"]  # slots from 0
@@ -147,14 +134,14 @@ def test_png_draws_into_a_given_axes():
     matplotlib_figure = pytest.importorskip("matplotlib.figure")
     figure = matplotlib_figure.Figure()
     ax = figure.subplots()
-    assert plot_mask(causal(), q_len=2, kv_len=2, ax=ax) is figure
+    assert MaskView(causal(), q_len=2, kv_len=2).plot(ax=ax) is figure
 
 
 def test_png_without_matplotlib_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(ImportError, match="pip install matplotlib"):
-        plot_mask(causal(), q_len=2, kv_len=2)
+        MaskView(causal(), q_len=2, kv_len=2).plot()
 
 
 def test_command_line_prints_every_builtin(capsys, tmp_path):
@@ -225,8 +212,8 @@ def test_command_line_without_matplotlib_prints_text_and_exits_0(tmp_path):
 def test_block_grid_agrees_with_the_elements(variant):
     # 200 tokens, G=2: 400 folded rows (4 row blocks); 256 padded key columns + 200 * 3 depth columns.
     T, G, L, B = 200, 2, 3, 128
-    grid = block_mask_grid(variant, q_len=T, kv_len=T, slots=L, groups=G)
-    elements = dense_mask(variant, q_len=T, kv_len=T, slots=L, groups=G, folded=True, packed=True)
+    grid = MaskView(variant, q_len=T, kv_len=T, slots=L, groups=G).blocks()
+    elements = MaskView(variant, q_len=T, kv_len=T, slots=L, groups=G, folded=True, packed=True).dense()
     padded = torch.zeros(4 * B, 256 + T * L + (-(T * L) % B), dtype=torch.bool)
     padded[: T * G, :T] = elements[:, :T]
     padded[: T * G, 256 : 256 + T * L] = elements[:, T:]
@@ -239,20 +226,20 @@ def test_block_grid_agrees_with_the_elements(variant):
 
 
 def test_block_grid_of_causal_moda_is_a_depth_band():
-    grid = block_mask_grid(causal(), q_len=512, kv_len=512, slots=16, groups=8)
+    grid = MaskView(causal(), q_len=512, kv_len=512, slots=16, groups=8).blocks()
     assert grid.shape == (32, 4 + 64)
     # A row block holds 128 / 8 = 16 tokens, whose 16 * 16 depth slots are two column blocks.
     for row in range(32):
         assert (grid[row, 4:] != SKIPPED).nonzero().flatten().tolist() == [2 * row, 2 * row + 1]
     assert (grid[:, :4] == FULL).sum() == sum(range(4)) * 8  # sequence blocks wholly below the diagonal
-    text = block_mask_text(causal(), q_len=512, kv_len=512, slots=16, groups=8)
+    text = MaskView(causal(), q_len=512, kv_len=512, slots=16, groups=8).blocks_text()
     assert text.splitlines()[1] == "   0  ▒···|▒▒" + "·" * 62
 
 
 def test_block_png_has_a_legend_and_the_boundary(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "blocks.png"
-    figure = plot_block_mask(causal(), q_len=256, kv_len=256, slots=4, groups=4, path=str(path))
+    figure = MaskView(causal(), q_len=256, kv_len=256, slots=4, groups=4).plot_blocks(path=str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     ax = figure.axes[0]
     assert [t.get_text().split(":")[0] for t in ax.get_legend().get_texts()] == ["full", "partial", "skipped"]

@@ -27,8 +27,8 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from .nonfinite import mark_rows, rows_seeing_dense, zero_nonfinite
-from .variants import Variant, resolve
+from ..nonfinite import mark_rows, rows_seeing_dense, zero_nonfinite
+from ..variants import Variant, resolve
 
 
 def reference_attention(

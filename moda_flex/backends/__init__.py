@@ -1,0 +1,124 @@
+"""The backends, and the one policy that picks among them for ``backend="auto"``.
+
+A backend is a function ``(q, k, v, depth_k, depth_v, variant, scale) -> (out, lse)``
+that runs a call :func:`moda_flex.moda_attention` has already checked:
+
+    reference   backends/reference.py   the definition in plain PyTorch: any device, float64, second derivatives
+    flex        backends/flex/          one FlexAttention call over [sequence | depth]: any variant
+    triton      moda_flex/triton/       the fused kernels: CUDA (CPU under TRITON_INTERPRET=1), structured variants
+
+``auto``, the same for a direct call and for the layers of :mod:`moda_flex.nn`,
+takes the first that applies:
+
+1. no depth entry, no score, a causal mask with ``Tq == Tk`` or a full one,
+   and no lse asked for: PyTorch's ``scaled_dot_product_attention``, which
+   computes exactly that call (a baseline model, a MoDA model's first layer).
+   It gives a masked key a zero weight, and ``0 * NaN = NaN``: a NaN or Inf
+   in a later token's key or value reaches the earlier rows here;
+2. on CUDA: ``triton`` where it supports the call, else ``flex``;
+3. elsewhere: ``reference`` (on CPU it beats eager FlexAttention).
+
+Whatever the name, a call with no output element (B, Hq or Tq is 0) runs on
+``reference``, which gives the empty result with a backward.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..variants import Variant
+from .reference import reference_attention
+
+NAMES = ("auto", "reference", "flex", "triton")
+
+Backend = Callable[..., tuple[Tensor, Optional[Tensor]]]
+
+
+def choose(name: str, q: Tensor, k: Tensor, slots: int, variant: Variant, *, return_lse: bool) -> Backend:
+    """The backend that runs a checked call; the triton support check runs here, once.
+
+    Args:
+        name: one of :data:`NAMES`.
+        q: (B, Hq, Tq, D) queries; k: (B, Hk, Tk, D) keys (only shapes, dtype and device are read).
+        slots: L, the depth entries per query token.
+        variant: the call's variant, its score included.
+        return_lse: whether the caller wants the lse (``scaled_dot_product_attention`` gives none).
+
+    Raises:
+        ValueError: for a name not in :data:`NAMES`.
+        NotImplementedError: when the backend named cannot run the call, saying why.
+    """
+    if name not in NAMES:
+        raise ValueError(f"backend must be one of {NAMES}, got {name!r}")
+    run = _auto(q, k, slots, variant, return_lse) if name == "auto" else _named(name, q, variant)
+    return reference_attention if q.numel() == 0 else run
+
+
+def _named(name: str, q: Tensor, variant: Variant) -> Backend:
+    if name == "reference":
+        return reference_attention
+    if name == "flex":
+        return _flex()
+    triton = _triton()
+    if triton is None:
+        raise NotImplementedError(
+            "backend 'triton' needs the triton package (installed with moda_flex on Linux); "
+            "use backend='flex' or 'reference'"
+        )
+    reason = triton.unsupported_reason(q, variant)
+    if reason is not None:
+        raise NotImplementedError(f"backend 'triton' cannot run variant {variant.name!r}: {reason}")
+    return triton.triton_attention
+
+
+def _auto(q: Tensor, k: Tensor, slots: int, variant: Variant, return_lse: bool) -> Backend:
+    if not return_lse and slots == 0 and _plain(variant, q.shape[2], k.shape[2]):
+        return sdpa_attention
+    if q.device.type != "cuda":
+        return reference_attention
+    triton = _triton()
+    if triton is not None and triton.unsupported_reason(q, variant) is None:
+        return triton.triton_attention
+    return _flex()
+
+
+def _plain(variant: Variant, q_len: int, kv_len: int) -> bool:
+    """The variant's sequence mask is one ``scaled_dot_product_attention`` computes: full, or causal at ``Tq == Tk``.
+
+    (SDPA aligns a causal mask top-left, MoDA bottom-right: the two agree only when ``Tq == Tk``.)
+    """
+    s = variant.structure
+    if variant.score is not None or s is None or not s.sequence or s.window is not None or s.documents is not None:
+        return False
+    return not s.causal or q_len == kv_len
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, depth_k, depth_v, variant: Variant, scale: float):
+    """A call :func:`_plain` accepts, with no depth entry, through PyTorch's SDPA.
+
+    Returns:
+        out (B, Hq, Tq, D), and None in place of the lse.
+    """
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=variant.structure.causal, scale=scale, enable_gqa=True)
+    return out, None
+
+
+def _flex() -> Backend:
+    # Imported on first use: FlexAttention is not needed by every program.
+    from .flex import flex_attention_backend
+
+    return flex_attention_backend
+
+
+def _triton():
+    """The fused backend's package, or None without the triton package (no wheel exists off Linux)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return None
+    from .. import triton as package
+
+    return package

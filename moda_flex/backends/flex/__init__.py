@@ -1,0 +1,21 @@
+"""The flex backend: MoDA as one FlexAttention call over ``[sequence | chunk-packed depth]``.
+
+Layout (per batch and KV head)::
+
+    rows     r = t * G + g          query token t, query head kv_head * G + g
+    columns  [ k_0 ... k_{Tk-1} pad | depth(t=0, l=0..L-1) depth(t=1, ...) ... ]
+              \\___ Tk_pad = Tk rounded up to KV blocks __/ \\____ Tq * L ____/
+
+The G query heads of a group are folded into rows, so a block of rows covers
+a few consecutive tokens and reads one contiguous span of depth columns (the
+chunk-packed layout). The sequence part is padded to whole KV blocks so that
+no block mixes sequence keys and depth entries.
+
+- ``function.py``: the call: folding, the score, NaN handling, eager or compiled FlexAttention;
+- ``block_mask.py``: the element mask and the BlockMask built from the variant's structure.
+"""
+
+from .block_mask import BLOCK, moda_block_mask
+from .function import flex_attention_backend, flex_moda
+
+__all__ = ["BLOCK", "flex_attention_backend", "flex_moda", "moda_block_mask"]

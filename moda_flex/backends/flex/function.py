@@ -1,0 +1,241 @@
+"""The flex backend's call: MoDA through one ``flex_attention`` over folded rows and ``[sequence | depth]`` columns.
+
+The layout is the package's (:mod:`moda_flex.backends.flex`); the masks are
+:mod:`.block_mask`'s.
+
+A variant's score function (:mod:`moda_flex.scores`) becomes FlexAttention's
+``score_mod`` over the same layout: a row is read back as (query head, token)
+and a column as a key position or a (token, slot) depth entry, as the mask
+does; the tensors the score reads (learned biases) go in as FlexAttention's
+score buffers, so their gradients come back on the eager path too. The
+BlockMask is the variant's, unchanged.
+
+FlexAttention multiplies the masked entries of a visited block by a zero
+weight, and ``0 * NaN = NaN``; so the inputs go in with their NaN and Inf
+zeroed and the rows that see one come out NaN (:mod:`moda_flex.nonfinite`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+from ... import nonfinite
+from ...variants import Variant
+from ..reference import visible_entries
+from .block_mask import moda_block_mask, padded_kv_len
+
+
+def flex_attention_backend(
+    q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: Tensor, variant: Variant, scale: float
+) -> tuple[Tensor, Tensor]:
+    """MoDA through one ``flex_attention`` call; compiled on CUDA, eager elsewhere.
+
+    Args and returns as :func:`moda_flex.backends.reference.reference_attention`.
+    Supports first derivatives only.
+    """
+    if q.is_cuda:
+        return flex_moda(q, k, v, depth_k, depth_v, variant, scale, compiled=True)
+    return _eager_flex_moda(q, k, v, depth_k, depth_v, variant, scale)
+
+
+# Inductor compiles FlexAttention on CPU for inference only and without the
+# lse, so a compiled model runs this backend eagerly there, through a graph
+# break; fullgraph=True stops here with this reason.
+@torch.compiler.disable(
+    reason="moda_flex backend 'flex' runs FlexAttention eagerly off CUDA (inductor compiles it on CPU for "
+    "inference only, without the lse); under torch.compile(fullgraph=True) on CPU use backend='auto' or "
+    "'reference', which compile, training included"
+)
+def _eager_flex_moda(q, k, v, depth_k, depth_v, variant, scale):
+    return flex_moda(q, k, v, depth_k, depth_v, variant, scale, compiled=False)
+
+
+def flex_moda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    depth_k: Tensor,
+    depth_v: Tensor,
+    variant: Variant,
+    scale: float,
+    *,
+    compiled: bool,
+    return_lse: bool = True,
+):
+    """Like :func:`flex_attention_backend`, choosing eager or compiled FlexAttention.
+
+    Compiled FlexAttention on CPU runs inference only, without the lse: call it
+    with ``return_lse=False`` there.
+
+    Args:
+        q: (B, Hq, Tq, D); k, v: (B, Hk, Tk, D); depth_k, depth_v: (B, Hk, Tq, L, D).
+
+    Returns:
+        out (B, Hq, Tq, D), and lse (B, Hq, Tq) float32 if ``return_lse``.
+    """
+    B, Hq, Tq, D = q.shape
+    Hk, Tk, L = k.shape[1], k.shape[2], depth_k.shape[3]
+    G = Hq // Hk
+    # A visited block multiplies its masked entries by zero, and 0 * NaN = NaN:
+    # run on zeroed copies, then mark NaN the rows that see a non-finite entry.
+    q, q_bad = nonfinite.zero_nonfinite(q)  # (B, Hq, Tq, D), (B, Hq, Tq)
+    k, k_bad = nonfinite.zero_nonfinite(k)  # (B, Hk, Tk, D), (B, Hk, Tk)
+    v, v_bad = nonfinite.zero_nonfinite(v)
+    depth_k, depth_k_bad = nonfinite.zero_nonfinite(depth_k)  # (B, Hk, Tq, L, D), (B, Hk, Tq, L)
+    depth_v, depth_v_bad = nonfinite.zero_nonfinite(depth_v)
+    block_mask = moda_block_mask(variant, batch=B, kv_heads=Hk, q_len=Tq, kv_len=Tk, groups=G, slots=L, device=q.device)
+    kv_pad = block_mask.seq_lengths[1] - Tq * L - Tk
+
+    # Fold the G query heads of each group into rows: row r = t * G + g.
+    rows = q.view(B, Hk, G, Tq, D).transpose(2, 3).reshape(B, Hk, Tq * G, D)  # (B, Hk, Tq*G, D)
+    pad = k.new_zeros(B, Hk, kv_pad, D)
+    keys = torch.cat([k, pad, depth_k.reshape(B, Hk, Tq * L, D)], dim=2)  # (B, Hk, Tk_pad + Tq*L, D)
+    values = torch.cat([v, pad, depth_v.reshape(B, Hk, Tq * L, D)], dim=2)
+
+    score_mod, params = None, ()
+    if variant.score is not None:
+        # Check the params against this call, and the function on one scalar entry,
+        # here: inside FlexAttention's tracing an error would lose its message.
+        index = q.new_zeros((), dtype=torch.long)
+        variant.score.bind(Hq, L)(q.new_zeros((), dtype=torch.float32), index, index, index, index, index, index == 0)
+        score_mod = _score_mod(variant, q_heads=Hq, q_len=Tq, kv_len=Tk, groups=G, slots=L, device=q.device)
+        params = variant.score.params
+    rows, keys, values, *params = _FirstOrderOnly.apply(rows, keys, values, *params)
+    # An empty tensor (a depth bias when L = 0) has no gradient to compute, and
+    # the eager op fails on a buffer that requires grad yet is never read.
+    params = [p.detach() if p.numel() == 0 else p for p in params]
+    out, lse = _run_flex(rows, keys, values, block_mask, scale, compiled, return_lse, score_mod, tuple(params))
+    out = out.view(B, Hk, Tq, G, D).transpose(2, 3).reshape(B, Hq, Tq, D)  # (B, Hq, Tq, D)
+    if return_lse:
+        lse = lse.view(B, Hk, Tq, G).transpose(2, 3).reshape(B, Hq, Tq).float()  # (B, Hq, Tq)
+    seen = _rows_seeing_nonfinite(variant, q_bad, k_bad | v_bad, depth_k_bad | depth_v_bad)  # (B, Hq, Tq)
+    out, lse = nonfinite.mark_rows(out, lse, seen)
+    return (out, lse) if return_lse else out
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Identity on FlexAttention's inputs that refuses a backward pass building a graph.
+
+    FlexAttention's gradients are not differentiable: under ``create_graph=True``
+    they would come back without a graph and second derivatives would be
+    silently missing.
+    """
+
+    @staticmethod
+    def forward(*tensors: Tensor) -> tuple:
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor) -> tuple:
+        # Grad mode is on in a backward pass exactly under create_graph=True.
+        if torch.is_grad_enabled():
+            raise NotImplementedError(
+                "backend 'flex' has no second derivative (backward with create_graph=True, e.g. a gradient "
+                "penalty): use backend='reference', which has one"
+            )
+        return grads
+
+
+def _rows_seeing_nonfinite(variant: Variant, q_bad: Tensor, key_bad: Tensor, slot_bad: Tensor) -> Tensor:
+    """Rows (B, Hq, Tq) that see a non-finite entry: from the structure's spans, else densely."""
+    structure = variant.structure
+    if structure is not None and structure.keys_contiguous:
+        return nonfinite.rows_seeing(structure, q_bad, key_bad, slot_bad)
+    B, Hq, Tq = q_bad.shape
+    Tk, L = key_bad.shape[2], slot_bad.shape[3]
+    seq_visible, depth_visible = visible_entries(variant, B, Hq, Tq, Tk, L, q_bad.device)
+    return nonfinite.rows_seeing_dense(seq_visible, depth_visible, q_bad, key_bad, slot_bad, variant.own_depth_only)
+
+
+def _run_flex(rows, keys, values, block_mask, scale, compiled, return_lse, score_mod=None, params=()):
+    """flex_attention over folded rows; returns out and the natural-log lse (None unless asked).
+
+    ``score_mod(score, b, h, row, col, *params)`` or None; the public
+    function reads ``params`` from a closure, the eager op as buffers.
+    """
+    closed = None if score_mod is None else (lambda score, b, h, row, col: score_mod(score, b, h, row, col, *params))
+    if compiled:
+        flex = functools.partial(_compiled_flex(), rows, keys, values, score_mod=closed, block_mask=block_mask, scale=scale)
+        if not return_lse:
+            return flex(), None
+        out, aux = flex(return_aux=AuxRequest(lse=True))
+        return out, aux.lse
+    needs_grad = any(t.requires_grad for t in (rows, keys, values, *params)) and torch.is_grad_enabled()
+    if rows.device.type == "cpu" and needs_grad:
+        return _eager_flex_with_grad(rows, keys, values, block_mask, scale, score_mod, params)
+    with warnings.catch_warnings():
+        # Eager FlexAttention warns that it materializes scores; at test sizes
+        # that is the point.
+        warnings.simplefilter("ignore", UserWarning)
+        out, aux = flex_attention(
+            rows, keys, values, score_mod=closed, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True)
+        )
+    return out, aux.lse
+
+
+def _eager_flex_with_grad(rows, keys, values, block_mask, scale, score_mod=None, params=()):
+    """FlexAttention's eager operator, differentiable on CPU.
+
+    The public ``flex_attention`` refuses CPU inputs that require grad, yet its
+    eager implementation (the higher-order op, plain PyTorch inside) has a
+    working backward. Calling the op directly lets the CPU tests check every
+    gradient of this backend; CUDA always takes the public function.
+    """
+    from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_op
+    from torch.nn.attention.flex_attention import _apply_kernel_options
+
+    kernel_options = _apply_kernel_options(rows, keys, values, True, None)
+    score_mod = _no_score_mod if score_mod is None else score_mod
+    out, lse = flex_attention_op(
+        rows, keys, values, score_mod, block_mask.as_tuple(), scale, kernel_options, tuple(params)
+    )[:2]
+    # The op keeps its statistics in base 2.
+    return out, lse * math.log(2.0)
+
+
+def _no_score_mod(score, b, h, q_idx, kv_idx):
+    return score
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex():
+    # Compiled once, on first use, never at import time. Dynamic shapes (after
+    # the first new length) and tensor-held lengths in the mask keep one
+    # compiled kernel for many lengths instead of one per length.
+    return torch.compile(flex_attention)
+
+
+def _score_mod(variant: Variant, *, q_heads: int, q_len: int, kv_len: int, groups: int, slots: int, device):
+    """The variant's score over folded rows and ``[sequence | pad | depth]`` columns, as FlexAttention's score_mod.
+
+    Returns ``moda_score(score, b, h, row, col, *params)``, ``h`` the KV
+    head; ``params`` are the score's tensors (or a backend's copies of them).
+    """
+    score = variant.score
+    # Lengths in a tensor, as for the mask: a compiled kernel reads them as inputs.
+    dims = torch.tensor([kv_len - q_len, max(kv_len - 1, 0), padded_kv_len(kv_len), max(slots, 1)], device=device)
+
+    def moda_score(s, b, h, row, col, *params):
+        offset, last_key, kv_padded, slots_t = dims.unbind()
+        fn = score.bind(q_heads, slots, params)
+        token = row // groups
+        q_pos = token + offset  # offset: absolute position of query token 0
+        q_head = h * groups + row % groups
+        is_depth = col >= kv_padded
+        depth_col = (col - kv_padded).clamp(min=0)
+        # Sequence (and pad) columns: the key's position; depth: the entry's token and slot.
+        pos = torch.where(is_depth, depth_col // slots_t + offset, torch.minimum(col, last_key))
+        slot = torch.where(is_depth, depth_col % slots_t, torch.zeros_like(depth_col))
+        return fn(s, b, q_head, q_pos, pos, slot, is_depth)
+
+    moda_score.__name__ = f"moda_{score.name}"
+    return moda_score
