@@ -206,7 +206,7 @@ def table(results: dict) -> str:
 def main(argv=None) -> dict:
     """Run the four rows; print and return {row: (ms, relative error)}."""
     p = cli.parser(__doc__)
-    p.add_argument("--device", default=cli.default_device(), help=cli.DEVICE_HELP)
+    cli.add_device(p)
     p.add_argument("--quick", action="store_true", help=f"tiny sizes {QUICK_SHAPE} instead of {FULL_SHAPE}")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                    help="input dtype (default: bfloat16 on CUDA, float32 on CPU)")  # fmt: skip

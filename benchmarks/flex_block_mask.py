@@ -25,7 +25,7 @@ def main(argv=None):
     parser.add_argument("--groups", type=int, default=8, help="G = Hq / Hk")
     parser.add_argument("--slots", type=int, default=64, help="L depth entries per token")
     parser.add_argument("--repeats", type=int, default=5, help="timed builds (the median is reported)")
-    parser.add_argument("--device", default=cli.default_device(), help=cli.DEVICE_HELP)
+    cli.add_device(parser)
     args = parser.parse_args(argv)
     cli.check_device(parser, args.device)
 

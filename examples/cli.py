@@ -2,7 +2,7 @@
 
     parser = cli.parser(__doc__)
     parser.add_argument("--steps", type=int, default=400, help="training steps")
-    parser.add_argument("--device", default=cli.default_device(), help=cli.DEVICE_HELP)
+    cli.add_device(parser)
     args = parser.parse_args(argv)
     device = cli.check_device(parser, args.device)
 
@@ -40,6 +40,11 @@ def parser(description: str, prog: str | None = None) -> argparse.ArgumentParser
 def default_device() -> str:
     """``"cuda"`` where a CUDA device is present, else ``"cpu"``."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def add_device(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """The ``--device`` option, defaulting to :func:`default_device`; ``note`` is added to its help."""
+    parser.add_argument("--device", default=default_device(), help=DEVICE_HELP + note)
 
 
 def check_device(parser: argparse.ArgumentParser, name: str, flag: str = "--device") -> torch.device:

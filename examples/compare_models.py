@@ -560,7 +560,7 @@ def parse_args(argv=None):
     p.add_argument("--report-dir", type=Path, default=None, help="study.md and the plots (default: beside --results)")
     p.add_argument("--data", default=None, help="a text file instead of the offline corpus")
     p.add_argument("--max-bytes", type=int, default=200_000_000, help="the most corpus bytes to use")
-    p.add_argument("--device", default=cli.default_device(), help=cli.DEVICE_HELP)
+    cli.add_device(p)
     p.add_argument("--backend", default="auto", help="moda_attention backend")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile(model, fullgraph=True) (default: on CUDA)")

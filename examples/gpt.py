@@ -189,7 +189,7 @@ def main(argv=None) -> str:
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest bytes")
     p.add_argument("--seed", type=int, default=1337, help="seed of the initial weights and the sampling")
-    p.add_argument("--device", default=cli.default_device(), help=cli.DEVICE_HELP)
+    cli.add_device(p)
     args = p.parse_args(argv)
     device = cli.check_device(p, args.device)
     if not args.prompt and args.tokens > 0:

@@ -418,7 +418,7 @@ def parse_args(argv=None):
     p.add_argument("--seeds", default=None,
                    help="comma-separated seeds: train every model once per seed, report mean ± std (default: --seed)")
     p.add_argument("--eval-interval", type=int, default=100, help="steps between points of the validation curve")
-    p.add_argument("--device", default=cli.default_device(), help=cli.DEVICE_HELP + "; under torchrun: cuda")
+    cli.add_device(p, "; under torchrun: cuda")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="bf16 runs under autocast (default: bfloat16 on CUDA, float32 on CPU)")  # fmt: skip
     p.add_argument("--backend", default="auto", help="moda_attention backend")
