@@ -83,8 +83,10 @@ def triton_attention(
 
     Returns:
         out (B, Hq, Tq, D) in q's dtype and lse (B, Hq, Tq) float32, natural
-        log, ``-inf`` (and a zero output) for a row that sees no key. Both are
-        differentiable with respect to q, k, v, depth_k and depth_v.
+        log, ``-inf`` (and a zero output) for a row that sees no key, NaN
+        (in both) for a row whose query or a visible entry holds a NaN or Inf
+        (:mod:`moda_flex.nonfinite`). Both are differentiable with respect to
+        q, k, v, depth_k and depth_v.
     """
     reason = unsupported_reason(q, variant)
     if reason is not None:

@@ -34,6 +34,19 @@ padded to a power of two inside the kernels (``_head_lanes``). The backward
 runs the dQ kernel first: it also writes ``delta = rowsum(dO * O) - dLSE``,
 which the dK/dV kernel reads.
 
+NaN and Inf (the rule of ``moda_flex.nonfinite``), inside the kernels with no
+extra pass and no host sync: a masked entry still enters the dots with
+``p = 0``, and ``0 * NaN = NaN``, so every tile with masked entries (edge
+blocks, depth tiles) reads its non-finite values as zero, and a row that
+*sees* a non-finite query, key or value adds NaN to its softmax denominator
+(``x * 0`` is NaN exactly for a non-finite logit ``x``), which makes its out
+and lse NaN. Unmasked interior blocks are read as they are: a non-finite value
+there reaches every row through ``acc`` (folded into the denominator at the
+end), a non-finite key through ``x * 0``. The backward treats a row with
+``lse = NaN`` as dead: its p, delta and dq are zero and its q and dO are read
+as zero, so it sends no gradient, and every other row's gradients are those of
+the inputs with the non-finite entries zeroed, bit for bit.
+
 Scores are kept in base 2: ``qk_scale = scale * log2(e)``; LSE is stored in
 natural log. Batch/head base offsets and depth token offsets are int64: one
 depth tensor may hold more than 2**31 elements (T=16384, L=256, Hk=8, D=64).
@@ -97,6 +110,24 @@ def _visible(
 
 
 @triton.jit
+def _zero_nonfinite(v, D_AXIS: tl.constexpr):
+    """``v`` with its NaN and Inf entries zeroed, and per vector (summed over ``D_AXIS``) NaN if it held one, else 0.
+
+    A masked column still multiplies its value by ``p = 0``, and ``0 * NaN = NaN``:
+    its non-finite entries must be zeroed before a dot; the rows that may see
+    it add the returned NaN to their denominator instead.
+    """
+    v_nan = v * 0.0  # NaN exactly at the non-finite entries
+    return tl.where(v_nan == 0.0, v, 0.0), tl.sum(v_nan.to(tl.float32), D_AXIS)
+
+
+@triton.jit
+def _finite(x):
+    """``x`` with its NaN and Inf entries read as zero (for the products of masked entries in the backward)."""
+    return tl.where(x * 0.0 == 0.0, x, 0.0)
+
+
+@triton.jit
 def _fwd_seq_blocks(
     acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kt, stride_vt, q_pos, q_doc, doc_ptr,
     start, end, Tk, window, qk_scale,
@@ -111,7 +142,8 @@ def _fwd_seq_blocks(
             kT = tl.load(k_ptrs + k_pos[None, :] * stride_kt, mask=k_pos[None, :] < Tk, other=0.0)
         else:
             kT = tl.load(k_ptrs + k_pos[None, :] * stride_kt)
-        s = tl.dot(q, kT) * qk_scale  # (BLOCK_M, BLOCK_N), base-2 logits
+        x = tl.dot(q, kT) * qk_scale  # (BLOCK_M, BLOCK_N), base-2 logits
+        s = x
         if MASKED:
             vis = _visible(q_pos[:, None], q_doc[:, None], k_pos[None, :], Tk, window, doc_ptr, CAUSAL, WINDOW, DOC)
             s = tl.where(vis, s, float("-inf"))
@@ -120,11 +152,17 @@ def _fwd_seq_blocks(
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
         if MASKED:
             v = tl.load(v_ptrs + k_pos[:, None] * stride_vt, mask=k_pos[:, None] < Tk, other=0.0)
+            v, v_nan = _zero_nonfinite(v, 1)
+            # a row that sees a non-finite key (x * 0 is NaN) or value gets NaN in its denominator
+            poison = tl.where(vis, x * 0.0 + v_nan[None, :], 0.0)
         else:
             v = tl.load(v_ptrs + k_pos[:, None] * stride_vt)
+            # every row sees every column: a bad value reaches acc by itself; a bad key may give
+            # x = -inf (p = 0, hidden), so add x * 0, which is NaN there
+            poison = x * 0.0
+        l_i = l_i * alpha + tl.sum(p + poison, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     return acc, m_i, l_i
@@ -223,7 +261,8 @@ def _fwd_kernel(
     q = tl.where(d_ok[None, :], q, 0.0)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    # a non-finite query makes its row NaN, even when the row sees no key
+    l_i = tl.sum((q * 0.0).to(tl.float32), 1)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
 
     if HAS_SEQ:
@@ -265,26 +304,44 @@ def _fwd_kernel(
             col_ok = (col_token < Tq) & (slot < L)[None, :]  # (U, BLOCK_C)
             dk_slot, dv_slot = _slot_bases(DK_TAB, DV_TAB, slot, L, Q.dtype.element_ty)
             dkT = tl.load(dk_slot[None, None, :] + dk_offs, mask=col_ok[:, None, :], other=0.0)
-            s = tl.dot(q3, dkT) * qk_scale  # (U, DEPTH_ROWS, BLOCK_C)
-            s = tl.where(own[None, :, :] & (slot < L)[None, None, :], s, float("-inf"))
+            x = tl.dot(q3, dkT) * qk_scale  # (U, DEPTH_ROWS, BLOCK_C)
+            vis = own[None, :, :] & (slot < L)[None, None, :]
+            s = tl.where(vis, x, float("-inf"))
             m_new = tl.maximum(m3, tl.max(s, 2))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - m_use[:, :, None])
             alpha = tl.math.exp2(m3 - m_use)
-            l3 = l3 * alpha + tl.sum(p, 2)
             dv = tl.load(dv_slot[None, :, None] + dv_offs, mask=col_ok[:, :, None], other=0.0)
+            dv, dv_nan = _zero_nonfinite(dv, 2)
+            # as in the masked sequence blocks: only a row that sees a non-finite entry gets NaN
+            l3 = l3 * alpha + tl.sum(p + tl.where(vis, x * 0.0 + dv_nan[:, None, :], 0.0), 2)
             acc3 = acc3 * alpha[:, :, None] + tl.dot(p.to(dv.dtype), dv)
             m3 = m_new
         acc = tl.reshape(acc3, (BLOCK_M, HEAD_DIM))
         m_i = tl.reshape(m3, (BLOCK_M,))
         l_i = tl.reshape(l3, (BLOCK_M,))
 
+    # A non-finite value in an unmasked block reached acc unsanitized (p * NaN, 0 * Inf):
+    # fold it into l too, so that such a row stores NaN in out and lse.
+    l_i += tl.sum(acc * 0.0, 1)
     # normalize once and store O and LSE (Alg. 1 lines 30-31); an empty row gives 0 and -inf
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_i)) * _LN2)
     tl.store(O + grp[:, None] * soh + tok[:, None] * sot + offs_d[None, :] * sod,
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LSE + grp * slh + tok * slt, lse, mask=row_ok)
+
+
+@triton.jit
+def _row_lse2(lse_ptrs, row_ok):
+    """The rows' lse in base 2 for recomputing ``p = exp2(s - lse)``, and which rows are dead.
+
+    A row that saw no key (lse = -inf) and a dead row, one that saw a NaN or
+    Inf (lse = NaN) and sends no gradient, both get lse = +inf, so p = 0.
+    """
+    lse = tl.load(lse_ptrs, mask=row_ok, other=float("inf"))
+    dead = lse != lse
+    return tl.where((lse == float("-inf")) | dead, float("inf"), lse) * _LOG2E, dead
 
 
 @triton.jit
@@ -303,12 +360,11 @@ def _bwd_dkdv_blocks(
     for t0 in range(start, end, BLOCK_T):
         tok = t0 + offs_m // GP
         row_ok = (tok < Tq) & (grp < G)
+        lse, dead = _row_lse2(LSE + grp * slh + tok * slt, row_ok)
+        # a dead row's q and dO may hold NaN: zero them, so that its p = 0 and it adds exact zeros
         q = tl.load(Q + grp[:, None] * sqh + tok[:, None] * sqt + offs_d[None, :] * sqd,
                     mask=row_ok[:, None], other=0.0)
-        q = tl.where(d_ok[None, :], q, 0.0)
-        lse = tl.load(LSE + grp * slh + tok * slt, mask=row_ok, other=float("inf"))
-        # a row that saw no key has lse = -inf: give it zero probability, not inf
-        lse = tl.where(lse == float("-inf"), float("inf"), lse) * _LOG2E
+        q = tl.where(d_ok[None, :] & ~dead[:, None], q, 0.0)
         pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
         if MASKED:
             q_pos = tok + shift
@@ -322,7 +378,7 @@ def _bwd_dkdv_blocks(
             pT = tl.where(vis, pT, 0.0)
         do = tl.load(DO + grp[:, None] * sdoh + tok[:, None] * sdot + offs_d[None, :] * sdod,
                      mask=row_ok[:, None], other=0.0)
-        do = tl.where(d_ok[None, :], do, 0.0)
+        do = tl.where(d_ok[None, :] & ~dead[:, None], do, 0.0)
         dv += tl.dot(pT.to(do.dtype), do)
         delta = tl.load(DELTA + grp * slh + tok * slt, mask=row_ok, other=0.0)
         dpT = tl.dot(v, tl.trans(do))
@@ -369,8 +425,10 @@ def _bwd_dkdv_kernel(
     offs_d, d_ok = _head_lanes(HEAD_DIM, D_REAL)
     k_pos = n0 + offs_n
     k_ok = k_pos < Tk
-    k = tl.load(K + k_pos[:, None] * skt + offs_d[None, :] * skd, mask=k_ok[:, None], other=0.0)
-    v = tl.load(V + k_pos[:, None] * svt + offs_d[None, :] * svd, mask=k_ok[:, None], other=0.0)
+    # A live row never sees a non-finite key or value, but masked ones still enter its products (0 * NaN):
+    # read the block as if they were zero, once.
+    k = _finite(tl.load(K + k_pos[:, None] * skt + offs_d[None, :] * skd, mask=k_ok[:, None], other=0.0))
+    v = _finite(tl.load(V + k_pos[:, None] * svt + offs_d[None, :] * svd, mask=k_ok[:, None], other=0.0))
     if DOC:
         k_doc = tl.load(DOC_IDS + k_pos, mask=k_ok, other=0)
     else:
@@ -426,9 +484,10 @@ def _bwd_dq_seq_blocks(
     for start_n in range(start, end, BLOCK_N):
         k_pos = start_n + offs_n
         if MASKED:
-            kT = tl.load(k_ptrs + k_pos[None, :] * stride_kt, mask=k_pos[None, :] < Tk, other=0.0)
-            vT = tl.load(v_ptrs + k_pos[None, :] * stride_vt, mask=k_pos[None, :] < Tk, other=0.0)
-        else:
+            # a masked non-finite key or value would reach a live row through 0 * NaN: read it as zero
+            kT = _finite(tl.load(k_ptrs + k_pos[None, :] * stride_kt, mask=k_pos[None, :] < Tk, other=0.0))
+            vT = _finite(tl.load(v_ptrs + k_pos[None, :] * stride_vt, mask=k_pos[None, :] < Tk, other=0.0))
+        else:  # every row sees these keys: a non-finite one only reaches dead rows, whose dq is zeroed
             kT = tl.load(k_ptrs + k_pos[None, :] * stride_kt)
             vT = tl.load(v_ptrs + k_pos[None, :] * stride_vt)
         p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse[:, None])  # (BLOCK_M, BLOCK_N)
@@ -496,19 +555,21 @@ def _bwd_dq_kernel(
     grp = offs_m % GP
     row_ok = (tok < Tq) & (grp < G)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    lse, dead = _row_lse2(LSE + grp * slh + tok * slt, row_ok)
+    # A dead row (it saw a NaN or Inf) sends no gradient: zero q and dO, so that its p = 0 and its
+    # terms in the depth gradients are exact zeros, and give it delta = 0.
+    live = d_ok[None, :] & ~dead[:, None]
     q = tl.load(Q + grp[:, None] * sqh + tok[:, None] * sqt + offs_d[None, :] * sqd,
                 mask=row_ok[:, None], other=0.0)
-    q = tl.where(d_ok[None, :], q, 0.0)
+    q = tl.where(live, q, 0.0)
     do = tl.load(DO + grp[:, None] * sdoh + tok[:, None] * sdot + offs_d[None, :] * sdod,
                  mask=row_ok[:, None], other=0.0)
-    do = tl.where(d_ok[None, :], do, 0.0)
-    lse = tl.load(LSE + grp * slh + tok * slt, mask=row_ok, other=float("inf"))
-    # a row that saw no key has lse = -inf: give it zero probability, not inf
-    lse = tl.where(lse == float("-inf"), float("inf"), lse) * _LOG2E
+    do = tl.where(live, do, 0.0)
     o = tl.load(O + grp[:, None] * soh + tok[:, None] * sot + offs_d[None, :] * sod, mask=row_ok[:, None], other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     if HAS_GLSE:
         delta -= tl.load(GLSE + grp * slh + tok * slt, mask=row_ok, other=0.0)
+    delta = tl.where(dead, 0.0, delta)
     tl.store(DELTA + grp * slh + tok * slt, delta, mask=row_ok)
 
     if HAS_SEQ:
@@ -550,8 +611,9 @@ def _bwd_dq_kernel(
             col_ok = ((col_token < Tq) & (slot < L)[None, :])[:, :, None]  # (U, BLOCK_C, 1)
             store_ok = col_ok & d_ok[None, None, :]
             dk_slot, dv_slot = _slot_bases(DK_TAB, DV_TAB, slot, L, Q.dtype.element_ty)
-            kd = tl.load(dk_slot[None, :, None] + dk_offs, mask=col_ok, other=0.0)  # (U, BLOCK_C, D)
-            vd = tl.load(dv_slot[None, :, None] + dv_offs, mask=col_ok, other=0.0)
+            # every depth column is masked for most rows of a tile: read non-finite entries as zero
+            kd = _finite(tl.load(dk_slot[None, :, None] + dk_offs, mask=col_ok, other=0.0))  # (U, BLOCK_C, D)
+            vd = _finite(tl.load(dv_slot[None, :, None] + dv_offs, mask=col_ok, other=0.0))
             p = tl.math.exp2(tl.dot(q3, tl.permute(kd, (0, 2, 1))) * qk_scale - lse3[:, :, None])
             p = tl.where(own[None, :, :] & (slot < L)[None, None, :], p, 0.0)  # (U, DEPTH_ROWS, BLOCK_C)
             dp = tl.dot(do3, tl.permute(vd, (0, 2, 1)))
@@ -564,5 +626,7 @@ def _bwd_dq_kernel(
             tl.store(gv_ptrs + slot[None, :, None] * sgdl, gv.to(DDVO.dtype.element_ty), mask=store_ok)
         dq = tl.reshape(dq3, (BLOCK_M, HEAD_DIM))
 
+    # a dead row's dq took NaN from the unmasked blocks (unsanitized keys): it sends no gradient
+    dq = tl.where(dead[:, None], 0.0, dq)
     tl.store(DQO + grp[:, None] * sgqh + tok[:, None] * sgqt + offs_d[None, :] * sgqd,
              (dq * scale).to(DQO.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
