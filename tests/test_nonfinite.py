@@ -11,11 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moda_flex import moda_attention
+from moda_flex import depth_bias, moda_attention, softcap
 from moda_flex import variants as v
 from moda_flex.nonfinite import rows_seeing, rows_seeing_dense, zero_nonfinite
 from moda_flex.reference import visible_entries
-from moda_flex.testing import MoDAShape, make_inputs, moda_shapes, variants
+from moda_flex.testing import MoDAShape, make_inputs, moda_shapes, score_functions, variants
 
 from budget import examples
 
@@ -44,11 +44,16 @@ def _rows_that_see(name, index, shape, variant):
 
 
 def _run(inputs, backend, variant, grad_out):
-    """out, lse and the five gradients of ``sum(out * grad_out)``."""
+    """out, lse and the gradients of ``sum(out * grad_out)``: the five inputs' and the score's tensors'."""
     leaves = {name: t.detach().clone().requires_grad_() for name, t in inputs.items()}
+    params = [] if variant.score is None else [p.detach().clone().requires_grad_() for p in variant.score.params]
+    if params:
+        variant = variant.with_score(variant.score.with_params(params))
     out, lse = moda_attention(**leaves, variant=variant, backend=backend, return_lse=True)
     out.backward(grad_out)
-    return out.detach(), lse.detach(), {name: leaves[name].grad for name in NAMES}
+    grads = {name: leaves[name].grad for name in NAMES}
+    grads.update({f"score.params[{i}]": p.grad for i, p in enumerate(params)})
+    return out.detach(), lse.detach(), grads
 
 
 def _assert_reaches_only_its_rows(backend, shape, variant, name, index, value, device="cpu"):
@@ -68,7 +73,7 @@ def _assert_reaches_only_its_rows(backend, shape, variant, name, index, value, d
     assert torch.isnan(out[seen]).all() and torch.isnan(lse[seen]).all(), f"a row that sees it is not NaN ({where})"
     assert torch.equal(out[~seen], ref_out[~seen]), f"out of a row that cannot see it changed ({where})"
     assert torch.equal(lse[~seen], ref_lse[~seen]), f"lse of a row that cannot see it changed ({where})"
-    for n in NAMES:
+    for n in grads:
         assert torch.equal(grads[n], ref_grads[n]), f"grad of {n} changed ({where})"
 
 
@@ -108,9 +113,11 @@ def test_a_non_finite_entry_reaches_only_the_rows_that_see_it(backend, shape, da
 @settings(max_examples=examples(10))
 @given(shape=SHAPES, data=st.data(), value=VALUES)
 def test_a_non_finite_entry_reaches_only_the_rows_that_see_it_on_triton(shape, data, value):
-    """The same rule inside the kernels, over the variants they fuse (few examples: the interpreter is slow)."""
+    """The rule inside the kernels, over the variants and scores they fuse (few examples: the interpreter is slow)."""
     pytest.importorskip("triton")
     variant = data.draw(variants(shape, kinds=TRITON_KINDS, max_terms=2, structured=True))
+    score = data.draw(st.none() | score_functions(shape, kinds=("softcap", "depth_bias"), max_terms=1))
+    variant = variant if score is None else variant & score
     name, index = data.draw(_entries(shape))
     _assert_reaches_only_its_rows("triton", shape, variant, name, index, value)
 
@@ -149,6 +156,25 @@ def test_triton_named_entries(case):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     variant, name, index = MASKED[case] if case in MASKED else (v.full(), "v", (0, 0, 3))
     _assert_reaches_only_its_rows("triton", SHAPE, variant, name, index, float("nan"), device=device)
+
+
+# Visible entries: in a block the kernels mask (Tk < BLOCK_N), and in one they read unmasked (Tk > BLOCK_N = 16 on CPU).
+VISIBLE = {"visible": SHAPE, "visible in an unmasked block": MoDAShape(1, 4, 2, 7, 20, 3, 16)}
+
+
+@NUMPY_NAN_WARNINGS
+@pytest.mark.parametrize("backend", ["reference", "flex", "triton"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("case", sorted(MASKED) + sorted(VISIBLE))
+def test_the_rule_holds_with_a_score(backend, value, case):
+    """Soft-capping maps an Inf logit to a finite one, and a learned bias gets gradients: neither may hide the rule."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    shape = VISIBLE.get(case, SHAPE)
+    variant, name, index = MASKED[case] if case in MASKED else (v.full(), "k", (0, 0, 3))
+    bias = torch.linspace(-1.0, 1.0, shape.q_heads * shape.slots).view(shape.q_heads, shape.slots)
+    variant = variant & depth_bias(bias.requires_grad_()) & softcap(2.0)
+    _assert_reaches_only_its_rows(backend, shape, variant, name, index, value)
 
 
 @settings(max_examples=examples(30))

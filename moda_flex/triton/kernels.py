@@ -128,11 +128,36 @@ def _finite(x):
 
 
 @triton.jit
+def _score(x, bias, softcap, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_FIRST: tl.constexpr):
+    """The fused score on base-2 logits ``x``: the scored logits, and the cap's derivative (for dS).
+
+    ``softcap``: ``cap * tanh(s / cap)`` in natural units, which in base 2 is
+    ``cap * log2(e) * tanh(y)`` with ``y = x ln2 / cap``, derivative
+    ``1 - tanh(y)^2``; ``bias``: the depth bias in base 2, added before the cap
+    (``BIAS_FIRST``) or after it. The derivative means nothing without
+    ``HAS_SOFTCAP``.
+    """
+    s = x
+    dcap = x
+    if HAS_BIAS and BIAS_FIRST:
+        s = s + bias
+    if HAS_SOFTCAP:
+        # tanh(|y|) = 1 - r, r = 2 / (e^(2|y|) + 1) through exp2 (e^(2|y|) = 2^(2|x| / cap)): it saturates at 1
+        # and keeps NaN, and 1 - tanh^2 = r (2 - r) has no cancellation where tanh is near +-1
+        r = 2.0 / (tl.math.exp2(tl.abs(s) * (2.0 / softcap)) + 1.0)
+        s = tl.where(s < 0, r - 1.0, 1.0 - r) * (softcap * _LOG2E)
+        dcap = r * (2.0 - r)
+    if HAS_BIAS and not BIAS_FIRST:
+        s = s + bias
+    return s, dcap
+
+
+@triton.jit
 def _fwd_seq_blocks(
     acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kt, stride_vt, q_pos, q_doc, doc_ptr,
-    start, end, Tk, window, qk_scale,
+    start, end, Tk, window, qk_scale, softcap,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Online-softmax update of ``(acc, m, l)`` over key blocks ``[start, end)`` (Alg. 1 lines 11-22)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -143,7 +168,7 @@ def _fwd_seq_blocks(
         else:
             kT = tl.load(k_ptrs + k_pos[None, :] * stride_kt)
         x = tl.dot(q, kT) * qk_scale  # (BLOCK_M, BLOCK_N), base-2 logits
-        s = x
+        s, _ = _score(x, 0.0, softcap, HAS_SOFTCAP, False, False)
         if MASKED:
             vis = _visible(q_pos[:, None], q_doc[:, None], k_pos[None, :], Tk, window, doc_ptr, CAUSAL, WINDOW, DOC)
             s = tl.where(vis, s, float("-inf"))
@@ -160,7 +185,7 @@ def _fwd_seq_blocks(
         else:
             v = tl.load(v_ptrs + k_pos[:, None] * stride_vt)
             # every row sees every column: a bad value reaches acc by itself; a bad key may give
-            # x = -inf (p = 0, hidden), so add x * 0, which is NaN there
+            # x = -inf (p = 0, hidden) or be capped, so add the raw x * 0, which is NaN there
             poison = x * 0.0
         l_i = l_i * alpha + tl.sum(p + poison, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -214,26 +239,58 @@ def _slot_bases(DK_TAB, DV_TAB, slot, L, ELEM: tl.constexpr):
 
 
 @triton.jit
+def _bias_tile(BIAS, sbh, sbl, slot, L, G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr):
+    """The depth bias of a tile in base 2, (DEPTH_ROWS, BLOCK_C): ``bias[head of the row, slot of the column]``."""
+    head = tl.arange(0, DEPTH_ROWS) % GP  # rows of a tile are heads of consecutive tokens
+    ok = (head < G)[:, None] & (slot < L)[None, :]
+    return tl.load(BIAS + head[:, None] * sbh + slot[None, :] * sbl, mask=ok, other=0.0) * _LOG2E
+
+
+@triton.jit
+def _store_bias_grad(GBIAS, ds, l0, L, G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr,
+                     BLOCK_C: tl.constexpr):
+    """Sum a depth tile's dS (U, DEPTH_ROWS, BLOCK_C) per (head, slot) into slots ``l0 ...`` of a (GP, L) row.
+
+    Row ``r`` of a tile is head ``r % GP`` of its token ``r // GP``; column
+    ``c`` is slot ``c % BLOCK_S`` of token ``c // BLOCK_S``. dS is zero off a
+    row's own token, so summing over all tokens of rows and columns keeps
+    exactly the own-token terms.
+    """
+    P: tl.constexpr = DEPTH_ROWS // GP
+    BLOCK_S: tl.constexpr = BLOCK_C // P
+    g = tl.sum(ds, 0)  # (DEPTH_ROWS, BLOCK_C)
+    g = tl.sum(tl.reshape(g, (P, GP, BLOCK_C)), 0)  # (GP, BLOCK_C)
+    g = tl.sum(tl.reshape(g, (GP, P, BLOCK_S)), 1)  # (GP, BLOCK_S)
+    head = tl.arange(0, GP)
+    slot = l0 + tl.arange(0, BLOCK_S)
+    tl.store(GBIAS + head[:, None] * L + slot[None, :], g, mask=(head < G)[:, None] & (slot < L)[None, :])
+
+
+@triton.jit
 def _fwd_kernel(
-    Q, K, V, DK_TAB, DV_TAB, DOC_IDS, DOC_LO, DOC_HI, O, LSE,
+    Q, K, V, DK_TAB, DV_TAB, DOC_IDS, DOC_LO, DOC_HI, BIAS, O, LSE,
     sqb, sqh, sqt, sqd,
     skb, skh, skt, skd,
     svb, svh, svt, svd,
     sdkb, sdkh, sdkt, sdkd,
     sdvb, sdvh, sdvt, sdvd,
     sdoc,
+    sbh, sbl,
     sob, soh, sot, sod,
     slb, slh, slt,
-    Hk, Tq, Tk, L, depth_first, window, qk_scale,
+    Hk, Tq, Tk, L, depth_first, window, qk_scale, softcap,
     G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_DEPTH: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_FIRST: tl.constexpr,
 ):
     """Fused MoDA forward: writes O (B, Hq, Tq, D) and LSE (B, Hq, Tq).
 
     Depth slot ``l`` of every token lives at address ``DK_TAB[l]`` (``DV_TAB[l]``)
-    plus the (b, h, t, d) strides: the slots may be separate tensors.
+    plus the (b, h, t, d) strides: the slots may be separate tensors. ``BIAS``:
+    the depth bias (Hq, L) float32 (strides ``sbh``, ``sbl``) with ``HAS_BIAS``;
+    ``softcap`` the cap with ``HAS_SOFTCAP`` (:func:`_score`).
     """
     BLOCK_T: tl.constexpr = BLOCK_M // GP
     # Causal blocks at the end of the sequence are the longest: launch them first.
@@ -251,6 +308,7 @@ def _fwd_kernel(
     DOC_IDS += b * sdoc
     DOC_LO += b * sdoc
     DOC_HI += b * sdoc
+    BIAS += hk * G * sbh
 
     offs_d, d_ok = _head_lanes(HEAD_DIM, D_REAL)
     offs_m = tl.arange(0, BLOCK_M)
@@ -278,13 +336,16 @@ def _fwd_kernel(
         v_ptrs = V + offs_d[None, :] * svd
         # edge blocks before the interior (window / document start), masked
         acc, m_i, l_i = _fwd_seq_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
-                                        lo, a, Tk, window, qk_scale, True, CAUSAL, WINDOW, DOC, BLOCK_N)
+                                        lo, a, Tk, window, qk_scale, softcap, True, CAUSAL, WINDOW, DOC,
+                                        HAS_SOFTCAP, BLOCK_N)
         # interior blocks every row sees in full (Alg. 1 lines 11-17): no mask
         acc, m_i, l_i = _fwd_seq_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
-                                        a, b_, Tk, window, qk_scale, False, CAUSAL, WINDOW, DOC, BLOCK_N)
+                                        a, b_, Tk, window, qk_scale, softcap, False, CAUSAL, WINDOW, DOC,
+                                        HAS_SOFTCAP, BLOCK_N)
         # boundary blocks with the grouped causal mask (Alg. 1 lines 18-23)
         acc, m_i, l_i = _fwd_seq_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
-                                        b_, hi, Tk, window, qk_scale, True, CAUSAL, WINDOW, DOC, BLOCK_N)
+                                        b_, hi, Tk, window, qk_scale, softcap, True, CAUSAL, WINDOW, DOC,
+                                        HAS_SOFTCAP, BLOCK_N)
 
     if HAS_DEPTH:
         # Depth phase (Alg. 1 lines 24-29): each tile of DEPTH_ROWS rows against its own tokens' slots.
@@ -305,8 +366,12 @@ def _fwd_kernel(
             dk_slot, dv_slot = _slot_bases(DK_TAB, DV_TAB, slot, L, Q.dtype.element_ty)
             dkT = tl.load(dk_slot[None, None, :] + dk_offs, mask=col_ok[:, None, :], other=0.0)
             x = tl.dot(q3, dkT) * qk_scale  # (U, DEPTH_ROWS, BLOCK_C)
+            bias = 0.0
+            if HAS_BIAS:
+                bias = _bias_tile(BIAS, sbh, sbl, slot, L, G, GP, DEPTH_ROWS)
+            s, _ = _score(x, bias, softcap, HAS_SOFTCAP, HAS_BIAS, BIAS_FIRST)
             vis = own[None, :, :] & (slot < L)[None, None, :]
-            s = tl.where(vis, x, float("-inf"))
+            s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m3, tl.max(s, 2))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - m_use[:, :, None])
@@ -348,9 +413,10 @@ def _row_lse2(lse_ptrs, row_ok):
 def _bwd_dkdv_blocks(
     dk, dv, k, v, Q, DO, LSE, DELTA,
     sqh, sqt, sqd, sdoh, sdot, sdod, slh, slt,
-    k_pos, Tq, Tk, shift, window, doc_ptr, k_doc, qk_scale, start, end,
+    k_pos, Tq, Tk, shift, window, doc_ptr, k_doc, qk_scale, softcap, start, end,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
     G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query token blocks [start, end)."""
     BLOCK_T: tl.constexpr = BLOCK_M // GP
@@ -365,7 +431,8 @@ def _bwd_dkdv_blocks(
         q = tl.load(Q + grp[:, None] * sqh + tok[:, None] * sqt + offs_d[None, :] * sqd,
                     mask=row_ok[:, None], other=0.0)
         q = tl.where(d_ok[None, :] & ~dead[:, None], q, 0.0)
-        pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
+        sT, dcapT = _score(tl.dot(k, tl.trans(q)) * qk_scale, 0.0, softcap, HAS_SOFTCAP, False, False)
+        pT = tl.math.exp2(sT - lse[None, :])  # (BLOCK_N, BLOCK_M)
         if MASKED:
             q_pos = tok + shift
             if DOC:
@@ -383,6 +450,8 @@ def _bwd_dkdv_blocks(
         delta = tl.load(DELTA + grp * slh + tok * slt, mask=row_ok, other=0.0)
         dpT = tl.dot(v, tl.trans(do))
         dsT = pT * (dpT - delta[None, :])
+        if HAS_SOFTCAP:
+            dsT *= dcapT
         dk += tl.dot(dsT.to(q.dtype), q)
     return dk, dv
 
@@ -397,10 +466,10 @@ def _bwd_dkdv_kernel(
     slb, slh, slt,
     sdoc,
     sgb, sgh, sgt, sgd,
-    Hk, Tq, Tk, window, scale, qk_scale,
+    Hk, Tq, Tk, window, scale, qk_scale, softcap,
     G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     """dK, dV (B, Hk, Tk, D) of one block of BLOCK_N sequence keys, summed over the G heads that read it."""
     BLOCK_T: tl.constexpr = BLOCK_M // GP
@@ -459,14 +528,14 @@ def _bwd_dkdv_kernel(
     a = tl.minimum(tl.maximum(tl.cdiv(full_lo - shift, BLOCK_T) * BLOCK_T, lo), hi)
     b_ = tl.minimum(tl.maximum(((full_hi - shift) // BLOCK_T) * BLOCK_T, a), hi)
     dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, sqh, sqt, sqd, sdoh, sdot, sdod, slh, slt,
-                              k_pos, Tq, Tk, shift, window, DOC_IDS, k_doc, qk_scale, lo, a,
-                              True, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, D_REAL, BLOCK_M)
+                              k_pos, Tq, Tk, shift, window, DOC_IDS, k_doc, qk_scale, softcap, lo, a,
+                              True, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, D_REAL, BLOCK_M, HAS_SOFTCAP)
     dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, sqh, sqt, sqd, sdoh, sdot, sdod, slh, slt,
-                              k_pos, Tq, Tk, shift, window, DOC_IDS, k_doc, qk_scale, a, b_,
-                              False, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, D_REAL, BLOCK_M)
+                              k_pos, Tq, Tk, shift, window, DOC_IDS, k_doc, qk_scale, softcap, a, b_,
+                              False, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, D_REAL, BLOCK_M, HAS_SOFTCAP)
     dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, sqh, sqt, sqd, sdoh, sdot, sdod, slh, slt,
-                              k_pos, Tq, Tk, shift, window, DOC_IDS, k_doc, qk_scale, b_, hi,
-                              True, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, D_REAL, BLOCK_M)
+                              k_pos, Tq, Tk, shift, window, DOC_IDS, k_doc, qk_scale, softcap, b_, hi,
+                              True, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, D_REAL, BLOCK_M, HAS_SOFTCAP)
     store_ok = k_ok[:, None] & d_ok[None, :]
     tl.store(DKO + k_pos[:, None] * sgt + offs_d[None, :] * sgd, (dk * scale).to(DKO.dtype.element_ty), mask=store_ok)
     tl.store(DVO + k_pos[:, None] * sgt + offs_d[None, :] * sgd, dv.to(DVO.dtype.element_ty), mask=store_ok)
@@ -475,9 +544,9 @@ def _bwd_dkdv_kernel(
 @triton.jit
 def _bwd_dq_seq_blocks(
     dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kt, stride_vt, q_pos, q_doc, doc_ptr,
-    start, end, Tk, window, qk_scale,
+    start, end, Tk, window, qk_scale, softcap,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Accumulate dQ (unscaled) over key blocks [start, end)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -490,19 +559,22 @@ def _bwd_dq_seq_blocks(
         else:  # every row sees these keys: a non-finite one only reaches dead rows, whose dq is zeroed
             kT = tl.load(k_ptrs + k_pos[None, :] * stride_kt)
             vT = tl.load(v_ptrs + k_pos[None, :] * stride_vt)
-        p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse[:, None])  # (BLOCK_M, BLOCK_N)
+        s, dcap = _score(tl.dot(q, kT) * qk_scale, 0.0, softcap, HAS_SOFTCAP, False, False)
+        p = tl.math.exp2(s - lse[:, None])  # (BLOCK_M, BLOCK_N)
         if MASKED:
             vis = _visible(q_pos[:, None], q_doc[:, None], k_pos[None, :], Tk, window, doc_ptr, CAUSAL, WINDOW, DOC)
             p = tl.where(vis, p, 0.0)
         dp = tl.dot(do, vT)
         ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds *= dcap
         dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
     return dq
 
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DELTA, DOC_IDS, DOC_LO, DOC_HI, DQO, DDKO, DDVO,
+    Q, K, V, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DELTA, DOC_IDS, DOC_LO, DOC_HI, BIAS, DQO, DDKO, DDVO, GBIAS,
     sqb, sqh, sqt, sqd,
     sob, soh, sot, sod,
     skb, skh, skt, skd,
@@ -512,20 +584,25 @@ def _bwd_dq_kernel(
     sdob, sdoh, sdot, sdod,
     slb, slh, slt,
     sdoc,
+    sbh, sbl,
     sgqb, sgqh, sgqt, sgqd,
     sgdb, sgdh, sgdt, sgdl, sgdd,
-    Hk, Tq, Tk, L, depth_first, window, scale, qk_scale,
+    Hk, Tq, Tk, L, depth_first, window, scale, qk_scale, softcap,
     G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_DEPTH: tl.constexpr, HAS_GLSE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_FIRST: tl.constexpr, BIAS_GRAD: tl.constexpr,
 ):
     """dQ of one query block, the depth gradients of its tokens, and DELTA of its rows for the dK/dV kernel.
 
     ``DELTA = rowsum(dO * O) - dLSE`` (so that ``dS = P * (dP - DELTA)`` also
     carries the lse gradient; LSE, GLSE and DELTA share strides). A token's
     depth entries are read only by its own G rows, which all live in this
-    block, so dK_depth and dV_depth are written once, without atomics.
+    block, so dK_depth and dV_depth are written once, without atomics. With
+    ``BIAS_GRAD``, the program also writes its part of the depth bias's
+    gradient, summed over its tokens: row ``(b, hk, block)`` of GBIAS
+    (B * Hk, blocks, GP, L) float32, which the launcher reduces.
     """
     BLOCK_T: tl.constexpr = BLOCK_M // GP
     block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -548,6 +625,8 @@ def _bwd_dq_kernel(
     DOC_IDS += b * sdoc
     DOC_LO += b * sdoc
     DOC_HI += b * sdoc
+    BIAS += hk * G * sbh
+    GBIAS += (pid_bh * tl.num_programs(0) + block) * GP * L
 
     offs_d, d_ok = _head_lanes(HEAD_DIM, D_REAL)
     offs_m = tl.arange(0, BLOCK_M)
@@ -584,11 +663,14 @@ def _bwd_dq_kernel(
         k_ptrs = K + offs_d[:, None] * skd
         v_ptrs = V + offs_d[:, None] * svd
         dq = _bwd_dq_seq_blocks(dq, q, do, lse, delta, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
-                                lo, a, Tk, window, qk_scale, True, CAUSAL, WINDOW, DOC, BLOCK_N)
+                                lo, a, Tk, window, qk_scale, softcap, True, CAUSAL, WINDOW, DOC,
+                                HAS_SOFTCAP, BLOCK_N)
         dq = _bwd_dq_seq_blocks(dq, q, do, lse, delta, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
-                                a, b_, Tk, window, qk_scale, False, CAUSAL, WINDOW, DOC, BLOCK_N)
+                                a, b_, Tk, window, qk_scale, softcap, False, CAUSAL, WINDOW, DOC,
+                                HAS_SOFTCAP, BLOCK_N)
         dq = _bwd_dq_seq_blocks(dq, q, do, lse, delta, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
-                                b_, hi, Tk, window, qk_scale, True, CAUSAL, WINDOW, DOC, BLOCK_N)
+                                b_, hi, Tk, window, qk_scale, softcap, True, CAUSAL, WINDOW, DOC,
+                                HAS_SOFTCAP, BLOCK_N)
 
     if HAS_DEPTH:
         # Depth phase in the forward's tiles: each tile of DEPTH_ROWS rows against its own tokens' slots.
@@ -614,10 +696,21 @@ def _bwd_dq_kernel(
             # every depth column is masked for most rows of a tile: read non-finite entries as zero
             kd = _finite(tl.load(dk_slot[None, :, None] + dk_offs, mask=col_ok, other=0.0))  # (U, BLOCK_C, D)
             vd = _finite(tl.load(dv_slot[None, :, None] + dv_offs, mask=col_ok, other=0.0))
-            p = tl.math.exp2(tl.dot(q3, tl.permute(kd, (0, 2, 1))) * qk_scale - lse3[:, :, None])
+            bias = 0.0
+            if HAS_BIAS:
+                bias = _bias_tile(BIAS, sbh, sbl, slot, L, G, GP, DEPTH_ROWS)
+            s, dcap = _score(tl.dot(q3, tl.permute(kd, (0, 2, 1))) * qk_scale, bias, softcap,
+                          HAS_SOFTCAP, HAS_BIAS, BIAS_FIRST)
+            p = tl.math.exp2(s - lse3[:, :, None])
             p = tl.where(own[None, :, :] & (slot < L)[None, None, :], p, 0.0)  # (U, DEPTH_ROWS, BLOCK_C)
             dp = tl.dot(do3, tl.permute(vd, (0, 2, 1)))
-            ds = p * (dp - delta3[:, :, None])
+            ds = p * (dp - delta3[:, :, None])  # gradient of the scored logit
+            if BIAS_GRAD and not BIAS_FIRST:  # bias added last: its gradient is dS itself
+                _store_bias_grad(GBIAS, ds, l0, L, G, GP, DEPTH_ROWS, BLOCK_C)
+            if HAS_SOFTCAP:
+                ds *= dcap
+            if BIAS_GRAD and BIAS_FIRST:  # bias added before the cap: its gradient is the raw logit's
+                _store_bias_grad(GBIAS, ds, l0, L, G, GP, DEPTH_ROWS, BLOCK_C)
             dq3 += tl.dot(ds.to(kd.dtype), kd)
             # a column's gradient sums over its own token's G rows (p and ds are zero elsewhere)
             gv = tl.dot(tl.permute(p, (0, 2, 1)).to(do3.dtype), do3)  # (U, BLOCK_C, D)
