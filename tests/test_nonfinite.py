@@ -20,6 +20,8 @@ from moda_flex.testing import MoDAShape, make_inputs, moda_shapes, score_functio
 from budget import examples
 
 NAMES = ("q", "k", "v", "depth_k", "depth_v")
+# Where the Triton kernels run: on the GPU, else on the CPU through the interpreter.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _rows_that_see(name, index, shape, variant):
@@ -116,10 +118,11 @@ def test_a_non_finite_entry_reaches_only_the_rows_that_see_it_on_triton(shape, d
     """The rule inside the kernels, over the variants and scores they fuse (few examples: the interpreter is slow)."""
     pytest.importorskip("triton")
     variant = data.draw(variants(shape, kinds=TRITON_KINDS, max_terms=2, structured=True))
-    score = data.draw(st.none() | score_functions(shape, kinds=("softcap", "depth_bias"), max_terms=1))
+    scores = score_functions(shape, kinds=("softcap", "depth_bias"), max_terms=1, device=TRITON_DEVICE)
+    score = data.draw(st.none() | scores)
     variant = variant if score is None else variant & score
     name, index = data.draw(_entries(shape))
-    _assert_reaches_only_its_rows("triton", shape, variant, name, index, value)
+    _assert_reaches_only_its_rows("triton", shape, variant, name, index, value, device=TRITON_DEVICE)
 
 
 SHAPE = MoDAShape(batch=1, q_heads=4, kv_heads=2, q_len=7, kv_len=9, slots=3, head_dim=16)
@@ -153,9 +156,8 @@ def test_a_visible_nan_is_not_hidden():
 @pytest.mark.parametrize("case", sorted(MASKED) + ["visible"])
 def test_triton_named_entries(case):
     pytest.importorskip("triton")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     variant, name, index = MASKED[case] if case in MASKED else (v.full(), "v", (0, 0, 3))
-    _assert_reaches_only_its_rows("triton", SHAPE, variant, name, index, float("nan"), device=device)
+    _assert_reaches_only_its_rows("triton", SHAPE, variant, name, index, float("nan"), device=TRITON_DEVICE)
 
 
 # Visible entries: in a block the kernels mask (Tk < BLOCK_N), and in one they read unmasked (Tk > BLOCK_N = 16 on CPU).
@@ -170,11 +172,12 @@ def test_the_rule_holds_with_a_score(backend, value, case):
     """Soft-capping maps an Inf logit to a finite one, and a learned bias gets gradients: neither may hide the rule."""
     if backend == "triton":
         pytest.importorskip("triton")
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
     shape = VISIBLE.get(case, SHAPE)
     variant, name, index = MASKED[case] if case in MASKED else (v.full(), "k", (0, 0, 3))
-    bias = torch.linspace(-1.0, 1.0, shape.q_heads * shape.slots).view(shape.q_heads, shape.slots)
+    bias = torch.linspace(-1.0, 1.0, shape.q_heads * shape.slots, device=device).view(shape.q_heads, shape.slots)
     variant = variant & depth_bias(bias.requires_grad_()) & softcap(2.0)
-    _assert_reaches_only_its_rows(backend, shape, variant, name, index, value)
+    _assert_reaches_only_its_rows(backend, shape, variant, name, index, value, device=device)
 
 
 @settings(max_examples=examples(30))

@@ -118,27 +118,33 @@ def test_custom_score_runs_on_flex():
     assert_matches_reference(make_inputs(shape), backend="flex", variant=causal() & Score("halve_depth", halve_depth))
 
 
-def test_learned_depth_bias_gets_gradient_on_every_backend():
-    shape = MoDAShape(1, 2, 1, 4, 7, 3, 8)
-    for backend in ("reference", "flex", "triton"):
-        bias = torch.zeros(3, requires_grad=True)
-        out = moda_attention(**make_inputs(shape), score=depth_bias(bias), backend=backend)
-        out.square().sum().backward()
-        assert bias.grad is not None and bias.grad.abs().sum() > 0, backend
-
-
-# ---- triton: softcap and depth_bias fused into the kernels, the other scores refused ----------------
-
+# Where the Triton kernels run: on the GPU, else on the CPU through the interpreter.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The variant families and scores the Triton kernels fuse.
 TRITON_KINDS = ("causal", "full", "sliding_window", "depth_window", "depth_only", "document")
 TRITON_SCORES = ("softcap", "depth_bias")
+
+
+@pytest.mark.parametrize("backend", ["reference", "flex", "triton"])
+def test_learned_depth_bias_gets_gradient_on_every_backend(backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    bias = torch.zeros(3, device=device, requires_grad=True)
+    out = moda_attention(**make_inputs(MoDAShape(1, 2, 1, 4, 7, 3, 8), device=device), score=depth_bias(bias),
+                         backend=backend)  # fmt: skip
+    out.square().sum().backward()
+    assert bias.grad is not None and bias.grad.abs().sum() > 0
+
+
+# ---- triton: softcap and depth_bias fused into the kernels, the other scores refused ----------------
 
 
 def _fused(score: Score) -> bool:
     """At most one softcap and one depth_bias: what the kernels run."""
     from moda_flex.triton import unsupported_reason
 
-    return unsupported_reason(torch.zeros(1, 1, 1, 8), full() & score) is None
+    return unsupported_reason(torch.zeros(1, 1, 1, 8, device=TRITON_DEVICE), full() & score) is None
 
 
 @settings(max_examples=examples(15))
@@ -147,8 +153,9 @@ def test_triton_matches_reference_with_scores(shape, data):
     """Output, lse and every gradient, the learned bias's included, for every fused score in either order."""
     pytest.importorskip("triton")
     variant = data.draw(variants(shape, kinds=TRITON_KINDS, structured=True))
-    score = data.draw(score_functions(shape, kinds=TRITON_SCORES).filter(_fused))
-    inputs = make_inputs(shape, strided_depth=data.draw(st.booleans()), depth_entries=data.draw(st.booleans()))
+    score = data.draw(score_functions(shape, kinds=TRITON_SCORES, device=TRITON_DEVICE).filter(_fused))
+    strided, entries = data.draw(st.booleans()), data.draw(st.booleans())
+    inputs = make_inputs(shape, device=TRITON_DEVICE, strided_depth=strided, depth_entries=entries)
     assert_matches_reference(inputs, backend="triton", variant=variant & score)
 
 
@@ -156,26 +163,27 @@ def test_triton_matches_reference_with_scores(shape, data):
     "make_score",
     [
         lambda: softcap(0.75),
-        lambda: depth_bias(_learned(3)),
-        lambda: softcap(0.75) & depth_bias(_learned(4, 3)),
-        lambda: depth_bias(_learned(4, 3)) & softcap(0.75),
+        lambda: depth_bias(_learned(3).to(TRITON_DEVICE)),
+        lambda: softcap(0.75) & depth_bias(_learned(4, 3).to(TRITON_DEVICE)),
+        lambda: depth_bias(_learned(4, 3).to(TRITON_DEVICE)) & softcap(0.75),
     ],
     ids=["softcap", "depth_bias", "softcap&depth_bias", "depth_bias&softcap"],
 )
 @pytest.mark.parametrize("variant", [causal(), full(), depth_window(2)], ids=str)
 def test_triton_fuses_softcap_and_depth_bias(make_score, variant):
-    shape = MoDAShape(2, 4, 2, 5, 19, 3, 8)
-    assert_matches_reference(make_inputs(shape), backend="triton", variant=variant & make_score())
+    pytest.importorskip("triton")
+    inputs = make_inputs(MoDAShape(2, 4, 2, 5, 19, 3, 8), device=TRITON_DEVICE)
+    assert_matches_reference(inputs, backend="triton", variant=variant & make_score())
 
 
 def test_triton_learns_the_bias_through_the_compiled_op():
     """torch.compile (fullgraph) reaches the kernels through the torch.library op; the bias's gradient with it."""
     pytest.importorskip("triton")
-    inputs = make_inputs(MoDAShape(1, 4, 2, 7, 9, 3, 16), requires_grad=False)
+    inputs = make_inputs(MoDAShape(1, 4, 2, 7, 9, 3, 16), device=TRITON_DEVICE, requires_grad=False)
     grads = []
     for compiled in (True, False):
         leaves = [t.clone().requires_grad_() for t in inputs.values()]
-        bias = torch.linspace(-1.0, 1.0, 12).view(4, 3).requires_grad_()  # a layer's parameter
+        bias = torch.linspace(-1.0, 1.0, 12, device=TRITON_DEVICE).view(4, 3).requires_grad_()  # a layer's parameter
         score = softcap(2.0) & depth_bias(bias)
 
         def step(q, k, v, depth_k, depth_v):

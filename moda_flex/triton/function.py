@@ -358,7 +358,7 @@ def _reduce_bias_grad(parts: Tensor, bias: Tensor, B: int, Hk: int, G: int) -> T
     """The depth bias's gradient in its shape and dtype from the dQ kernel's (B * Hk, blocks, GP, L) parts."""
     grad = parts.view(B, Hk, -1, *parts.shape[2:]).sum(dim=(0, 2))[:, :G]  # (Hk, G, L)
     grad = grad.reshape(Hk * G, -1)  # (Hq, L): query head h = hk * G + g
-    return (grad.sum(0) if bias.dim() == 1 else grad).to(bias.dtype)
+    return (grad.sum(0) if bias.dim() == 1 else grad).to(device=bias.device, dtype=bias.dtype)
 
 
 def _cdiv(a: int, b: int) -> int:
