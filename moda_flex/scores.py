@@ -25,7 +25,9 @@ them from the arguments of ``build``, never from a closure: the flex backend
 hands them to FlexAttention as buffers, which is how their gradients are
 computed on its eager path.
 
-Backends: ``reference`` and ``flex`` run every score; ``triton`` none yet.
+Backends: ``reference`` and ``flex`` run every score; ``triton`` fuses
+``softcap`` and ``depth_bias`` (alone or joined, in either order), which it
+recognizes by :attr:`Score.terms`.
 """
 
 from __future__ import annotations
@@ -54,6 +56,13 @@ class Score:
 
     ``a & b`` applies ``a`` then ``b``; ``variant & score`` (or ``score &
     variant``) is the variant with the score.
+
+    Attributes:
+        terms: what a fused kernel needs to recognize the built-ins it runs:
+            for ``softcap`` and ``depth_bias`` and ``&`` chains of them, the
+            terms in the order they apply, ``("softcap", cap)`` or
+            ``("depth_bias", None)`` (which reads the next tensor of
+            ``params``); None for every other score.
     """
 
     def __init__(
@@ -76,6 +85,7 @@ class Score:
         self.name = name
         self.params = params
         self._build = build if build is not None else (lambda q_heads, slots: fn)
+        self.terms = None
 
     def bind(self, q_heads: int, slots: int, params: Optional[Sequence[Tensor]] = None) -> ScoreFunction:
         """The score function for a call with ``Hq = q_heads`` and ``L = slots``, reading ``params``.
@@ -91,7 +101,9 @@ class Score:
         params = tuple(params)
         if len(params) != len(self.params):
             raise ValueError(f"score {self.name!r} reads {len(self.params)} params, got {len(params)}")
-        return Score(self.name, build=self._build, params=params)
+        score = Score(self.name, build=self._build, params=params)
+        score.terms = self.terms
+        return score
 
     def __and__(self, other):
         if not isinstance(other, Score):
@@ -107,7 +119,10 @@ class Score:
 
             return both
 
-        return Score(f"{self.name} & {other.name}", build=build, params=self.params + other.params)
+        joined = Score(f"{self.name} & {other.name}", build=build, params=self.params + other.params)
+        if self.terms is not None and other.terms is not None:
+            joined.terms = self.terms + other.terms
+        return joined
 
     def __repr__(self) -> str:
         return f"Score({self.name})"
@@ -156,7 +171,9 @@ def softcap(cap: float) -> Score:
     def fn(s, b, h, q_pos, pos, slot, is_depth):
         return cap * torch.tanh(s / cap)
 
-    return Score(f"softcap({cap:g})", fn)
+    score = Score(f"softcap({cap:g})", fn)
+    score.terms = (("softcap", cap),)
+    return score
 
 
 def _check_slopes(name: str, slopes: Tensor, q_heads: int) -> None:
@@ -210,7 +227,9 @@ def depth_bias(bias: Tensor) -> Score:
 
         return fn
 
-    return Score("depth_bias", build=build, params=(bias,))
+    score = Score("depth_bias", build=build, params=(bias,))
+    score.terms = (("depth_bias", None),)
+    return score
 
 
 def depth_alibi(slopes: Tensor) -> Score:

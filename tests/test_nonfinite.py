@@ -11,15 +11,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moda_flex import moda_attention
+from moda_flex import depth_bias, moda_attention, softcap
 from moda_flex import variants as v
 from moda_flex.nonfinite import rows_seeing, rows_seeing_dense, zero_nonfinite
 from moda_flex.backends.reference import visible_entries
-from moda_flex.testing import MoDAShape, make_inputs, moda_shapes, variants
+from moda_flex.testing import MoDAShape, make_inputs, moda_shapes, score_functions, variants
 
 from budget import examples
 
 NAMES = ("q", "k", "v", "depth_k", "depth_v")
+# Where the Triton kernels run: on the GPU, else on the CPU through the interpreter.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _rows_that_see(name, index, shape, variant):
@@ -44,11 +46,16 @@ def _rows_that_see(name, index, shape, variant):
 
 
 def _run(inputs, backend, variant, grad_out):
-    """out, lse and the five gradients of ``sum(out * grad_out)``."""
+    """out, lse and the gradients of ``sum(out * grad_out)``: the five inputs' and the score's tensors'."""
     leaves = {name: t.detach().clone().requires_grad_() for name, t in inputs.items()}
+    params = [] if variant.score is None else [p.detach().clone().requires_grad_() for p in variant.score.params]
+    if params:
+        variant = variant.with_score(variant.score.with_params(params))
     out, lse = moda_attention(**leaves, variant=variant, backend=backend, return_lse=True)
     out.backward(grad_out)
-    return out.detach(), lse.detach(), {name: leaves[name].grad for name in NAMES}
+    grads = {name: leaves[name].grad for name in NAMES}
+    grads.update({f"score.params[{i}]": p.grad for i, p in enumerate(params)})
+    return out.detach(), lse.detach(), grads
 
 
 def _assert_reaches_only_its_rows(backend, shape, variant, name, index, value, device="cpu"):
@@ -68,7 +75,7 @@ def _assert_reaches_only_its_rows(backend, shape, variant, name, index, value, d
     assert torch.isnan(out[seen]).all() and torch.isnan(lse[seen]).all(), f"a row that sees it is not NaN ({where})"
     assert torch.equal(out[~seen], ref_out[~seen]), f"out of a row that cannot see it changed ({where})"
     assert torch.equal(lse[~seen], ref_lse[~seen]), f"lse of a row that cannot see it changed ({where})"
-    for n in NAMES:
+    for n in grads:
         assert torch.equal(grads[n], ref_grads[n]), f"grad of {n} changed ({where})"
 
 
@@ -89,6 +96,10 @@ def _entries(shape: MoDAShape):
 
 SHAPES = moda_shapes(max_batch=2, max_groups=3, max_kv_heads=2, max_kv_len=24, max_slots=4, head_dims=(8,))
 VALUES = st.sampled_from([float("nan"), float("inf"), float("-inf")])
+# The variant families the Triton kernels fuse.
+TRITON_KINDS = ("causal", "full", "sliding_window", "depth_window", "depth_only", "document")
+# The Triton interpreter computes through numpy, which warns on every NaN the kernels mean to make.
+NUMPY_NAN_WARNINGS = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
 
 @pytest.mark.parametrize("backend", ["reference", "flex"])
@@ -98,6 +109,20 @@ def test_a_non_finite_entry_reaches_only_the_rows_that_see_it(backend, shape, da
     variant = data.draw(variants(shape, max_terms=2))
     name, index = data.draw(_entries(shape))
     _assert_reaches_only_its_rows(backend, shape, variant, name, index, value)
+
+
+@NUMPY_NAN_WARNINGS
+@settings(max_examples=examples(10))
+@given(shape=SHAPES, data=st.data(), value=VALUES)
+def test_a_non_finite_entry_reaches_only_the_rows_that_see_it_on_triton(shape, data, value):
+    """The rule inside the kernels, over the variants and scores they fuse (few examples: the interpreter is slow)."""
+    pytest.importorskip("triton")
+    variant = data.draw(variants(shape, kinds=TRITON_KINDS, max_terms=2, structured=True))
+    scores = score_functions(shape, kinds=("softcap", "depth_bias"), max_terms=1, device=TRITON_DEVICE)
+    score = data.draw(st.none() | scores)
+    variant = variant if score is None else variant & score
+    name, index = data.draw(_entries(shape))
+    _assert_reaches_only_its_rows("triton", shape, variant, name, index, value, device=TRITON_DEVICE)
 
 
 SHAPE = MoDAShape(batch=1, q_heads=4, kv_heads=2, q_len=7, kv_len=9, slots=3, head_dim=16)
@@ -127,25 +152,32 @@ def test_a_visible_nan_is_not_hidden():
         assert torch.isnan(out[:, :2]).all(-1).all() and not torch.isnan(out[:, 2:]).any(), backend
 
 
-# The Triton kernel skips whole masked blocks but multiplies the masked
-# entries of a visited block by zero, and leaves the lse of a row that sees a
-# non-finite value finite.
-KERNEL_PENDING = pytest.mark.xfail(strict=True, reason="kernel fix pending")
-
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(case, marks=() if case == "a slot outside the depth window" else KERNEL_PENDING)
-        for case in sorted(MASKED)
-    ]
-    + [pytest.param("visible", marks=KERNEL_PENDING)],
-)
+@NUMPY_NAN_WARNINGS
+@pytest.mark.parametrize("case", sorted(MASKED) + ["visible"])
 def test_triton_named_entries(case):
     pytest.importorskip("triton")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     variant, name, index = MASKED[case] if case in MASKED else (v.full(), "v", (0, 0, 3))
-    _assert_reaches_only_its_rows("triton", SHAPE, variant, name, index, float("nan"), device=device)
+    _assert_reaches_only_its_rows("triton", SHAPE, variant, name, index, float("nan"), device=TRITON_DEVICE)
+
+
+# Visible entries: in a block the kernels mask (Tk < BLOCK_N), and in one they read unmasked (Tk > BLOCK_N = 16 on CPU).
+VISIBLE = {"visible": SHAPE, "visible in an unmasked block": MoDAShape(1, 4, 2, 7, 20, 3, 16)}
+
+
+@NUMPY_NAN_WARNINGS
+@pytest.mark.parametrize("backend", ["reference", "flex", "triton"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("case", sorted(MASKED) + sorted(VISIBLE))
+def test_the_rule_holds_with_a_score(backend, value, case):
+    """Soft-capping maps an Inf logit to a finite one, and a learned bias gets gradients: neither may hide the rule."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    shape = VISIBLE.get(case, SHAPE)
+    variant, name, index = MASKED[case] if case in MASKED else (v.full(), "k", (0, 0, 3))
+    bias = torch.linspace(-1.0, 1.0, shape.q_heads * shape.slots, device=device).view(shape.q_heads, shape.slots)
+    variant = variant & depth_bias(bias.requires_grad_()) & softcap(2.0)
+    _assert_reaches_only_its_rows(backend, shape, variant, name, index, value, device=device)
 
 
 @settings(max_examples=examples(30))

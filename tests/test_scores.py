@@ -1,4 +1,4 @@
-"""Score functions: the built-ins by their definition, on reference and flex, and bad input."""
+"""Score functions: the built-ins by their definition, on reference, flex and triton, and bad input."""
 
 import math
 
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import moda_flex
-from moda_flex import Score, alibi, causal, depth_alibi, depth_bias, full, moda_attention, softcap
+from moda_flex import Score, alibi, causal, depth_alibi, depth_bias, depth_window, full, moda_attention, softcap
 from moda_flex.testing import (
     SCORE_KINDS,
     MoDAShape,
@@ -118,22 +118,107 @@ def test_custom_score_runs_on_flex():
     assert_matches_reference(make_inputs(shape), backend="flex", variant=causal() & Score("halve_depth", halve_depth))
 
 
-def test_learned_depth_bias_gets_gradient_on_every_backend():
-    shape = MoDAShape(1, 2, 1, 4, 7, 3, 8)
-    for backend in ("reference", "flex"):
-        bias = torch.zeros(3, requires_grad=True)
-        out = moda_attention(**make_inputs(shape), score=depth_bias(bias), backend=backend)
-        out.square().sum().backward()
-        assert bias.grad is not None and bias.grad.abs().sum() > 0, backend
+# Where the Triton kernels run: on the GPU, else on the CPU through the interpreter.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The variant families and scores the Triton kernels fuse.
+TRITON_KINDS = ("causal", "full", "sliding_window", "depth_window", "depth_only", "document")
+TRITON_SCORES = ("softcap", "depth_bias")
 
 
-def test_triton_refuses_scores_and_auto_falls_back():
+@pytest.mark.parametrize("backend", ["reference", "flex", "triton"])
+def test_learned_depth_bias_gets_gradient_on_every_backend(backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    bias = torch.zeros(3, device=device, requires_grad=True)
+    out = moda_attention(**make_inputs(MoDAShape(1, 2, 1, 4, 7, 3, 8), device=device), score=depth_bias(bias),
+                         backend=backend)  # fmt: skip
+    out.square().sum().backward()
+    assert bias.grad is not None and bias.grad.abs().sum() > 0
+
+
+# ---- triton: softcap and depth_bias fused into the kernels, the other scores refused ----------------
+
+
+def _fused(score: Score) -> bool:
+    """At most one softcap and one depth_bias: what the kernels run."""
+    from moda_flex.triton import unsupported_reason
+
+    return unsupported_reason(torch.zeros(1, 1, 1, 8, device=TRITON_DEVICE), full() & score) is None
+
+
+@settings(max_examples=examples(15))
+@given(shape=moda_shapes(max_kv_len=40, max_groups=4, max_kv_heads=2, max_slots=9, head_dims=(8, 16)), data=st.data())
+def test_triton_matches_reference_with_scores(shape, data):
+    """Output, lse and every gradient, the learned bias's included, for every fused score in either order."""
+    pytest.importorskip("triton")
+    variant = data.draw(variants(shape, kinds=TRITON_KINDS, structured=True))
+    score = data.draw(score_functions(shape, kinds=TRITON_SCORES, device=TRITON_DEVICE).filter(_fused))
+    strided, entries = data.draw(st.booleans()), data.draw(st.booleans())
+    inputs = make_inputs(shape, device=TRITON_DEVICE, strided_depth=strided, depth_entries=entries)
+    assert_matches_reference(inputs, backend="triton", variant=variant & score)
+
+
+@pytest.mark.parametrize(
+    "make_score",
+    [
+        lambda: softcap(0.75),
+        lambda: depth_bias(_learned(3).to(TRITON_DEVICE)),
+        lambda: softcap(0.75) & depth_bias(_learned(4, 3).to(TRITON_DEVICE)),
+        lambda: depth_bias(_learned(4, 3).to(TRITON_DEVICE)) & softcap(0.75),
+    ],
+    ids=["softcap", "depth_bias", "softcap&depth_bias", "depth_bias&softcap"],
+)
+@pytest.mark.parametrize("variant", [causal(), full(), depth_window(2)], ids=str)
+def test_triton_fuses_softcap_and_depth_bias(make_score, variant):
+    pytest.importorskip("triton")
+    inputs = make_inputs(MoDAShape(2, 4, 2, 5, 19, 3, 8), device=TRITON_DEVICE)
+    assert_matches_reference(inputs, backend="triton", variant=variant & make_score())
+
+
+def test_triton_learns_the_bias_through_the_compiled_op():
+    """torch.compile (fullgraph) reaches the kernels through the torch.library op; the bias's gradient with it."""
+    pytest.importorskip("triton")
+    inputs = make_inputs(MoDAShape(1, 4, 2, 7, 9, 3, 16), device=TRITON_DEVICE, requires_grad=False)
+    grads = []
+    for compiled in (True, False):
+        leaves = [t.clone().requires_grad_() for t in inputs.values()]
+        bias = torch.linspace(-1.0, 1.0, 12, device=TRITON_DEVICE).view(4, 3).requires_grad_()  # a layer's parameter
+        score = softcap(2.0) & depth_bias(bias)
+
+        def step(q, k, v, depth_k, depth_v):
+            return moda_attention(q, k, v, depth_k, depth_v, score=score, backend="triton").square().sum()
+
+        (torch.compile(step, fullgraph=True, backend="aot_eager") if compiled else step)(*leaves).backward()
+        grads.append([t.grad for t in leaves] + [bias.grad])
+    for name, ours, eager in zip(["q", "k", "v", "depth_k", "depth_v", "bias"], *grads):
+        torch.testing.assert_close(ours, eager, msg=lambda m: f"grad of {name}: {m}")
+    assert grads[0][-1].abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "make_score, needle",
+    [
+        (lambda: alibi(torch.rand(2)), "'alibi'"),
+        (lambda: depth_alibi(torch.rand(2)), "'depth_alibi'"),
+        (lambda: softcap(5.0) & alibi(torch.rand(2)), "'softcap\\(5\\) & alibi'"),
+        (lambda: softcap(5.0) & softcap(2.0), "'softcap\\(5\\) & softcap\\(2\\)'"),
+        (lambda: Score("mine", lambda s, *_: s), "'mine'"),
+    ],
+    ids=["alibi", "depth_alibi", "softcap&alibi", "softcap&softcap", "custom"],
+)
+def test_triton_refuses_other_scores_and_auto_falls_back(make_score, needle):
+    pytest.importorskip("triton")
+    from moda_flex.triton import unsupported_reason
+
     inputs = make_inputs(MoDAShape(1, 2, 1, 3, 5, 2, 8), requires_grad=False)
-    with pytest.raises(NotImplementedError, match="score functions .*softcap"):
-        moda_attention(**inputs, score=softcap(5.0), backend="triton")
-    torch.testing.assert_close(
-        moda_attention(**inputs, score=softcap(5.0)), moda_attention(**inputs, score=softcap(5.0), backend="reference")
-    )
+    score = make_score()
+    with pytest.raises(NotImplementedError, match=f"score {needle} is not fused"):
+        moda_attention(**inputs, score=score, backend="triton")
+    # auto asks the same question, and takes flex on CUDA (reference on CPU) when the answer is a reason
+    assert unsupported_reason(inputs["q"], causal() & score) is not None
+    expected = moda_attention(**inputs, score=score, backend="reference")
+    torch.testing.assert_close(moda_attention(**inputs, score=score), expected)
 
 
 @pytest.mark.parametrize("cap", [0, -1.0, float("inf"), float("nan"), True, "3"])

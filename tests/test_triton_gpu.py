@@ -84,6 +84,28 @@ def test_variants_at_size(make_variant):
         _assert_close(f"grad of {name}", g, r)
 
 
+@pytest.mark.parametrize("bias_first", [False, True], ids=["softcap&depth_bias", "depth_bias&softcap"])
+def test_fused_scores_at_size(bias_first):
+    """softcap and a learned (Hq, L) depth bias at a training size: output, lse, the five gradients and the bias's."""
+    from moda_flex import depth_bias, softcap
+
+    inputs = _inputs(2, 12, 4, 2048, 24, 64)
+    grad_out = torch.randn_like(inputs[0])
+    bias = torch.randn(12, 24, device="cuda")
+    results = []
+    for run in (_triton, _reference):
+        leaf = bias.clone().requires_grad_()
+        cap, learned = softcap(20.0), depth_bias(leaf)
+        variant = v.causal() & ((learned & cap) if bias_first else (cap & learned))
+        results.append((*run(inputs, variant, grad_out), leaf.grad))
+    (out, lse, grads, bias_grad), (ref_out, ref_lse, ref_grads, ref_bias_grad) = results
+    _assert_close("out", out, ref_out)
+    _assert_close("lse", lse, ref_lse, 1e-3)
+    for name, g, r in zip(("q", "k", "v", "depth_k", "depth_v"), grads, ref_grads):
+        _assert_close(f"grad of {name}", g, r)
+    _assert_close("grad of the bias", bias_grad, ref_bias_grad)
+
+
 @pytest.mark.parametrize("D", [80, 96, 256])
 @pytest.mark.parametrize("G", [3, 8])
 def test_head_dims_padded_in_the_kernel(D, G):

@@ -21,6 +21,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from ..scores import Score
 from ..variants import Variant
 
 DepthKV = Union[Tensor, Sequence[Tensor]]
@@ -40,12 +41,13 @@ def unsupported_reason(q: Tensor, variant: Variant) -> Optional[str]:
         q: (B, Hq, Tq, D) queries (only dtype, device and D are read).
         variant: the mask pair; it needs a :class:`moda_flex.Structure` whose
             depth reads are the token's own (``depth_chunk is None``) and
-            whose documents are each one contiguous run, and no score function.
+            whose documents are each one contiguous run, and no score
+            function but ``softcap``, ``depth_bias`` or the two joined with ``&``.
     """
-    if variant.score is not None:
+    if variant.score is not None and not _fuses(variant.score):
         return (
-            f"score functions ({variant.score.name}) are not fused into the kernels yet; use backend='flex' "
-            f"(or 'auto', which picks it on CUDA) or 'reference'"
+            f"score {variant.score.name!r} is not fused into the kernels (they fuse softcap, depth_bias and "
+            f"the two joined with &); use backend='flex' (or 'auto', which picks it on CUDA) or 'reference'"
         )
     structure = variant.structure
     if structure is None:
@@ -68,6 +70,33 @@ def unsupported_reason(q: Tensor, variant: Variant) -> Optional[str]:
     return f"device {q.device} needs CUDA (or CPU with TRITON_INTERPRET=1)"
 
 
+def _fuses(score: Score) -> bool:
+    """Whether the kernels run ``score``: at most one softcap and one depth_bias, in either order."""
+    if score.terms is None:
+        return False
+    kinds = [kind for kind, _ in score.terms]
+    return kinds.count("softcap") <= 1 and kinds.count("depth_bias") <= 1
+
+
+def _score_args(score: Optional[Score], q_heads: int, slots: int) -> tuple[Optional[Tensor], float, bool]:
+    """The fused score as the ops' arguments: the depth bias or None, the cap (0.0: none), bias before cap.
+
+    The bias is (L,) or (Hq, L) as given (an input of the op, so that it gets
+    its gradient); binding the score checks it against the call.
+    """
+    if score is None:
+        return None, 0.0, False
+    score.bind(q_heads, slots)
+    bias, cap, bias_first = None, 0.0, False
+    params = iter(score.params)
+    for kind, value in score.terms:
+        if kind == "softcap":
+            cap = value
+        else:  # depth_bias: reads the next tensor of params
+            bias, bias_first = next(params), cap == 0.0
+    return bias, cap, bias_first
+
+
 def triton_attention(
     q: Tensor, k: Tensor, v: Tensor, depth_k: DepthKV, depth_v: DepthKV, variant: Variant, scale: float
 ) -> tuple[Tensor, Tensor]:
@@ -78,13 +107,17 @@ def triton_attention(
         k, v: (B, Hk, Tk, D), ``Tq <= Tk``, query ``i`` at position ``Tk - Tq + i``.
         depth_k, depth_v: (B, Hk, Tq, L, D), or a list of L (B, Hk, Tq, D)
             entries; any strides (read in place); L may be 0.
-        variant: a variant with a supported structure (see :func:`unsupported_reason`).
+        variant: a variant with a supported structure and score (see
+            :func:`unsupported_reason`); a depth bias is (L,) or (Hq, L) and
+            may require grad.
         scale: logit scale.
 
     Returns:
         out (B, Hq, Tq, D) in q's dtype and lse (B, Hq, Tq) float32, natural
-        log, ``-inf`` (and a zero output) for a row that sees no key. Both are
-        differentiable with respect to q, k, v, depth_k and depth_v.
+        log, ``-inf`` (and a zero output) for a row that sees no key, NaN
+        (in both) for a row whose query or a visible entry holds a NaN or Inf
+        (:mod:`moda_flex.nonfinite`). Both are differentiable with respect to
+        q, k, v, depth_k, depth_v and the depth bias.
     """
     reason = unsupported_reason(q, variant)
     if reason is not None:
@@ -96,12 +129,13 @@ def triton_attention(
     L = _num_slots(depth_k)
     depth_first = 0 if s.depth_window is None else max(0, L - s.depth_window)
     window = 0 if s.window is None else int(s.window)
-    options = (float(scale), bool(s.causal), window, depth_first, bool(s.sequence))
+    bias, softcap, bias_first = _score_args(variant.score, q.shape[1], L)
+    options = (float(scale), bool(s.causal), window, depth_first, bool(s.sequence), float(softcap), bias_first)
     if torch.compiler.is_compiling():
-        return torch.ops.moda_flex.triton_forward(q, k, v, depth_k, depth_v, documents, *options)
+        return torch.ops.moda_flex.triton_forward(q, k, v, depth_k, depth_v, documents, bias, *options)
     # Eager: the same kernels behind a plain autograd.Function, without the
     # dispatcher round trips of a custom op (the call is host-bound at short lengths).
-    return _EagerMoDA.apply(q, k, v, documents, options, len(depth_k), *depth_k, *depth_v)
+    return _EagerMoDA.apply(q, k, v, documents, bias, options, len(depth_k), *depth_k, *depth_v)
 
 
 # moda_attention hands this backend the per-slot form as it is, without stacking.
@@ -216,7 +250,19 @@ def _doc_args(documents: Optional[Tensor], like: Tensor):
     return documents[0], documents[1], documents[2], (documents.stride(1) if documents.shape[1] > 1 else 0)
 
 
-def _forward(q, k, v, depth_k, depth_v, documents, scale, causal, window, depth_first, sequence):
+def _bias_args(bias: Optional[Tensor], like: Tensor):
+    """Kernel arguments for a (L,) or (Hq, L) depth bias: a float32 copy on the device and its (head, slot) strides.
+
+    The copy is returned to be held until the kernel is launched.
+    """
+    if bias is None:
+        return _placeholder(like.device), 0, 0
+    bias = bias.detach().to(device=like.device, dtype=torch.float32)
+    return (bias, 0, bias.stride(0)) if bias.dim() == 1 else (bias, bias.stride(0), bias.stride(1))
+
+
+def _forward(q, k, v, depth_k, depth_v, documents, bias, scale, causal, window, depth_first, sequence, softcap,
+             bias_first):
     from . import kernels
 
     B, Hq, Tq, D = q.shape
@@ -230,23 +276,25 @@ def _forward(q, k, v, depth_k, depth_v, documents, scale, causal, window, depth_
     GP = _next_pow2(G)
     block_t = cfg["BLOCK_M"] // GP
     doc, doc_lo, doc_hi, sdoc = _doc_args(documents, q)
+    bias_f32, sbh, sbl = _bias_args(bias, q)
     table, sdk, sdv, _held = _slot_table(depth_k, depth_v, L, q.device)  # _held: alive until launched
     grid = (_cdiv(Tq, block_t), B * Hk)
     kernels._fwd_kernel[grid](
-        q, k, v, table, table[L:], doc, doc_lo, doc_hi, out, lse,
+        q, k, v, table, table[L:], doc, doc_lo, doc_hi, bias_f32, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *sdk, *sdv,
-        sdoc, *out.stride(), *lse.stride(),
-        Hk, Tq, Tk, L, depth_first, window, scale * math.log2(math.e),
+        sdoc, sbh, sbl, *out.stride(), *lse.stride(),
+        Hk, Tq, Tk, L, depth_first, window, scale * math.log2(math.e), softcap,
         G=G, GP=GP, DEPTH_ROWS=max(GP, _MIN_DOT_ROWS), HEAD_DIM=_head_dim(D), D_REAL=D,
         CAUSAL=causal, WINDOW=window > 0, DOC=documents is not None,
         HAS_SEQ=sequence and Tk > 0, HAS_DEPTH=L > depth_first,
+        HAS_SOFTCAP=softcap > 0, HAS_BIAS=bias is not None, BIAS_FIRST=bias_first,
         **cfg,
     )
     return out, lse
 
 
-def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, scale, causal, window,
-              depth_first, sequence):
+def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, bias_grad, scale, causal,
+              window, depth_first, sequence, softcap, bias_first):
     from . import kernels
 
     B, Hq, Tq, D = q.shape
@@ -259,8 +307,9 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents
     alloc = torch.zeros if depth_first > 0 else torch.empty  # masked slots get a zero gradient
     ddk = alloc((B, Hk, Tq, L, D), device=q.device, dtype=q.dtype)
     ddv = alloc((B, Hk, Tq, L, D), device=q.device, dtype=q.dtype)
+    dbias = q.new_zeros(0) if not bias_grad else torch.zeros_like(bias)
     if q.numel() == 0 or k.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_(), ddk.zero_(), ddv.zero_()
+        return dq.zero_(), dk.zero_(), dv.zero_(), ddk.zero_(), ddv.zero_(), dbias
     doc, doc_lo, doc_hi, sdoc = _doc_args(documents, q)
     qk_scale = scale * math.log2(math.e)
     has_seq = sequence and Tk > 0
@@ -268,18 +317,25 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents
     delta = torch.empty_like(lse)
     glse = delta if grad_lse is None else grad_lse.float().contiguous()
     cfg = _config(q, G, "dq", has_depth=L > depth_first)
+    bias_f32, sbh, sbl = _bias_args(bias, q)
     table, sdk, sdv, _held = _slot_table(depth_k, depth_v, L, q.device)  # _held: alive until launched
     grid = (_cdiv(Tq, cfg["BLOCK_M"] // GP), B * Hk)
+    # Each program's part of the bias gradient, summed over its tokens, (B * Hk, blocks, GP, L); reduced below.
+    with_bias_grad = bias_grad and L > depth_first
+    gbias = q.new_zeros((B * Hk, grid[0], GP, L) if with_bias_grad else (0,), dtype=torch.float32)
     kernels._bwd_dq_kernel[grid](
-        q, k, v, table, table[L:], out, grad_out, lse, glse, delta, doc, doc_lo, doc_hi, dq, ddk, ddv,
+        q, k, v, table, table[L:], out, grad_out, lse, glse, delta, doc, doc_lo, doc_hi, bias_f32, dq, ddk, ddv, gbias,
         *q.stride(), *out.stride(), *k.stride(), *v.stride(), *sdk, *sdv,
-        *grad_out.stride(), *lse.stride(), sdoc, *dq.stride(), *ddk.stride(),
-        Hk, Tq, Tk, L, depth_first, window, scale, qk_scale,
+        *grad_out.stride(), *lse.stride(), sdoc, sbh, sbl, *dq.stride(), *ddk.stride(),
+        Hk, Tq, Tk, L, depth_first, window, scale, qk_scale, softcap,
         G=G, GP=GP, DEPTH_ROWS=max(GP, _MIN_DOT_ROWS), HEAD_DIM=_head_dim(D), D_REAL=D,
         CAUSAL=causal, WINDOW=window > 0, DOC=documents is not None,
         HAS_SEQ=has_seq, HAS_DEPTH=L > depth_first, HAS_GLSE=grad_lse is not None,
+        HAS_SOFTCAP=softcap > 0, HAS_BIAS=bias is not None, BIAS_FIRST=bias_first, BIAS_GRAD=with_bias_grad,
         **cfg,
     )
+    if with_bias_grad:
+        dbias = _reduce_bias_grad(gbias, bias, B, Hk, G)
     if has_seq:
         cfg = _config(q, G, "dkdv", programs=_cdiv(Tk, 128) * B * Hk)
         grid = (_cdiv(Tk, cfg["BLOCK_N"]), B * Hk)
@@ -287,14 +343,22 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents
             q, k, v, grad_out, lse, delta, doc, doc_lo, doc_hi, dk, dv,
             *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse.stride(),
             sdoc, *dk.stride(),
-            Hk, Tq, Tk, window, scale, qk_scale,
+            Hk, Tq, Tk, window, scale, qk_scale, softcap,
             G=G, GP=GP, HEAD_DIM=_head_dim(D), D_REAL=D, CAUSAL=causal, WINDOW=window > 0, DOC=documents is not None,
+            HAS_SOFTCAP=softcap > 0,
             **cfg,
         )
     else:
         dk.zero_()
         dv.zero_()
-    return dq, dk, dv, ddk, ddv
+    return dq, dk, dv, ddk, ddv, dbias
+
+
+def _reduce_bias_grad(parts: Tensor, bias: Tensor, B: int, Hk: int, G: int) -> Tensor:
+    """The depth bias's gradient in its shape and dtype from the dQ kernel's (B * Hk, blocks, GP, L) parts."""
+    grad = parts.view(B, Hk, -1, *parts.shape[2:]).sum(dim=(0, 2))[:, :G]  # (Hk, G, L)
+    grad = grad.reshape(Hk * G, -1)  # (Hq, L): query head h = hk * G + g
+    return (grad.sum(0) if bias.dim() == 1 else grad).to(device=bias.device, dtype=bias.dtype)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -303,7 +367,9 @@ def _cdiv(a: int, b: int) -> int:
 
 # ---- torch.library ops -------------------------------------------------------------------------
 # Non-tensor arguments: ``window`` 0 means unbounded; ``depth_first`` is the first visible depth
-# slot; ``sequence`` False drops the sequence keys (depth-only).
+# slot; ``sequence`` False drops the sequence keys (depth-only); ``softcap`` 0.0 means no cap;
+# ``bias_first``: the depth bias is added before the cap. ``bias`` is the (L,) or (Hq, L) depth
+# bias or None; the backward computes its gradient only with ``bias_grad``.
 
 
 def _interpreter_upcast(tensors, depth_k, depth_v):
@@ -313,16 +379,17 @@ def _interpreter_upcast(tensors, depth_k, depth_v):
     return tensors, depth_k, depth_v, None
 
 
-def _run_forward(q, k, v, depth_k, depth_v, documents, *options):
+def _run_forward(q, k, v, depth_k, depth_v, documents, bias, *options):
     (q, k, v), depth_k, depth_v, cast = _interpreter_upcast([q, k, v], depth_k, depth_v)
-    out, lse = _forward(q, k, v, depth_k, depth_v, documents, *options)
+    out, lse = _forward(q, k, v, depth_k, depth_v, documents, bias, *options)
     return (out if cast is None else out.to(cast)), lse
 
 
-def _run_backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, *options):
+def _run_backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, bias_grad, *options):
     (grad_out, q, k, v, out), depth_k, depth_v, cast = _interpreter_upcast([grad_out, q, k, v, out], depth_k, depth_v)
-    grads = _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, *options)
-    return tuple(grads) if cast is None else tuple(g.to(cast) for g in grads)
+    *grads, dbias = _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, bias_grad,
+                              *options)
+    return (*grads, dbias) if cast is None else (*(g.to(cast) for g in grads), dbias)
 
 
 class _EagerMoDA(torch.autograd.Function):
@@ -332,18 +399,19 @@ class _EagerMoDA(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, documents, options, n_depth, *depth):
+    def forward(ctx, q, k, v, documents, bias, options, n_depth, *depth):
         depth_k, depth_v = list(depth[:n_depth]), list(depth[n_depth:])
-        out, lse = _run_forward(q, k, v, depth_k, depth_v, documents, *options)
-        ctx.save_for_backward(q, k, v, out, lse, documents, *depth)
+        out, lse = _run_forward(q, k, v, depth_k, depth_v, documents, bias, *options)
+        ctx.save_for_backward(q, k, v, out, lse, documents, bias, *depth)
         ctx.num_depth, ctx.options = n_depth, options
+        ctx.bias_grad = ctx.needs_input_grad[4]
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         grads = _autograd_backward(ctx, grad_out, grad_lse, _run_backward)
-        dq, dk, dv, ddk, ddv = grads[:5]
-        return dq, dk, dv, None, None, None, *ddk, *ddv
+        dq, dk, dv, ddk, ddv, _, dbias = grads[:7]
+        return dq, dk, dv, None, dbias, None, None, *ddk, *ddv
 
 
 # Registered with torch.library.define / impl: the kernels run as they are. (A
@@ -351,40 +419,42 @@ class _EagerMoDA(torch.autograd.Function):
 # which costs more than the kernels at the 2L depth entries of a model's call.)
 torch.library.define(
     "moda_flex::triton_forward",
-    "(Tensor q, Tensor k, Tensor v, Tensor[] depth_k, Tensor[] depth_v, Tensor? documents, float scale, bool causal, "
-    "int window, int depth_first, bool sequence) -> (Tensor, Tensor)",
+    "(Tensor q, Tensor k, Tensor v, Tensor[] depth_k, Tensor[] depth_v, Tensor? documents, Tensor? bias, "
+    "float scale, bool causal, int window, int depth_first, bool sequence, float softcap, bool bias_first) "
+    "-> (Tensor, Tensor)",
 )
 torch.library.define(
     "moda_flex::triton_backward",
     "(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor[] depth_k, Tensor[] depth_v, "
-    "Tensor out, Tensor lse, Tensor? documents, float scale, bool causal, int window, int depth_first, bool sequence)"
-    " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "Tensor out, Tensor lse, Tensor? documents, Tensor? bias, bool bias_grad, float scale, bool causal, int window, "
+    "int depth_first, bool sequence, float softcap, bool bias_first) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 
 
 @torch.library.impl("moda_flex::triton_forward", ("cuda", "cpu"))
-def _forward_op(q, k, v, depth_k, depth_v, documents, scale, causal, window, depth_first, sequence):
+def _forward_op(q, k, v, depth_k, depth_v, documents, bias, *options):
     """out (B, Hq, Tq, D) and lse (B, Hq, Tq) float32."""
-    return _run_forward(q, k, v, depth_k, depth_v, documents, scale, causal, window, depth_first, sequence)
+    return _run_forward(q, k, v, depth_k, depth_v, documents, bias, *options)
 
 
 @torch.library.register_fake("moda_flex::triton_forward")
-def _forward_fake(q, k, v, depth_k, depth_v, documents, scale, causal, window, depth_first, sequence):
+def _forward_fake(q, k, v, depth_k, depth_v, documents, bias, *options):
     B, Hq, Tq, D = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, Hq, Tq), dtype=torch.float32)
 
 
 @torch.library.impl("moda_flex::triton_backward", ("cuda", "cpu"))
-def _backward_op(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, scale, causal, window,
-                 depth_first, sequence):  # fmt: skip
-    """dq, dk, dv and the depth gradients as two (B, Hk, Tq, L, D) tensors, whatever the depth form."""
-    return _run_backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, scale, causal, window,
-                         depth_first, sequence)
+def _backward_op(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, bias_grad, *options):
+    """dq, dk, dv, the depth gradients as two (B, Hk, Tq, L, D) tensors whatever the depth form, and the bias's.
+
+    The bias's gradient has its shape with ``bias_grad``, else it is empty.
+    """
+    return _run_backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, bias_grad, *options)
 
 
 @torch.library.register_fake("moda_flex::triton_backward")
-def _backward_fake(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, scale, causal, window,
-                   depth_first, sequence):
+def _backward_fake(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, bias_grad, *options):
     fmt = torch.contiguous_format
     B, Hk, Tq, D = k.shape[0], k.shape[1], q.shape[2], q.shape[3]
     depth_shape = (B, Hk, Tq, _num_slots(depth_k), D)
@@ -394,28 +464,32 @@ def _backward_fake(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, docu
         torch.empty_like(v, memory_format=fmt),
         q.new_empty(depth_shape),
         q.new_empty(depth_shape),
+        torch.empty_like(bias) if bias_grad else q.new_empty(0),
     )
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, depth_k, depth_v, documents, scale, causal, window, depth_first, sequence = inputs
+    q, k, v, depth_k, depth_v, documents, bias, *options = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, documents, *depth_k, *depth_v)
+    ctx.save_for_backward(q, k, v, out, lse, documents, bias, *depth_k, *depth_v)
     ctx.num_depth = len(depth_k)
-    ctx.options = (scale, causal, window, depth_first, sequence)
+    ctx.options = tuple(options)
+    ctx.bias_grad = bias is not None and ctx.needs_input_grad[6]
 
 
 def _autograd_backward(ctx, grad_out, grad_lse, run_backward=None):
-    """Gradients of q, k, v, depth_k, depth_v (depth in its input form), then None for the options."""
-    (q, k, v, out, lse, documents), depth = ctx.saved_tensors[:6], ctx.saved_tensors[6:]
+    """Gradients of q, k, v, depth_k, depth_v (depth in its input form), documents (None), the bias, the options."""
+    (q, k, v, out, lse, documents, bias), depth = ctx.saved_tensors[:7], ctx.saved_tensors[7:]
     depth_k, depth_v = list(depth[: ctx.num_depth]), list(depth[ctx.num_depth :])
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     run_backward = run_backward or torch.ops.moda_flex.triton_backward
-    dq, dk, dv, ddk, ddv = run_backward(
-        grad_out.contiguous(), grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, *ctx.options
+    dq, dk, dv, ddk, ddv, dbias = run_backward(
+        grad_out.contiguous(), grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, ctx.bias_grad,
+        *ctx.options,
     )
-    return (dq, dk, dv, _depth_grads(ddk, depth_k), _depth_grads(ddv, depth_v), None, None, None, None, None, None)
+    grads = (dq, dk, dv, _depth_grads(ddk, depth_k), _depth_grads(ddv, depth_v), None, dbias if ctx.bias_grad else None)
+    return grads + (None,) * len(ctx.options)
 
 
 def _depth_grads(grad: Tensor, depth: list[Tensor]) -> list[Tensor]:

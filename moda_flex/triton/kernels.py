@@ -34,6 +34,19 @@ padded to a power of two inside the kernels (``_head_lanes``). The backward
 runs the dQ kernel first: it also writes ``delta = rowsum(dO * O) - dLSE``,
 which the dK/dV kernel reads.
 
+NaN and Inf (the rule of ``moda_flex.nonfinite``), inside the kernels with no
+extra pass and no host sync: a masked entry still enters the dots with
+``p = 0``, and ``0 * NaN = NaN``, so every tile with masked entries (edge
+blocks, depth tiles) reads its non-finite values as zero, and a row that
+*sees* a non-finite query, key or value adds NaN to its softmax denominator
+(``x * 0`` is NaN exactly for a non-finite logit ``x``), which makes its out
+and lse NaN. Unmasked interior blocks are read as they are: a non-finite value
+there reaches every row through ``acc`` (folded into the denominator at the
+end), a non-finite key through ``x * 0``. The backward treats a row with
+``lse = NaN`` as dead: its p, delta and dq are zero and its q and dO are read
+as zero, so it sends no gradient, and every other row's gradients are those of
+the inputs with the non-finite entries zeroed, bit for bit.
+
 Scores are kept in base 2: ``qk_scale = scale * log2(e)``; LSE is stored in
 natural log. Batch/head base offsets and depth token offsets are int64: one
 depth tensor may hold more than 2**31 elements (T=16384, L=256, Hk=8, D=64).
@@ -97,11 +110,54 @@ def _visible(
 
 
 @triton.jit
+def _zero_nonfinite(v, D_AXIS: tl.constexpr):
+    """``v`` with its NaN and Inf entries zeroed, and per vector (summed over ``D_AXIS``) NaN if it held one, else 0.
+
+    A masked column still multiplies its value by ``p = 0``, and ``0 * NaN = NaN``:
+    its non-finite entries must be zeroed before a dot; the rows that may see
+    it add the returned NaN to their denominator instead.
+    """
+    v_nan = v * 0.0  # NaN exactly at the non-finite entries
+    return tl.where(v_nan == 0.0, v, 0.0), tl.sum(v_nan.to(tl.float32), D_AXIS)
+
+
+@triton.jit
+def _finite(x):
+    """``x`` with its NaN and Inf entries read as zero (for the products of masked entries in the backward)."""
+    return tl.where(x * 0.0 == 0.0, x, 0.0)
+
+
+@triton.jit
+def _score(x, bias, softcap, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_FIRST: tl.constexpr):
+    """The fused score on base-2 logits ``x``: the scored logits, and the cap's derivative (for dS).
+
+    ``softcap``: ``cap * tanh(s / cap)`` in natural units, which in base 2 is
+    ``cap * log2(e) * tanh(y)`` with ``y = x ln2 / cap``, derivative
+    ``1 - tanh(y)^2``; ``bias``: the depth bias in base 2, added before the cap
+    (``BIAS_FIRST``) or after it. The derivative means nothing without
+    ``HAS_SOFTCAP``.
+    """
+    s = x
+    dcap = x
+    if HAS_BIAS and BIAS_FIRST:
+        s = s + bias
+    if HAS_SOFTCAP:
+        # tanh(|y|) = 1 - r, r = 2 / (e^(2|y|) + 1) through exp2 (e^(2|y|) = 2^(2|x| / cap)): it saturates at 1
+        # and keeps NaN, and 1 - tanh^2 = r (2 - r) has no cancellation where tanh is near +-1
+        r = 2.0 / (tl.math.exp2(tl.abs(s) * (2.0 / softcap)) + 1.0)
+        s = tl.where(s < 0, r - 1.0, 1.0 - r) * (softcap * _LOG2E)
+        dcap = r * (2.0 - r)
+    if HAS_BIAS and not BIAS_FIRST:
+        s = s + bias
+    return s, dcap
+
+
+@triton.jit
 def _fwd_seq_blocks(
     acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kt, stride_vt, q_pos, q_doc, doc_ptr,
-    start, end, Tk, window, qk_scale,
+    start, end, Tk, window, qk_scale, softcap,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Online-softmax update of ``(acc, m, l)`` over key blocks ``[start, end)`` (Alg. 1 lines 11-22)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -111,7 +167,8 @@ def _fwd_seq_blocks(
             kT = tl.load(k_ptrs + k_pos[None, :] * stride_kt, mask=k_pos[None, :] < Tk, other=0.0)
         else:
             kT = tl.load(k_ptrs + k_pos[None, :] * stride_kt)
-        s = tl.dot(q, kT) * qk_scale  # (BLOCK_M, BLOCK_N), base-2 logits
+        x = tl.dot(q, kT) * qk_scale  # (BLOCK_M, BLOCK_N), base-2 logits
+        s, _ = _score(x, 0.0, softcap, HAS_SOFTCAP, False, False)
         if MASKED:
             vis = _visible(q_pos[:, None], q_doc[:, None], k_pos[None, :], Tk, window, doc_ptr, CAUSAL, WINDOW, DOC)
             s = tl.where(vis, s, float("-inf"))
@@ -120,11 +177,17 @@ def _fwd_seq_blocks(
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
         if MASKED:
             v = tl.load(v_ptrs + k_pos[:, None] * stride_vt, mask=k_pos[:, None] < Tk, other=0.0)
+            v, v_nan = _zero_nonfinite(v, 1)
+            # a row that sees a non-finite key (x * 0 is NaN) or value gets NaN in its denominator
+            poison = tl.where(vis, x * 0.0 + v_nan[None, :], 0.0)
         else:
             v = tl.load(v_ptrs + k_pos[:, None] * stride_vt)
+            # every row sees every column: a bad value reaches acc by itself; a bad key may give
+            # x = -inf (p = 0, hidden) or be capped, so add the raw x * 0, which is NaN there
+            poison = x * 0.0
+        l_i = l_i * alpha + tl.sum(p + poison, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     return acc, m_i, l_i
@@ -176,26 +239,58 @@ def _slot_bases(DK_TAB, DV_TAB, slot, L, ELEM: tl.constexpr):
 
 
 @triton.jit
+def _bias_tile(BIAS, sbh, sbl, slot, L, G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr):
+    """The depth bias of a tile in base 2, (DEPTH_ROWS, BLOCK_C): ``bias[head of the row, slot of the column]``."""
+    head = tl.arange(0, DEPTH_ROWS) % GP  # rows of a tile are heads of consecutive tokens
+    ok = (head < G)[:, None] & (slot < L)[None, :]
+    return tl.load(BIAS + head[:, None] * sbh + slot[None, :] * sbl, mask=ok, other=0.0) * _LOG2E
+
+
+@triton.jit
+def _store_bias_grad(GBIAS, ds, l0, L, G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr,
+                     BLOCK_C: tl.constexpr):
+    """Sum a depth tile's dS (U, DEPTH_ROWS, BLOCK_C) per (head, slot) into slots ``l0 ...`` of a (GP, L) row.
+
+    Row ``r`` of a tile is head ``r % GP`` of its token ``r // GP``; column
+    ``c`` is slot ``c % BLOCK_S`` of token ``c // BLOCK_S``. dS is zero off a
+    row's own token, so summing over all tokens of rows and columns keeps
+    exactly the own-token terms.
+    """
+    P: tl.constexpr = DEPTH_ROWS // GP
+    BLOCK_S: tl.constexpr = BLOCK_C // P
+    g = tl.sum(ds, 0)  # (DEPTH_ROWS, BLOCK_C)
+    g = tl.sum(tl.reshape(g, (P, GP, BLOCK_C)), 0)  # (GP, BLOCK_C)
+    g = tl.sum(tl.reshape(g, (GP, P, BLOCK_S)), 1)  # (GP, BLOCK_S)
+    head = tl.arange(0, GP)
+    slot = l0 + tl.arange(0, BLOCK_S)
+    tl.store(GBIAS + head[:, None] * L + slot[None, :], g, mask=(head < G)[:, None] & (slot < L)[None, :])
+
+
+@triton.jit
 def _fwd_kernel(
-    Q, K, V, DK_TAB, DV_TAB, DOC_IDS, DOC_LO, DOC_HI, O, LSE,
+    Q, K, V, DK_TAB, DV_TAB, DOC_IDS, DOC_LO, DOC_HI, BIAS, O, LSE,
     sqb, sqh, sqt, sqd,
     skb, skh, skt, skd,
     svb, svh, svt, svd,
     sdkb, sdkh, sdkt, sdkd,
     sdvb, sdvh, sdvt, sdvd,
     sdoc,
+    sbh, sbl,
     sob, soh, sot, sod,
     slb, slh, slt,
-    Hk, Tq, Tk, L, depth_first, window, qk_scale,
+    Hk, Tq, Tk, L, depth_first, window, qk_scale, softcap,
     G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_DEPTH: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_FIRST: tl.constexpr,
 ):
     """Fused MoDA forward: writes O (B, Hq, Tq, D) and LSE (B, Hq, Tq).
 
     Depth slot ``l`` of every token lives at address ``DK_TAB[l]`` (``DV_TAB[l]``)
-    plus the (b, h, t, d) strides: the slots may be separate tensors.
+    plus the (b, h, t, d) strides: the slots may be separate tensors. ``BIAS``:
+    the depth bias (Hq, L) float32 (strides ``sbh``, ``sbl``) with ``HAS_BIAS``;
+    ``softcap`` the cap with ``HAS_SOFTCAP`` (:func:`_score`).
     """
     BLOCK_T: tl.constexpr = BLOCK_M // GP
     # Causal blocks at the end of the sequence are the longest: launch them first.
@@ -213,6 +308,7 @@ def _fwd_kernel(
     DOC_IDS += b * sdoc
     DOC_LO += b * sdoc
     DOC_HI += b * sdoc
+    BIAS += hk * G * sbh
 
     offs_d, d_ok = _head_lanes(HEAD_DIM, D_REAL)
     offs_m = tl.arange(0, BLOCK_M)
@@ -223,7 +319,8 @@ def _fwd_kernel(
     q = tl.where(d_ok[None, :], q, 0.0)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    # a non-finite query makes its row NaN, even when the row sees no key
+    l_i = tl.sum((q * 0.0).to(tl.float32), 1)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
 
     if HAS_SEQ:
@@ -239,13 +336,16 @@ def _fwd_kernel(
         v_ptrs = V + offs_d[None, :] * svd
         # edge blocks before the interior (window / document start), masked
         acc, m_i, l_i = _fwd_seq_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
-                                        lo, a, Tk, window, qk_scale, True, CAUSAL, WINDOW, DOC, BLOCK_N)
+                                        lo, a, Tk, window, qk_scale, softcap, True, CAUSAL, WINDOW, DOC,
+                                        HAS_SOFTCAP, BLOCK_N)
         # interior blocks every row sees in full (Alg. 1 lines 11-17): no mask
         acc, m_i, l_i = _fwd_seq_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
-                                        a, b_, Tk, window, qk_scale, False, CAUSAL, WINDOW, DOC, BLOCK_N)
+                                        a, b_, Tk, window, qk_scale, softcap, False, CAUSAL, WINDOW, DOC,
+                                        HAS_SOFTCAP, BLOCK_N)
         # boundary blocks with the grouped causal mask (Alg. 1 lines 18-23)
         acc, m_i, l_i = _fwd_seq_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
-                                        b_, hi, Tk, window, qk_scale, True, CAUSAL, WINDOW, DOC, BLOCK_N)
+                                        b_, hi, Tk, window, qk_scale, softcap, True, CAUSAL, WINDOW, DOC,
+                                        HAS_SOFTCAP, BLOCK_N)
 
     if HAS_DEPTH:
         # Depth phase (Alg. 1 lines 24-29): each tile of DEPTH_ROWS rows against its own tokens' slots.
@@ -265,20 +365,30 @@ def _fwd_kernel(
             col_ok = (col_token < Tq) & (slot < L)[None, :]  # (U, BLOCK_C)
             dk_slot, dv_slot = _slot_bases(DK_TAB, DV_TAB, slot, L, Q.dtype.element_ty)
             dkT = tl.load(dk_slot[None, None, :] + dk_offs, mask=col_ok[:, None, :], other=0.0)
-            s = tl.dot(q3, dkT) * qk_scale  # (U, DEPTH_ROWS, BLOCK_C)
-            s = tl.where(own[None, :, :] & (slot < L)[None, None, :], s, float("-inf"))
+            x = tl.dot(q3, dkT) * qk_scale  # (U, DEPTH_ROWS, BLOCK_C)
+            bias = 0.0
+            if HAS_BIAS:
+                bias = _bias_tile(BIAS, sbh, sbl, slot, L, G, GP, DEPTH_ROWS)
+            s, _ = _score(x, bias, softcap, HAS_SOFTCAP, HAS_BIAS, BIAS_FIRST)
+            vis = own[None, :, :] & (slot < L)[None, None, :]
+            s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m3, tl.max(s, 2))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - m_use[:, :, None])
             alpha = tl.math.exp2(m3 - m_use)
-            l3 = l3 * alpha + tl.sum(p, 2)
             dv = tl.load(dv_slot[None, :, None] + dv_offs, mask=col_ok[:, :, None], other=0.0)
+            dv, dv_nan = _zero_nonfinite(dv, 2)
+            # as in the masked sequence blocks: only a row that sees a non-finite entry gets NaN
+            l3 = l3 * alpha + tl.sum(p + tl.where(vis, x * 0.0 + dv_nan[:, None, :], 0.0), 2)
             acc3 = acc3 * alpha[:, :, None] + tl.dot(p.to(dv.dtype), dv)
             m3 = m_new
         acc = tl.reshape(acc3, (BLOCK_M, HEAD_DIM))
         m_i = tl.reshape(m3, (BLOCK_M,))
         l_i = tl.reshape(l3, (BLOCK_M,))
 
+    # A non-finite value in an unmasked block reached acc unsanitized (p * NaN, 0 * Inf):
+    # fold it into l too, so that such a row stores NaN in out and lse.
+    l_i += tl.sum(acc * 0.0, 1)
     # normalize once and store O and LSE (Alg. 1 lines 30-31); an empty row gives 0 and -inf
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_i)) * _LN2)
@@ -288,12 +398,25 @@ def _fwd_kernel(
 
 
 @triton.jit
+def _row_lse2(lse_ptrs, row_ok):
+    """The rows' lse in base 2 for recomputing ``p = exp2(s - lse)``, and which rows are dead.
+
+    A row that saw no key (lse = -inf) and a dead row, one that saw a NaN or
+    Inf (lse = NaN) and sends no gradient, both get lse = +inf, so p = 0.
+    """
+    lse = tl.load(lse_ptrs, mask=row_ok, other=float("inf"))
+    dead = lse != lse
+    return tl.where((lse == float("-inf")) | dead, float("inf"), lse) * _LOG2E, dead
+
+
+@triton.jit
 def _bwd_dkdv_blocks(
     dk, dv, k, v, Q, DO, LSE, DELTA,
     sqh, sqt, sqd, sdoh, sdot, sdod, slh, slt,
-    k_pos, Tq, Tk, shift, window, doc_ptr, k_doc, qk_scale, start, end,
+    k_pos, Tq, Tk, shift, window, doc_ptr, k_doc, qk_scale, softcap, start, end,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
     G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query token blocks [start, end)."""
     BLOCK_T: tl.constexpr = BLOCK_M // GP
@@ -303,13 +426,13 @@ def _bwd_dkdv_blocks(
     for t0 in range(start, end, BLOCK_T):
         tok = t0 + offs_m // GP
         row_ok = (tok < Tq) & (grp < G)
+        lse, dead = _row_lse2(LSE + grp * slh + tok * slt, row_ok)
+        # a dead row's q and dO may hold NaN: zero them, so that its p = 0 and it adds exact zeros
         q = tl.load(Q + grp[:, None] * sqh + tok[:, None] * sqt + offs_d[None, :] * sqd,
                     mask=row_ok[:, None], other=0.0)
-        q = tl.where(d_ok[None, :], q, 0.0)
-        lse = tl.load(LSE + grp * slh + tok * slt, mask=row_ok, other=float("inf"))
-        # a row that saw no key has lse = -inf: give it zero probability, not inf
-        lse = tl.where(lse == float("-inf"), float("inf"), lse) * _LOG2E
-        pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
+        q = tl.where(d_ok[None, :] & ~dead[:, None], q, 0.0)
+        sT, dcapT = _score(tl.dot(k, tl.trans(q)) * qk_scale, 0.0, softcap, HAS_SOFTCAP, False, False)
+        pT = tl.math.exp2(sT - lse[None, :])  # (BLOCK_N, BLOCK_M)
         if MASKED:
             q_pos = tok + shift
             if DOC:
@@ -322,11 +445,13 @@ def _bwd_dkdv_blocks(
             pT = tl.where(vis, pT, 0.0)
         do = tl.load(DO + grp[:, None] * sdoh + tok[:, None] * sdot + offs_d[None, :] * sdod,
                      mask=row_ok[:, None], other=0.0)
-        do = tl.where(d_ok[None, :], do, 0.0)
+        do = tl.where(d_ok[None, :] & ~dead[:, None], do, 0.0)
         dv += tl.dot(pT.to(do.dtype), do)
         delta = tl.load(DELTA + grp * slh + tok * slt, mask=row_ok, other=0.0)
         dpT = tl.dot(v, tl.trans(do))
         dsT = pT * (dpT - delta[None, :])
+        if HAS_SOFTCAP:
+            dsT *= dcapT
         dk += tl.dot(dsT.to(q.dtype), q)
     return dk, dv
 
@@ -341,10 +466,10 @@ def _bwd_dkdv_kernel(
     slb, slh, slt,
     sdoc,
     sgb, sgh, sgt, sgd,
-    Hk, Tq, Tk, window, scale, qk_scale,
+    Hk, Tq, Tk, window, scale, qk_scale, softcap,
     G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     """dK, dV (B, Hk, Tk, D) of one block of BLOCK_N sequence keys, summed over the G heads that read it."""
     BLOCK_T: tl.constexpr = BLOCK_M // GP
@@ -369,8 +494,10 @@ def _bwd_dkdv_kernel(
     offs_d, d_ok = _head_lanes(HEAD_DIM, D_REAL)
     k_pos = n0 + offs_n
     k_ok = k_pos < Tk
-    k = tl.load(K + k_pos[:, None] * skt + offs_d[None, :] * skd, mask=k_ok[:, None], other=0.0)
-    v = tl.load(V + k_pos[:, None] * svt + offs_d[None, :] * svd, mask=k_ok[:, None], other=0.0)
+    # A live row never sees a non-finite key or value, but masked ones still enter its products (0 * NaN):
+    # read the block as if they were zero, once.
+    k = _finite(tl.load(K + k_pos[:, None] * skt + offs_d[None, :] * skd, mask=k_ok[:, None], other=0.0))
+    v = _finite(tl.load(V + k_pos[:, None] * svt + offs_d[None, :] * svd, mask=k_ok[:, None], other=0.0))
     if DOC:
         k_doc = tl.load(DOC_IDS + k_pos, mask=k_ok, other=0)
     else:
@@ -401,14 +528,14 @@ def _bwd_dkdv_kernel(
     a = tl.minimum(tl.maximum(tl.cdiv(full_lo - shift, BLOCK_T) * BLOCK_T, lo), hi)
     b_ = tl.minimum(tl.maximum(((full_hi - shift) // BLOCK_T) * BLOCK_T, a), hi)
     dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, sqh, sqt, sqd, sdoh, sdot, sdod, slh, slt,
-                              k_pos, Tq, Tk, shift, window, DOC_IDS, k_doc, qk_scale, lo, a,
-                              True, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, D_REAL, BLOCK_M)
+                              k_pos, Tq, Tk, shift, window, DOC_IDS, k_doc, qk_scale, softcap, lo, a,
+                              True, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, D_REAL, BLOCK_M, HAS_SOFTCAP)
     dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, sqh, sqt, sqd, sdoh, sdot, sdod, slh, slt,
-                              k_pos, Tq, Tk, shift, window, DOC_IDS, k_doc, qk_scale, a, b_,
-                              False, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, D_REAL, BLOCK_M)
+                              k_pos, Tq, Tk, shift, window, DOC_IDS, k_doc, qk_scale, softcap, a, b_,
+                              False, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, D_REAL, BLOCK_M, HAS_SOFTCAP)
     dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, sqh, sqt, sqd, sdoh, sdot, sdod, slh, slt,
-                              k_pos, Tq, Tk, shift, window, DOC_IDS, k_doc, qk_scale, b_, hi,
-                              True, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, D_REAL, BLOCK_M)
+                              k_pos, Tq, Tk, shift, window, DOC_IDS, k_doc, qk_scale, softcap, b_, hi,
+                              True, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, D_REAL, BLOCK_M, HAS_SOFTCAP)
     store_ok = k_ok[:, None] & d_ok[None, :]
     tl.store(DKO + k_pos[:, None] * sgt + offs_d[None, :] * sgd, (dk * scale).to(DKO.dtype.element_ty), mask=store_ok)
     tl.store(DVO + k_pos[:, None] * sgt + offs_d[None, :] * sgd, dv.to(DVO.dtype.element_ty), mask=store_ok)
@@ -417,33 +544,37 @@ def _bwd_dkdv_kernel(
 @triton.jit
 def _bwd_dq_seq_blocks(
     dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kt, stride_vt, q_pos, q_doc, doc_ptr,
-    start, end, Tk, window, qk_scale,
+    start, end, Tk, window, qk_scale, softcap,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Accumulate dQ (unscaled) over key blocks [start, end)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         k_pos = start_n + offs_n
         if MASKED:
-            kT = tl.load(k_ptrs + k_pos[None, :] * stride_kt, mask=k_pos[None, :] < Tk, other=0.0)
-            vT = tl.load(v_ptrs + k_pos[None, :] * stride_vt, mask=k_pos[None, :] < Tk, other=0.0)
-        else:
+            # a masked non-finite key or value would reach a live row through 0 * NaN: read it as zero
+            kT = _finite(tl.load(k_ptrs + k_pos[None, :] * stride_kt, mask=k_pos[None, :] < Tk, other=0.0))
+            vT = _finite(tl.load(v_ptrs + k_pos[None, :] * stride_vt, mask=k_pos[None, :] < Tk, other=0.0))
+        else:  # every row sees these keys: a non-finite one only reaches dead rows, whose dq is zeroed
             kT = tl.load(k_ptrs + k_pos[None, :] * stride_kt)
             vT = tl.load(v_ptrs + k_pos[None, :] * stride_vt)
-        p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse[:, None])  # (BLOCK_M, BLOCK_N)
+        s, dcap = _score(tl.dot(q, kT) * qk_scale, 0.0, softcap, HAS_SOFTCAP, False, False)
+        p = tl.math.exp2(s - lse[:, None])  # (BLOCK_M, BLOCK_N)
         if MASKED:
             vis = _visible(q_pos[:, None], q_doc[:, None], k_pos[None, :], Tk, window, doc_ptr, CAUSAL, WINDOW, DOC)
             p = tl.where(vis, p, 0.0)
         dp = tl.dot(do, vT)
         ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds *= dcap
         dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
     return dq
 
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DELTA, DOC_IDS, DOC_LO, DOC_HI, DQO, DDKO, DDVO,
+    Q, K, V, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DELTA, DOC_IDS, DOC_LO, DOC_HI, BIAS, DQO, DDKO, DDVO, GBIAS,
     sqb, sqh, sqt, sqd,
     sob, soh, sot, sod,
     skb, skh, skt, skd,
@@ -453,20 +584,25 @@ def _bwd_dq_kernel(
     sdob, sdoh, sdot, sdod,
     slb, slh, slt,
     sdoc,
+    sbh, sbl,
     sgqb, sgqh, sgqt, sgqd,
     sgdb, sgdh, sgdt, sgdl, sgdd,
-    Hk, Tq, Tk, L, depth_first, window, scale, qk_scale,
+    Hk, Tq, Tk, L, depth_first, window, scale, qk_scale, softcap,
     G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_DEPTH: tl.constexpr, HAS_GLSE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_FIRST: tl.constexpr, BIAS_GRAD: tl.constexpr,
 ):
     """dQ of one query block, the depth gradients of its tokens, and DELTA of its rows for the dK/dV kernel.
 
     ``DELTA = rowsum(dO * O) - dLSE`` (so that ``dS = P * (dP - DELTA)`` also
     carries the lse gradient; LSE, GLSE and DELTA share strides). A token's
     depth entries are read only by its own G rows, which all live in this
-    block, so dK_depth and dV_depth are written once, without atomics.
+    block, so dK_depth and dV_depth are written once, without atomics. With
+    ``BIAS_GRAD``, the program also writes its part of the depth bias's
+    gradient, summed over its tokens: row ``(b, hk, block)`` of GBIAS
+    (B * Hk, blocks, GP, L) float32, which the launcher reduces.
     """
     BLOCK_T: tl.constexpr = BLOCK_M // GP
     block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -489,6 +625,8 @@ def _bwd_dq_kernel(
     DOC_IDS += b * sdoc
     DOC_LO += b * sdoc
     DOC_HI += b * sdoc
+    BIAS += hk * G * sbh
+    GBIAS += (pid_bh * tl.num_programs(0) + block) * GP * L
 
     offs_d, d_ok = _head_lanes(HEAD_DIM, D_REAL)
     offs_m = tl.arange(0, BLOCK_M)
@@ -496,19 +634,21 @@ def _bwd_dq_kernel(
     grp = offs_m % GP
     row_ok = (tok < Tq) & (grp < G)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    lse, dead = _row_lse2(LSE + grp * slh + tok * slt, row_ok)
+    # A dead row (it saw a NaN or Inf) sends no gradient: zero q and dO, so that its p = 0 and its
+    # terms in the depth gradients are exact zeros, and give it delta = 0.
+    live = d_ok[None, :] & ~dead[:, None]
     q = tl.load(Q + grp[:, None] * sqh + tok[:, None] * sqt + offs_d[None, :] * sqd,
                 mask=row_ok[:, None], other=0.0)
-    q = tl.where(d_ok[None, :], q, 0.0)
+    q = tl.where(live, q, 0.0)
     do = tl.load(DO + grp[:, None] * sdoh + tok[:, None] * sdot + offs_d[None, :] * sdod,
                  mask=row_ok[:, None], other=0.0)
-    do = tl.where(d_ok[None, :], do, 0.0)
-    lse = tl.load(LSE + grp * slh + tok * slt, mask=row_ok, other=float("inf"))
-    # a row that saw no key has lse = -inf: give it zero probability, not inf
-    lse = tl.where(lse == float("-inf"), float("inf"), lse) * _LOG2E
+    do = tl.where(live, do, 0.0)
     o = tl.load(O + grp[:, None] * soh + tok[:, None] * sot + offs_d[None, :] * sod, mask=row_ok[:, None], other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     if HAS_GLSE:
         delta -= tl.load(GLSE + grp * slh + tok * slt, mask=row_ok, other=0.0)
+    delta = tl.where(dead, 0.0, delta)
     tl.store(DELTA + grp * slh + tok * slt, delta, mask=row_ok)
 
     if HAS_SEQ:
@@ -523,11 +663,14 @@ def _bwd_dq_kernel(
         k_ptrs = K + offs_d[:, None] * skd
         v_ptrs = V + offs_d[:, None] * svd
         dq = _bwd_dq_seq_blocks(dq, q, do, lse, delta, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
-                                lo, a, Tk, window, qk_scale, True, CAUSAL, WINDOW, DOC, BLOCK_N)
+                                lo, a, Tk, window, qk_scale, softcap, True, CAUSAL, WINDOW, DOC,
+                                HAS_SOFTCAP, BLOCK_N)
         dq = _bwd_dq_seq_blocks(dq, q, do, lse, delta, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
-                                a, b_, Tk, window, qk_scale, False, CAUSAL, WINDOW, DOC, BLOCK_N)
+                                a, b_, Tk, window, qk_scale, softcap, False, CAUSAL, WINDOW, DOC,
+                                HAS_SOFTCAP, BLOCK_N)
         dq = _bwd_dq_seq_blocks(dq, q, do, lse, delta, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
-                                b_, hi, Tk, window, qk_scale, True, CAUSAL, WINDOW, DOC, BLOCK_N)
+                                b_, hi, Tk, window, qk_scale, softcap, True, CAUSAL, WINDOW, DOC,
+                                HAS_SOFTCAP, BLOCK_N)
 
     if HAS_DEPTH:
         # Depth phase in the forward's tiles: each tile of DEPTH_ROWS rows against its own tokens' slots.
@@ -550,12 +693,24 @@ def _bwd_dq_kernel(
             col_ok = ((col_token < Tq) & (slot < L)[None, :])[:, :, None]  # (U, BLOCK_C, 1)
             store_ok = col_ok & d_ok[None, None, :]
             dk_slot, dv_slot = _slot_bases(DK_TAB, DV_TAB, slot, L, Q.dtype.element_ty)
-            kd = tl.load(dk_slot[None, :, None] + dk_offs, mask=col_ok, other=0.0)  # (U, BLOCK_C, D)
-            vd = tl.load(dv_slot[None, :, None] + dv_offs, mask=col_ok, other=0.0)
-            p = tl.math.exp2(tl.dot(q3, tl.permute(kd, (0, 2, 1))) * qk_scale - lse3[:, :, None])
+            # every depth column is masked for most rows of a tile: read non-finite entries as zero
+            kd = _finite(tl.load(dk_slot[None, :, None] + dk_offs, mask=col_ok, other=0.0))  # (U, BLOCK_C, D)
+            vd = _finite(tl.load(dv_slot[None, :, None] + dv_offs, mask=col_ok, other=0.0))
+            bias = 0.0
+            if HAS_BIAS:
+                bias = _bias_tile(BIAS, sbh, sbl, slot, L, G, GP, DEPTH_ROWS)
+            s, dcap = _score(tl.dot(q3, tl.permute(kd, (0, 2, 1))) * qk_scale, bias, softcap,
+                          HAS_SOFTCAP, HAS_BIAS, BIAS_FIRST)
+            p = tl.math.exp2(s - lse3[:, :, None])
             p = tl.where(own[None, :, :] & (slot < L)[None, None, :], p, 0.0)  # (U, DEPTH_ROWS, BLOCK_C)
             dp = tl.dot(do3, tl.permute(vd, (0, 2, 1)))
-            ds = p * (dp - delta3[:, :, None])
+            ds = p * (dp - delta3[:, :, None])  # gradient of the scored logit
+            if BIAS_GRAD and not BIAS_FIRST:  # bias added last: its gradient is dS itself
+                _store_bias_grad(GBIAS, ds, l0, L, G, GP, DEPTH_ROWS, BLOCK_C)
+            if HAS_SOFTCAP:
+                ds *= dcap
+            if BIAS_GRAD and BIAS_FIRST:  # bias added before the cap: its gradient is the raw logit's
+                _store_bias_grad(GBIAS, ds, l0, L, G, GP, DEPTH_ROWS, BLOCK_C)
             dq3 += tl.dot(ds.to(kd.dtype), kd)
             # a column's gradient sums over its own token's G rows (p and ds are zero elsewhere)
             gv = tl.dot(tl.permute(p, (0, 2, 1)).to(do3.dtype), do3)  # (U, BLOCK_C, D)
@@ -564,5 +719,7 @@ def _bwd_dq_kernel(
             tl.store(gv_ptrs + slot[None, :, None] * sgdl, gv.to(DDVO.dtype.element_ty), mask=store_ok)
         dq = tl.reshape(dq3, (BLOCK_M, HEAD_DIM))
 
+    # a dead row's dq took NaN from the unmasked blocks (unsanitized keys): it sends no gradient
+    dq = tl.where(dead[:, None], 0.0, dq)
     tl.store(DQO + grp[:, None] * sgqh + tok[:, None] * sgqt + offs_d[None, :] * sgqd,
              (dq * scale).to(DQO.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
