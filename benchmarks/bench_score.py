@@ -90,7 +90,7 @@ def time_ms(step, device, warmup: int, repeats: int) -> float:
 def main(argv=None) -> list:
     """Time every (shape, backend, score); print a table and return its rows."""
     p = cli.parser(__doc__)
-    p.add_argument("--device", default=cli.default_device(), help=cli.DEVICE_HELP)
+    cli.add_device(p)
     p.add_argument("--tiny", action="store_true", help=f"tiny sizes {TINY_SHAPES} in float32 instead of {SHAPES}")
     p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated, from triton,flex")
     p.add_argument("--cap", type=float, default=30.0, help="the softcap")
