@@ -8,7 +8,12 @@ fullgraph=True)`` traces through them) -> :func:`triton_attention`.
 Depth K/V reach the ops as a list: either one (B, Hk, Tq, L, D) tensor, or L
 per-slot (B, Hk, Tq, D) tensors (the entries earlier layers wrote). The
 kernels read slot ``l`` through a table of slot addresses, so neither form is
-copied, and autograd hands each entry its own gradient.
+copied, and autograd hands each entry its own gradient. A fused score reaches
+the ops as the depth bias tensor (so that it gets its gradient) and the cap.
+
+The launchers pass every kernel argument by name; block sizes come from
+:func:`_config`, which a ``config=`` hook of :func:`triton_attention` may
+change for one eager call (benchmarks/tune_moda.py).
 """
 
 from __future__ import annotations
@@ -285,7 +290,7 @@ def _config_for(device_type: str, head_dim: int, G: int, which: str, has_depth: 
 
 @functools.lru_cache(maxsize=None)
 def _placeholder(device: torch.device) -> Tensor:
-    """A never-read int32 pointer argument for kernels launched without documents (made once per device)."""
+    """A never-read int32 pointer argument for a launch without documents or bias (made once per device)."""
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
@@ -318,9 +323,10 @@ def _mask_args(opts: Options, documents: Optional[Tensor], like: Tensor) -> dict
 
 
 def _bias_args(bias: Optional[Tensor], like: Tensor) -> dict:
-    """The depth bias's arguments: a float32 copy on the device and its (head, slot) strides; (L,) reads head 0's.
+    """The depth bias's arguments: a float32 copy on the device and its (head, slot) strides.
 
-    The copy is in the returned dict, which the caller holds until the kernel is launched.
+    A (L,) bias gets head stride 0: every head reads it. The copy is in the
+    returned dict, which the caller holds until the kernel is launched.
     """
     if bias is None:
         return dict(BIAS=_placeholder(like.device), sbh=0, sbl=0, HAS_BIAS=False)
