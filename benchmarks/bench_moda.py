@@ -22,7 +22,6 @@ Usage::
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
@@ -45,17 +44,10 @@ HK, D = 8, 64
 
 
 def depth_utilization(G: int, L: int) -> float:
-    """Useful / computed MACs of the fused depth phase.
+    """Useful / computed MACs of the fused depth phase at its CUDA launch configuration."""
+    from moda_flex.triton.function import depth_utilization
 
-    A tile of R = max(pow2(G), 16) rows (P = R / pow2(G) tokens) meets P tokens x BLOCK_S slots;
-    each row keeps its own token's BLOCK_S columns.
-    """
-    from moda_flex.triton.function import _MIN_DOT_ROWS, _config, _next_pow2
-
-    block_c = _config(torch.empty(0, device="cuda"), G, "fwd")["BLOCK_C"]
-    rows = max(_next_pow2(G), _MIN_DOT_ROWS)
-    block_s = block_c // (rows // _next_pow2(G))
-    return G / rows * L / (block_s * math.ceil(L / block_s))
+    return depth_utilization(torch.empty(0, 1, 1, D, device="cuda"), G, L)
 
 
 def _bench(fn) -> float:

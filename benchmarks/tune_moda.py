@@ -1,9 +1,10 @@
 """Time the Triton kernels under candidate launch configurations (block sizes, warps, stages).
 
-Each candidate replaces one kernel's configuration; the others keep the
-defaults of ``moda_flex.triton.function._config``. Prints forward and backward
-medians (ms) for L = 0 and L = ``--slots`` at one (T, G), and the spread of
-timing the default twice. Usage::
+Each candidate replaces one kernel's configuration through the ``config=``
+hook of ``moda_flex.triton.triton_attention``; the others keep their
+defaults. Prints forward and backward medians (ms) for L = 0 and
+L = ``--slots`` at one (T, G), and the spread of timing the default twice.
+Usage::
 
     python benchmarks/tune_moda.py --seq 16384 --groups 8 --slots 64
 """
@@ -17,7 +18,8 @@ from pathlib import Path
 import torch
 import triton.testing
 
-from moda_flex.triton import function
+from moda_flex import causal
+from moda_flex.triton import triton_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import cli  # noqa: E402
@@ -43,19 +45,37 @@ def _timed(fn) -> float:
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
-def _times(T, G, L):
+def _times(T, G, L, config):
+    """Forward and backward medians (ms) of one call under the launch hook ``config``."""
     torch.manual_seed(0)
     Hk, D, dev, dt = 8, 64, "cuda", torch.bfloat16
-    q = torch.randn(1, Hk * G, T, D, device=dev, dtype=dt)
-    k, v = torch.randn(1, Hk, T, D, device=dev, dtype=dt), torch.randn(1, Hk, T, D, device=dev, dtype=dt)
-    dk = torch.randn(1, Hk, T, L + 16, D, device=dev, dtype=dt)[:, :, :, :L]
-    dv = torch.randn(1, Hk, T, L + 16, D, device=dev, dtype=dt)[:, :, :, :L]
-    args = (None, 1 / math.sqrt(D), True, 0, 0, True)
-    out, lse = function._forward(q, k, v, dk, dv, *args)
+    q = torch.randn(1, Hk * G, T, D, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(1, Hk, T, D, device=dev, dtype=dt, requires_grad=True)
+    v = torch.randn(1, Hk, T, D, device=dev, dtype=dt, requires_grad=True)
+    dk = torch.randn(1, Hk, T, L + 16, D, device=dev, dtype=dt)[:, :, :, :L].requires_grad_()
+    dv = torch.randn(1, Hk, T, L + 16, D, device=dev, dtype=dt)[:, :, :, :L].requires_grad_()
+    leaves = (q, k, v, dk, dv)
+
+    def forward():
+        return triton_attention(*leaves, causal(), 1 / math.sqrt(D), config=config)[0]
+
+    with torch.no_grad():
+        fwd = _timed(forward)
+    out = forward()
     do = torch.randn_like(q)
-    fwd = _timed(lambda: function._forward(q, k, v, dk, dv, *args))
-    bwd = _timed(lambda: function._backward(do, None, q, k, v, dk, dv, out, lse, *args))
+    bwd = _timed(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True))
     return fwd, bwd
+
+
+def _replacing(which: str, candidate: dict, G: int):
+    """A launch hook that gives kernel ``which`` the ``candidate`` configuration (BLOCK_M at least pow2(G))."""
+
+    def config(kernel: str, default: dict) -> dict:
+        if kernel != which:
+            return default
+        return {**default, **candidate, "BLOCK_M": max(candidate["BLOCK_M"], 1 << (G - 1).bit_length())}
+
+    return config
 
 
 def main(argv=None) -> None:
@@ -65,28 +85,17 @@ def main(argv=None) -> None:
     parser.add_argument("--slots", type=int, default=64, help="L depth entries per token")
     args = parser.parse_args(argv)
     cli.require_cuda(parser, "tune_moda.py")
-    default = function._config
     print(f"{torch.cuda.get_device_name()}  T={args.seq} G={args.groups} L=0/{args.slots}; ms")
     print(f"{'kernel':>6} {'config':<62} {'fwd L0':>8} {'bwd L0':>8} {'fwd L':>8} {'bwd L':>8}")
     for which, candidates in CANDIDATES.items():
         for cand in candidates:
-
-            def config(q, G, kind, has_depth=True, which=which, cand=cand):
-                cfg = default(q, G, kind, has_depth)
-                if kind == which:
-                    cfg.update(cand)
-                    cfg["BLOCK_M"] = max(cfg["BLOCK_M"], 1 << (G - 1).bit_length())
-                return cfg
-
-            function._config = config
+            config = _replacing(which, cand, args.groups)
             try:
-                f0, b0 = _times(args.seq, args.groups, 0)
-                f1, b1 = _times(args.seq, args.groups, args.slots)
+                f0, b0 = _times(args.seq, args.groups, 0, config)
+                f1, b1 = _times(args.seq, args.groups, args.slots, config)
                 print(f"{which:>6} {str(cand):<62} {f0:8.3f} {b0:8.3f} {f1:8.3f} {b1:8.3f}", flush=True)
             except Exception as err:  # a candidate that does not compile or fit is reported, not fatal
                 print(f"{which:>6} {str(cand):<62} failed: {type(err).__name__}: {str(err)[:80]}", flush=True)
-            finally:
-                function._config = default
 
 
 if __name__ == "__main__":

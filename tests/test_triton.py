@@ -124,6 +124,23 @@ def test_depth_view_is_read_in_place():
     assert torch.equal(out_view, out_copy)
 
 
+def test_config_hook_changes_the_launches_not_the_result():
+    """``config=`` sees each kernel's default launch and may replace it; the result stays the reference's."""
+    seen = []
+
+    def config(kernel, default):
+        seen.append(kernel)
+        return {**default, "BLOCK_N": 2 * default["BLOCK_N"]}
+
+    inputs = _inputs(MoDAShape(1, 4, 2, 9, 37, 3, 16))
+
+    def run(q, k, vv, depth_k, depth_v, variant, scale):
+        return triton_attention(q, k, vv, depth_k, depth_v, variant, scale, config=config)
+
+    assert_matches_reference(inputs, backend=run, variant=v.causal())
+    assert seen == ["fwd", "dq", "dkdv"]
+
+
 def test_compiles_fullgraph():
     shape = MoDAShape(1, 4, 2, 7, 7, 3, 16)
     inputs = _inputs(shape)

@@ -8,7 +8,12 @@ fullgraph=True)`` traces through them) -> :func:`triton_attention`.
 Depth K/V reach the ops as a list: either one (B, Hk, Tq, L, D) tensor, or L
 per-slot (B, Hk, Tq, D) tensors (the entries earlier layers wrote). The
 kernels read slot ``l`` through a table of slot addresses, so neither form is
-copied, and autograd hands each entry its own gradient.
+copied, and autograd hands each entry its own gradient. A fused score reaches
+the ops as the depth bias tensor (so that it gets its gradient) and the cap.
+
+The launchers pass every kernel argument by name; block sizes come from
+:func:`_config`, which a ``config=`` hook of :func:`triton_attention` may
+change for one eager call (benchmarks/tune_moda.py).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Optional, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -32,6 +37,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The smallest M of a Tensor Core dot: the depth phase works on tiles of
 # max(pow2(G), 16) rows, the rows of 16 / pow2(G) consecutive tokens when G < 16.
 _MIN_DOT_ROWS = 16
+_LOG2E = math.log2(math.e)  # the kernels keep logits in base 2
 
 
 def unsupported_reason(q: Tensor, variant: Variant) -> Optional[str]:
@@ -98,7 +104,15 @@ def _score_args(score: Optional[Score], q_heads: int, slots: int) -> tuple[Optio
 
 
 def triton_attention(
-    q: Tensor, k: Tensor, v: Tensor, depth_k: DepthKV, depth_v: DepthKV, variant: Variant, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    depth_k: DepthKV,
+    depth_v: DepthKV,
+    variant: Variant,
+    scale: float,
+    *,
+    config: Optional[ConfigHook] = None,
 ) -> tuple[Tensor, Tensor]:
     """Fused MoDA through the Triton kernels. Inputs are already validated.
 
@@ -111,6 +125,9 @@ def triton_attention(
             :func:`unsupported_reason`); a depth bias is (L,) or (Hq, L) and
             may require grad.
         scale: logit scale.
+        config: a launch hook for tuning, ``config(kernel, default) -> config``
+            (see :data:`ConfigHook`), applied to the forward and backward
+            launches of this call; eager calls only.
 
     Returns:
         out (B, Hq, Tq, D) in q's dtype and lse (B, Hq, Tq) float32, natural
@@ -130,12 +147,14 @@ def triton_attention(
     depth_first = 0 if s.depth_window is None else max(0, L - s.depth_window)
     window = 0 if s.window is None else int(s.window)
     bias, softcap, bias_first = _score_args(variant.score, q.shape[1], L)
-    options = (float(scale), bool(s.causal), window, depth_first, bool(s.sequence), float(softcap), bias_first)
+    opts = Options(float(scale), bool(s.causal), window, depth_first, bool(s.sequence), float(softcap), bias_first)
     if torch.compiler.is_compiling():
-        return torch.ops.moda_flex.triton_forward(q, k, v, depth_k, depth_v, documents, bias, *options)
+        if config is not None:
+            raise ValueError("config= tunes eager calls; torch.compile traces the op with the default launches")
+        return torch.ops.moda_flex.triton_forward(q, k, v, depth_k, depth_v, documents, bias, *opts)
     # Eager: the same kernels behind a plain autograd.Function, without the
     # dispatcher round trips of a custom op (the call is host-bound at short lengths).
-    return _EagerMoDA.apply(q, k, v, documents, bias, options, len(depth_k), *depth_k, *depth_v)
+    return _EagerMoDA.apply(q, k, v, documents, bias, opts, config, len(depth_k), *depth_k, *depth_v)
 
 
 # moda_attention hands this backend the per-slot form as it is, without stacking.
@@ -189,8 +208,27 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _config(q: Tensor, G: int, which: str, has_depth: bool = True, programs: int = 0) -> dict:
-    """Block sizes and launch options for ``which`` in {"fwd", "dkdv", "dq"}.
+class Options(NamedTuple):
+    """A call's non-tensor arguments, in the order the ops take them."""
+
+    scale: float
+    causal: bool
+    window: int  # 0: unbounded
+    depth_first: int  # the first visible depth slot
+    sequence: bool  # False: no sequence keys (depth-only)
+    softcap: float  # 0.0: no cap
+    bias_first: bool  # the depth bias is added before the cap
+
+
+# A launch hook: ``config(kernel, default) -> config``, with ``kernel`` one of
+# "fwd", "dq", "dkdv" and ``default`` the launch options the launcher would use
+# (block sizes, num_warps, num_stages), a fresh dict.
+ConfigHook = Callable[[str, dict], dict]
+
+
+def _config(q: Tensor, G: int, which: str, hook: Optional[ConfigHook], has_depth: bool = True,
+            programs: int = 0) -> dict:  # fmt: skip
+    """Block sizes and launch options for ``which`` in {"fwd", "dkdv", "dq"}, through ``hook`` if given.
 
     ``programs``: for "dkdv", the number of (key block, batch x KV head)
     programs at the default BLOCK_N = 128; fewer than the GPU has SMs halves
@@ -198,7 +236,21 @@ def _config(q: Tensor, G: int, which: str, has_depth: bool = True, programs: int
     (benchmarks/tune_moda.py, benchmarks/NOTES.md).
     """
     few = which == "dkdv" and q.device.type == "cuda" and programs < _sm_count(q.device)
-    return _config_for(q.device.type, _head_dim(q.shape[-1]), G, which, has_depth, few)
+    cfg = _config_for(q.device.type, _head_dim(q.shape[-1]), G, which, has_depth, few)
+    return cfg if hook is None else hook(which, dict(cfg))
+
+
+def depth_utilization(q: Tensor, G: int, L: int) -> float:
+    """Useful / computed MACs of the forward's depth phase, for queries like ``q`` (device, D) and G, L.
+
+    A tile of ``R = max(pow2(G), 16)`` rows (``P = R / pow2(G)`` tokens)
+    meets P tokens x BLOCK_S slots; each row keeps its own token's BLOCK_S
+    columns.
+    """
+    block_c = _config(q, G, "fwd", None)["BLOCK_C"]
+    rows = max(_next_pow2(G), _MIN_DOT_ROWS)
+    block_s = block_c // (rows // _next_pow2(G))
+    return G / rows * L / (block_s * math.ceil(L / block_s))
 
 
 def _head_dim(D: int) -> int:
@@ -238,120 +290,188 @@ def _config_for(device_type: str, head_dim: int, G: int, which: str, has_depth: 
 
 @functools.lru_cache(maxsize=None)
 def _placeholder(device: torch.device) -> Tensor:
-    """A never-read int32 pointer argument for kernels launched without documents (made once per device)."""
+    """A never-read int32 pointer argument for a launch without documents or bias (made once per device)."""
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def _doc_args(documents: Optional[Tensor], like: Tensor):
-    """Kernel arguments for (3, Bd, Tk) packed documents: ids, run starts, run ends and the batch stride."""
+def _strides(prefix: str, strides: Sequence[int], axes: str) -> dict:
+    """A tensor's stride arguments by name: ``_strides("sq", q.stride(), "bhtd")`` gives sqb, sqh, sqt, sqd."""
+    return dict(zip(_stride_names(prefix, axes), strides))
+
+
+@functools.lru_cache(maxsize=None)
+def _stride_names(prefix: str, axes: str) -> tuple[str, ...]:
+    return tuple(prefix + axis for axis in axes)
+
+
+def _layout_args(q: Tensor, k: Tensor) -> dict:
+    """The row layout's constants: G query heads per KV head, G rounded up to GP, the padded and real head dim."""
+    G, D = q.shape[1] // k.shape[1], q.shape[-1]
+    return dict(G=G, GP=_next_pow2(G), HEAD_DIM=_head_dim(D), D_REAL=D)
+
+
+def _mask_args(opts: Options, documents: Optional[Tensor], like: Tensor) -> dict:
+    """The sequence mask's arguments: window, flags, and the (3, Bd, Tk) packed documents with their batch stride."""
     if documents is None:
-        dummy = _placeholder(like.device)
-        return dummy, dummy, dummy, 0
-    return documents[0], documents[1], documents[2], (documents.stride(1) if documents.shape[1] > 1 else 0)
+        ids = lo = hi = _placeholder(like.device)
+        sdoc = 0
+    else:
+        ids, lo, hi = documents[0], documents[1], documents[2]
+        sdoc = documents.stride(1) if documents.shape[1] > 1 else 0
+    return dict(DOC_IDS=ids, DOC_LO=lo, DOC_HI=hi, sdoc=sdoc, window=opts.window,
+                CAUSAL=opts.causal, WINDOW=opts.window > 0, DOC=documents is not None)  # fmt: skip
 
 
-def _bias_args(bias: Optional[Tensor], like: Tensor):
-    """Kernel arguments for a (L,) or (Hq, L) depth bias: a float32 copy on the device and its (head, slot) strides.
+def _bias_args(bias: Optional[Tensor], like: Tensor) -> dict:
+    """The depth bias's arguments: a float32 copy on the device and its (head, slot) strides.
 
-    The copy is returned to be held until the kernel is launched.
+    A (L,) bias gets head stride 0: every head reads it. The copy is in the
+    returned dict, which the caller holds until the kernel is launched.
     """
     if bias is None:
-        return _placeholder(like.device), 0, 0
-    bias = bias.detach().to(device=like.device, dtype=torch.float32)
-    return (bias, 0, bias.stride(0)) if bias.dim() == 1 else (bias, bias.stride(0), bias.stride(1))
+        return dict(BIAS=_placeholder(like.device), sbh=0, sbl=0, HAS_BIAS=False)
+    f32 = bias.detach().to(device=like.device, dtype=torch.float32)
+    sbh, sbl = (0, f32.stride(0)) if f32.dim() == 1 else f32.stride()
+    return dict(BIAS=f32, sbh=sbh, sbl=sbl, HAS_BIAS=True)
 
 
-def _forward(q, k, v, depth_k, depth_v, documents, bias, scale, causal, window, depth_first, sequence, softcap,
-             bias_first):
+def _depth_args(depth_k: list[Tensor], depth_v: list[Tensor], L: int, like: Tensor):
+    """The depth slots' arguments (address tables and strides), and the tensors to hold until the launch."""
+    table, sdk, sdv, held = _slot_table(depth_k, depth_v, L, like.device)
+    return dict(DK_TAB=table, DV_TAB=table[L:], **_strides("sdk", sdk, "bhtd"), **_strides("sdv", sdv, "bhtd")), held
+
+
+def _forward(q, k, v, depth_k, depth_v, documents, bias, opts: Options, config: Optional[ConfigHook] = None):
+    """Launch the forward kernel.
+
+    Args:
+        q: (B, Hq, Tq, D); k, v: (B, Hk, Tk, D).
+        depth_k, depth_v: the op's depth lists (:func:`_as_list`).
+        documents: (3, Bd, Tk) int32 packed documents, or None.
+        bias: the (L,) or (Hq, L) depth bias, or None.
+        opts: the call's options; config: the launch hook, or None.
+
+    Returns:
+        out (B, Hq, Tq, D) contiguous and lse (B, Hq, Tq) float32.
+    """
     from . import kernels
 
-    B, Hq, Tq, D = q.shape
+    B, Hq, Tq, _ = q.shape
     Hk, Tk, L = k.shape[1], k.shape[2], _num_slots(depth_k)
-    G = Hq // Hk
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, Hq, Tq), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))
-    cfg = _config(q, G, "fwd", has_depth=L > depth_first)
-    GP = _next_pow2(G)
-    block_t = cfg["BLOCK_M"] // GP
-    doc, doc_lo, doc_hi, sdoc = _doc_args(documents, q)
-    bias_f32, sbh, sbl = _bias_args(bias, q)
-    table, sdk, sdv, _held = _slot_table(depth_k, depth_v, L, q.device)  # _held: alive until launched
-    grid = (_cdiv(Tq, block_t), B * Hk)
+    layout = _layout_args(q, k)
+    has_depth = L > opts.depth_first
+    cfg = _config(q, layout["G"], "fwd", config, has_depth=has_depth)
+    depth, _held = _depth_args(depth_k, depth_v, L, q)  # _held: alive until launched
+    grid = (_cdiv(Tq, cfg["BLOCK_M"] // layout["GP"]), B * Hk)
     kernels._fwd_kernel[grid](
-        q, k, v, table, table[L:], doc, doc_lo, doc_hi, bias_f32, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), *sdk, *sdv,
-        sdoc, sbh, sbl, *out.stride(), *lse.stride(),
-        Hk, Tq, Tk, L, depth_first, window, scale * math.log2(math.e), softcap,
-        G=G, GP=GP, DEPTH_ROWS=max(GP, _MIN_DOT_ROWS), HEAD_DIM=_head_dim(D), D_REAL=D,
-        CAUSAL=causal, WINDOW=window > 0, DOC=documents is not None,
-        HAS_SEQ=sequence and Tk > 0, HAS_DEPTH=L > depth_first,
-        HAS_SOFTCAP=softcap > 0, HAS_BIAS=bias is not None, BIAS_FIRST=bias_first,
+        Q=q, K=k, V=v, O=out, LSE=lse, **depth, **_mask_args(opts, documents, q), **_bias_args(bias, q),
+        **_strides("sq", q.stride(), "bhtd"), **_strides("sk", k.stride(), "bhtd"),
+        **_strides("sv", v.stride(), "bhtd"), **_strides("so", out.stride(), "bhtd"),
+        **_strides("sl", lse.stride(), "bht"),
+        Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, qk_scale=opts.scale * _LOG2E, softcap=opts.softcap,
+        **layout, DEPTH_ROWS=max(layout["GP"], _MIN_DOT_ROWS),
+        HAS_SEQ=opts.sequence and Tk > 0, HAS_DEPTH=has_depth,
+        HAS_SOFTCAP=opts.softcap > 0, BIAS_FIRST=opts.bias_first,
         **cfg,
     )
     return out, lse
 
 
-def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, bias_grad, scale, causal,
-              window, depth_first, sequence, softcap, bias_first):
+def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, bias_grad: bool,
+              opts: Options, config: Optional[ConfigHook] = None):  # fmt: skip
+    """Launch the backward: the dQ kernel, then the dK/dV kernel.
+
+    Args:
+        grad_out: (B, Hq, Tq, D) contiguous; grad_lse: (B, Hq, Tq) or None.
+        q, k, v, depth_k, depth_v, documents, bias, opts, config: as for :func:`_forward`.
+        out, lse: the forward's results.
+        bias_grad: also compute the bias's gradient.
+
+    Returns:
+        dq (B, Hq, Tq, D), dk, dv (B, Hk, Tk, D), the depth gradients as two
+        (B, Hk, Tq, L, D) tensors, and the bias's gradient in its shape and
+        dtype with ``bias_grad`` (else an empty tensor).
+    """
+    B, Hq, Tq, D = q.shape
+    Hk, Tk, L = k.shape[1], k.shape[2], _num_slots(depth_k)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    dbias = q.new_zeros(0) if not bias_grad else torch.zeros_like(bias)
+    if q.numel() == 0 or k.numel() == 0:
+        depth_shape = (B, Hk, Tq, L, D)
+        return (torch.zeros_like(q, memory_format=torch.contiguous_format), dk.zero_(), dv.zero_(),
+                q.new_zeros(depth_shape), q.new_zeros(depth_shape), dbias)  # fmt: skip
+    # The dQ kernel runs first: it also writes delta = rowsum(dO * O) - dLSE, which the dK/dV kernel reads.
+    dq, ddk, ddv, delta, gbias = _launch_dq(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias,
+                                            bias_grad, opts, config)  # fmt: skip
+    if opts.sequence and Tk > 0:
+        _launch_dkdv(grad_out, q, k, v, lse, delta, documents, dk, dv, opts, config)
+    else:
+        dk.zero_()
+        dv.zero_()
+    if gbias is not None:
+        dbias = _reduce_bias_grad(gbias, bias, B, Hk, Hq // Hk)
+    return dq, dk, dv, ddk, ddv, dbias
+
+
+def _launch_dq(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, bias_grad, opts, config):
+    """The dQ kernel: dq, the depth gradients, delta for the dK/dV kernel, and the bias's gradient in parts or None."""
     from . import kernels
 
     B, Hq, Tq, D = q.shape
     Hk, Tk, L = k.shape[1], k.shape[2], _num_slots(depth_k)
-    G = Hq // Hk
-    GP = _next_pow2(G)
+    layout = _layout_args(q, k)
+    has_depth = L > opts.depth_first
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    alloc = torch.zeros if depth_first > 0 else torch.empty  # masked slots get a zero gradient
+    alloc = torch.zeros if opts.depth_first > 0 else torch.empty  # masked slots get a zero gradient
     ddk = alloc((B, Hk, Tq, L, D), device=q.device, dtype=q.dtype)
     ddv = alloc((B, Hk, Tq, L, D), device=q.device, dtype=q.dtype)
-    dbias = q.new_zeros(0) if not bias_grad else torch.zeros_like(bias)
-    if q.numel() == 0 or k.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_(), ddk.zero_(), ddv.zero_(), dbias
-    doc, doc_lo, doc_hi, sdoc = _doc_args(documents, q)
-    qk_scale = scale * math.log2(math.e)
-    has_seq = sequence and Tk > 0
-    # The dQ kernel runs first: it also writes delta = rowsum(dO * O) - dLSE, which the dK/dV kernel reads.
     delta = torch.empty_like(lse)
     glse = delta if grad_lse is None else grad_lse.float().contiguous()
-    cfg = _config(q, G, "dq", has_depth=L > depth_first)
-    bias_f32, sbh, sbl = _bias_args(bias, q)
-    table, sdk, sdv, _held = _slot_table(depth_k, depth_v, L, q.device)  # _held: alive until launched
-    grid = (_cdiv(Tq, cfg["BLOCK_M"] // GP), B * Hk)
-    # Each program's part of the bias gradient, summed over its tokens, (B * Hk, blocks, GP, L); reduced below.
-    with_bias_grad = bias_grad and L > depth_first
-    gbias = q.new_zeros((B * Hk, grid[0], GP, L) if with_bias_grad else (0,), dtype=torch.float32)
+    cfg = _config(q, layout["G"], "dq", config, has_depth=has_depth)
+    depth, _held = _depth_args(depth_k, depth_v, L, q)  # _held: alive until launched
+    grid = (_cdiv(Tq, cfg["BLOCK_M"] // layout["GP"]), B * Hk)
+    # Each program's part of the bias gradient, summed over its tokens, (B * Hk, blocks, GP, L).
+    with_bias_grad = bias_grad and has_depth
+    gbias = q.new_zeros((B * Hk, grid[0], layout["GP"], L) if with_bias_grad else (0,), dtype=torch.float32)
     kernels._bwd_dq_kernel[grid](
-        q, k, v, table, table[L:], out, grad_out, lse, glse, delta, doc, doc_lo, doc_hi, bias_f32, dq, ddk, ddv, gbias,
-        *q.stride(), *out.stride(), *k.stride(), *v.stride(), *sdk, *sdv,
-        *grad_out.stride(), *lse.stride(), sdoc, sbh, sbl, *dq.stride(), *ddk.stride(),
-        Hk, Tq, Tk, L, depth_first, window, scale, qk_scale, softcap,
-        G=G, GP=GP, DEPTH_ROWS=max(GP, _MIN_DOT_ROWS), HEAD_DIM=_head_dim(D), D_REAL=D,
-        CAUSAL=causal, WINDOW=window > 0, DOC=documents is not None,
-        HAS_SEQ=has_seq, HAS_DEPTH=L > depth_first, HAS_GLSE=grad_lse is not None,
-        HAS_SOFTCAP=softcap > 0, HAS_BIAS=bias is not None, BIAS_FIRST=bias_first, BIAS_GRAD=with_bias_grad,
+        Q=q, K=k, V=v, O=out, DO=grad_out, LSE=lse, GLSE=glse, DELTA=delta, DQO=dq, DDKO=ddk, DDVO=ddv, GBIAS=gbias,
+        **depth, **_mask_args(opts, documents, q), **_bias_args(bias, q),
+        **_strides("sq", q.stride(), "bhtd"), **_strides("so", out.stride(), "bhtd"),
+        **_strides("sk", k.stride(), "bhtd"), **_strides("sv", v.stride(), "bhtd"),
+        **_strides("sdo", grad_out.stride(), "bhtd"), **_strides("sl", lse.stride(), "bht"),
+        **_strides("sgq", dq.stride(), "bhtd"), **_strides("sgd", ddk.stride(), "bhtld"),
+        Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, scale=opts.scale,
+        qk_scale=opts.scale * _LOG2E, softcap=opts.softcap,
+        **layout, DEPTH_ROWS=max(layout["GP"], _MIN_DOT_ROWS),
+        HAS_SEQ=opts.sequence and Tk > 0, HAS_DEPTH=has_depth, HAS_GLSE=grad_lse is not None,
+        HAS_SOFTCAP=opts.softcap > 0, BIAS_FIRST=opts.bias_first, BIAS_GRAD=with_bias_grad,
         **cfg,
     )
-    if with_bias_grad:
-        dbias = _reduce_bias_grad(gbias, bias, B, Hk, G)
-    if has_seq:
-        cfg = _config(q, G, "dkdv", programs=_cdiv(Tk, 128) * B * Hk)
-        grid = (_cdiv(Tk, cfg["BLOCK_N"]), B * Hk)
-        kernels._bwd_dkdv_kernel[grid](
-            q, k, v, grad_out, lse, delta, doc, doc_lo, doc_hi, dk, dv,
-            *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse.stride(),
-            sdoc, *dk.stride(),
-            Hk, Tq, Tk, window, scale, qk_scale, softcap,
-            G=G, GP=GP, HEAD_DIM=_head_dim(D), D_REAL=D, CAUSAL=causal, WINDOW=window > 0, DOC=documents is not None,
-            HAS_SOFTCAP=softcap > 0,
-            **cfg,
-        )
-    else:
-        dk.zero_()
-        dv.zero_()
-    return dq, dk, dv, ddk, ddv, dbias
+    return dq, ddk, ddv, delta, gbias if with_bias_grad else None
+
+
+def _launch_dkdv(grad_out, q, k, v, lse, delta, documents, dk, dv, opts, config) -> None:
+    """The dK/dV kernel: writes dk, dv (B, Hk, Tk, D), contiguous, from delta of the dQ kernel."""
+    from . import kernels
+
+    B, Hk, Tk = k.shape[0], k.shape[1], k.shape[2]
+    layout = _layout_args(q, k)
+    cfg = _config(q, layout["G"], "dkdv", config, programs=_cdiv(Tk, 128) * B * Hk)
+    grid = (_cdiv(Tk, cfg["BLOCK_N"]), B * Hk)
+    kernels._bwd_dkdv_kernel[grid](
+        Q=q, K=k, V=v, DO=grad_out, LSE=lse, DELTA=delta, DKO=dk, DVO=dv, **_mask_args(opts, documents, q),
+        **_strides("sq", q.stride(), "bhtd"), **_strides("sk", k.stride(), "bhtd"),
+        **_strides("sv", v.stride(), "bhtd"), **_strides("sdo", grad_out.stride(), "bhtd"),
+        **_strides("sl", lse.stride(), "bht"), **_strides("sg", dk.stride(), "bhtd"),
+        Hk=Hk, Tq=q.shape[2], Tk=Tk, scale=opts.scale, qk_scale=opts.scale * _LOG2E, softcap=opts.softcap,
+        **layout, HAS_SOFTCAP=opts.softcap > 0,
+        **cfg,
+    )
 
 
 def _reduce_bias_grad(parts: Tensor, bias: Tensor, B: int, Hk: int, G: int) -> Tensor:
@@ -366,10 +486,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 # ---- torch.library ops -------------------------------------------------------------------------
-# Non-tensor arguments: ``window`` 0 means unbounded; ``depth_first`` is the first visible depth
-# slot; ``sequence`` False drops the sequence keys (depth-only); ``softcap`` 0.0 means no cap;
-# ``bias_first``: the depth bias is added before the cap. ``bias`` is the (L,) or (Hq, L) depth
-# bias or None; the backward computes its gradient only with ``bias_grad``.
+# The non-tensor arguments are :class:`Options`, spelled out. ``bias`` is the (L,) or (Hq, L)
+# depth bias or None; the backward computes its gradient only with ``bias_grad``.
 
 
 def _interpreter_upcast(tensors, depth_k, depth_v):
@@ -379,16 +497,17 @@ def _interpreter_upcast(tensors, depth_k, depth_v):
     return tensors, depth_k, depth_v, None
 
 
-def _run_forward(q, k, v, depth_k, depth_v, documents, bias, *options):
+def _run_forward(q, k, v, depth_k, depth_v, documents, bias, *options, config=None):
     (q, k, v), depth_k, depth_v, cast = _interpreter_upcast([q, k, v], depth_k, depth_v)
-    out, lse = _forward(q, k, v, depth_k, depth_v, documents, bias, *options)
+    out, lse = _forward(q, k, v, depth_k, depth_v, documents, bias, Options(*options), config)
     return (out if cast is None else out.to(cast)), lse
 
 
-def _run_backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, bias_grad, *options):
+def _run_backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, bias_grad, *options,
+                  config=None):  # fmt: skip
     (grad_out, q, k, v, out), depth_k, depth_v, cast = _interpreter_upcast([grad_out, q, k, v, out], depth_k, depth_v)
     *grads, dbias = _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, bias_grad,
-                              *options)
+                              Options(*options), config)  # fmt: skip
     return (*grads, dbias) if cast is None else (*(g.to(cast) for g in grads), dbias)
 
 
@@ -399,19 +518,19 @@ class _EagerMoDA(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, documents, bias, options, n_depth, *depth):
+    def forward(ctx, q, k, v, documents, bias, opts, config, n_depth, *depth):
         depth_k, depth_v = list(depth[:n_depth]), list(depth[n_depth:])
-        out, lse = _run_forward(q, k, v, depth_k, depth_v, documents, bias, *options)
+        out, lse = _run_forward(q, k, v, depth_k, depth_v, documents, bias, *opts, config=config)
         ctx.save_for_backward(q, k, v, out, lse, documents, bias, *depth)
-        ctx.num_depth, ctx.options = n_depth, options
+        ctx.num_depth, ctx.options, ctx.config = n_depth, opts, config
         ctx.bias_grad = ctx.needs_input_grad[4]
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        grads = _autograd_backward(ctx, grad_out, grad_lse, _run_backward)
-        dq, dk, dv, ddk, ddv, _, dbias = grads[:7]
-        return dq, dk, dv, None, dbias, None, None, *ddk, *ddv
+        run_backward = functools.partial(_run_backward, config=ctx.config)
+        dq, dk, dv, ddk, ddv, _, dbias = _autograd_backward(ctx, grad_out, grad_lse, run_backward)[:7]
+        return dq, dk, dv, None, dbias, None, None, None, *ddk, *ddv
 
 
 # Registered with torch.library.define / impl: the kernels run as they are. (A

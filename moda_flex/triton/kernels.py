@@ -47,7 +47,13 @@ end), a non-finite key through ``x * 0``. The backward treats a row with
 as zero, so it sends no gradient, and every other row's gradients are those of
 the inputs with the non-finite entries zeroed, bit for bit.
 
-Scores are kept in base 2: ``qk_scale = scale * log2(e)``; LSE is stored in
+Fused scores (:func:`_score`): a soft-cap on every logit and a depth bias on
+the depth logits, applied in the order the score joins them; the backward
+multiplies dS by the cap's derivative. The bias's gradient sums the depth dS
+over the batch and the tokens: each dQ program writes the sum over its own
+tokens and the launcher adds them up (deterministic, no atomics).
+
+Logits are kept in base 2: ``qk_scale = scale * log2(e)``; LSE is stored in
 natural log. Batch/head base offsets and depth token offsets are int64: one
 depth tensor may hold more than 2**31 elements (T=16384, L=256, Hk=8, D=64).
 """
@@ -57,6 +63,59 @@ import triton.language as tl
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
+
+
+# ---- shared by the three kernels: programs, rows, key ranges, masks -------------------------------
+
+
+@triton.jit
+def _program(Hk):
+    """This program's batch element and KV head (grid axis 1 is B * Hk), int64: base offsets may pass 2**31."""
+    pid_bh = tl.program_id(1).to(tl.int64)
+    return pid_bh // Hk, pid_bh % Hk
+
+
+@triton.jit
+def _query_block():
+    """This program's block of query tokens (grid axis 0): the last first, as causal blocks at the end are longest."""
+    return tl.num_programs(0) - 1 - tl.program_id(0)
+
+
+@triton.jit
+def _rows(t0, Tq, G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The rows of the block of tokens from ``t0`` (Alg. 1 lines 3-4, 8): token, head in the group, real or padding."""
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = t0 + offs_m // GP
+    grp = offs_m % GP
+    return tok, grp, (tok < Tq) & (grp < G)
+
+
+@triton.jit
+def _load_rows(ptr, sh, st, sd, tok, grp, row_ok, offs_d, keep):
+    """Per-row vectors (q, dO, O), (BLOCK_M, HEAD_DIM), of head ``grp`` at token ``tok``; zero off ``keep``."""
+    x = tl.load(ptr + grp[:, None] * sh + tok[:, None] * st + offs_d[None, :] * sd, mask=row_ok[:, None], other=0.0)
+    return tl.where(keep, x, 0.0)
+
+
+@triton.jit
+def _head_lanes(HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr):
+    """Head-dim lanes: offsets for addressing and the mask of real lanes.
+
+    ``HEAD_DIM`` is D rounded up to a power of two (at least 16, the least K of
+    a Tensor Core dot). Padded lanes address the last real one, so every load
+    stays in bounds; q and dO are zeroed there, which keeps every dot product
+    over D exact, and stores skip them.
+    """
+    lanes = tl.arange(0, HEAD_DIM)
+    if D_REAL == HEAD_DIM:
+        return lanes, lanes < HEAD_DIM
+    return tl.minimum(lanes, D_REAL - 1), lanes < D_REAL
+
+
+@triton.jit
+def _documents(DOC_IDS, DOC_LO, DOC_HI, b, sdoc):
+    """Batch row ``b`` of the document ids and of the starts and ends of their runs."""
+    return DOC_IDS + b * sdoc, DOC_LO + b * sdoc, DOC_HI + b * sdoc
 
 
 @triton.jit
@@ -93,6 +152,59 @@ def _key_ranges(
 
 
 @triton.jit
+def _query_keys(
+    t0, tok, Tq, Tk, window, DOC_IDS, DOC_LO, DOC_HI,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The rows' absolute positions and document ids, and the key ranges of their block (:func:`_key_ranges`)."""
+    shift = Tk - Tq  # query token t sits at absolute position t + shift
+    q_pos = tok + shift
+    if DOC:
+        q_doc = tl.load(DOC_IDS + q_pos, mask=tok < Tq, other=0)
+    else:
+        q_doc = q_pos
+    p_last = tl.minimum(t0 + BLOCK_T, Tq) - 1 + shift
+    lo, a, b, hi = _key_ranges(t0 + shift, p_last, Tk, window, DOC_LO, DOC_HI, CAUSAL, WINDOW, DOC, BLOCK_N)
+    return q_pos, q_doc, lo, a, b, hi
+
+
+@triton.jit
+def _query_ranges(
+    n0, Tq, Tk, window, DOC_LO, DOC_HI,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Query token blocks for the keys [n0, n0 + BLOCK_N): :func:`_key_ranges` seen from the keys.
+
+    Returns ``lo <= a <= b <= hi`` in query tokens: tokens in ``[lo, hi)`` may
+    see some key of the block; blocks of ``BLOCK_T`` tokens in ``[a, b)`` see
+    all of them and need no mask.
+    """
+    shift = Tk - Tq
+    n_last = tl.minimum(n0 + BLOCK_N, Tk) - 1
+    lo = shift
+    hi = Tk
+    full_lo = shift
+    full_hi = Tk
+    if CAUSAL:
+        lo = tl.maximum(lo, n0)
+        full_lo = tl.maximum(full_lo, n_last)
+    if WINDOW:
+        hi = tl.minimum(hi, n_last + window)
+        full_hi = tl.minimum(full_hi, n0 + window)
+    if DOC:
+        lo = tl.maximum(lo, tl.load(DOC_LO + n0))
+        hi = tl.minimum(hi, tl.load(DOC_HI + n_last))
+        full_lo = tl.maximum(full_lo, tl.load(DOC_LO + n_last))
+        full_hi = tl.minimum(full_hi, tl.load(DOC_HI + n0))
+    # positions -> query tokens, in blocks of BLOCK_T tokens
+    lo = ((lo - shift) // BLOCK_T) * BLOCK_T
+    hi = tl.maximum(hi - shift, lo)
+    a = tl.minimum(tl.maximum(tl.cdiv(full_lo - shift, BLOCK_T) * BLOCK_T, lo), hi)
+    b = tl.minimum(tl.maximum(((full_hi - shift) // BLOCK_T) * BLOCK_T, a), hi)
+    return lo, a, b, hi
+
+
+@triton.jit
 def _visible(
     q_pos, q_doc, k_pos, Tk, window, doc_ptr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
@@ -107,6 +219,39 @@ def _visible(
         k_doc = tl.load(doc_ptr + k_pos, mask=k_pos < Tk, other=0)
         vis = vis & (k_doc == q_doc)
     return vis
+
+
+@triton.jit
+def _depth_tiles(t0, DEPTH_ROWS: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_C: tl.constexpr):
+    """Column bookkeeping of the depth tiles of one query block.
+
+    Tile ``u`` holds rows ``u * DEPTH_ROWS ...`` of the block: the rows of
+    tokens ``t0 + u * P + i`` (``i < P``). Its ``BLOCK_C`` depth columns are
+    ``P`` tokens x ``BLOCK_S`` slots. Returns the token of every column
+    (U, BLOCK_C), the slot offset of every column (BLOCK_C,) and the
+    own-token mask (DEPTH_ROWS, BLOCK_C).
+    """
+    P: tl.constexpr = DEPTH_ROWS // GP
+    BLOCK_S: tl.constexpr = BLOCK_C // P
+    U: tl.constexpr = BLOCK_M // DEPTH_ROWS
+    offs_c = tl.arange(0, BLOCK_C)
+    col_tok = offs_c // BLOCK_S  # token of a column inside its tile
+    col_token = t0 + tl.arange(0, U)[:, None] * P + col_tok[None, :]  # (U, BLOCK_C)
+    own = (tl.arange(0, DEPTH_ROWS) // GP)[:, None] == col_tok[None, :]  # (DEPTH_ROWS, BLOCK_C)
+    return col_token, offs_c % BLOCK_S, own
+
+
+@triton.jit
+def _slot_bases(DK_TAB, DV_TAB, slot, L, ELEM: tl.constexpr):
+    """Base pointers of the depth key and value slots ``slot`` (BLOCK_C,), read from the address tables."""
+    ok = slot < L
+    dk_slot = tl.load(DK_TAB + slot, mask=ok, other=0).to(tl.pointer_type(ELEM))
+    dv_slot = tl.load(DV_TAB + slot, mask=ok, other=0).to(tl.pointer_type(ELEM))
+    return dk_slot, dv_slot
+
+
+# ---- NaN and Inf ---------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -125,6 +270,21 @@ def _zero_nonfinite(v, D_AXIS: tl.constexpr):
 def _finite(x):
     """``x`` with its NaN and Inf entries read as zero (for the products of masked entries in the backward)."""
     return tl.where(x * 0.0 == 0.0, x, 0.0)
+
+
+@triton.jit
+def _row_lse2(lse_ptrs, row_ok):
+    """The rows' lse in base 2 for recomputing ``p = exp2(s - lse)``, and which rows are dead.
+
+    A row that saw no key (lse = -inf) and a dead row, one that saw a NaN or
+    Inf (lse = NaN) and sends no gradient, both get lse = +inf, so p = 0.
+    """
+    lse = tl.load(lse_ptrs, mask=row_ok, other=float("inf"))
+    dead = lse != lse
+    return tl.where((lse == float("-inf")) | dead, float("inf"), lse) * _LOG2E, dead
+
+
+# ---- fused scores --------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -150,6 +310,37 @@ def _score(x, bias, softcap, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, 
     if HAS_BIAS and not BIAS_FIRST:
         s = s + bias
     return s, dcap
+
+
+@triton.jit
+def _bias_tile(BIAS, sbh, sbl, slot, L, G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr):
+    """The depth bias of a tile in base 2, (DEPTH_ROWS, BLOCK_C): ``bias[head of the row, slot of the column]``."""
+    head = tl.arange(0, DEPTH_ROWS) % GP  # rows of a tile are heads of consecutive tokens
+    ok = (head < G)[:, None] & (slot < L)[None, :]
+    return tl.load(BIAS + head[:, None] * sbh + slot[None, :] * sbl, mask=ok, other=0.0) * _LOG2E
+
+
+@triton.jit
+def _store_bias_grad(GBIAS, ds, l0, L, G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr,
+                     BLOCK_C: tl.constexpr):
+    """Sum a depth tile's dS (U, DEPTH_ROWS, BLOCK_C) per (head, slot) into slots ``l0 ...`` of a (GP, L) row.
+
+    Row ``r`` of a tile is head ``r % GP`` of its token ``r // GP``; column
+    ``c`` is slot ``c % BLOCK_S`` of token ``c // BLOCK_S``. dS is zero off a
+    row's own token, so summing over all tokens of rows and columns keeps
+    exactly the own-token terms.
+    """
+    P: tl.constexpr = DEPTH_ROWS // GP
+    BLOCK_S: tl.constexpr = BLOCK_C // P
+    g = tl.sum(ds, 0)  # (DEPTH_ROWS, BLOCK_C)
+    g = tl.sum(tl.reshape(g, (P, GP, BLOCK_C)), 0)  # (GP, BLOCK_C)
+    g = tl.sum(tl.reshape(g, (GP, P, BLOCK_S)), 1)  # (GP, BLOCK_S)
+    head = tl.arange(0, GP)
+    slot = l0 + tl.arange(0, BLOCK_S)
+    tl.store(GBIAS + head[:, None] * L + slot[None, :], g, mask=(head < G)[:, None] & (slot < L)[None, :])
+
+
+# ---- forward -------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -194,76 +385,76 @@ def _fwd_seq_blocks(
 
 
 @triton.jit
-def _depth_tiles(t0, DEPTH_ROWS: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_C: tl.constexpr):
-    """Column bookkeeping of the depth tiles of one query block.
+def _fwd_sequence(
+    acc, m_i, l_i, q, K, V, skt, skd, svt, svd, offs_d, q_pos, q_doc, DOC_IDS, lo, a, b, hi,
+    Tk, window, qk_scale, softcap,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The sequence phase over the key ranges of :func:`_key_ranges`: masked, unmasked, masked."""
+    k_ptrs = K + offs_d[:, None] * skd
+    v_ptrs = V + offs_d[None, :] * svd
+    # edge blocks before the interior (window / document start), masked
+    acc, m_i, l_i = _fwd_seq_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
+                                    lo, a, Tk, window, qk_scale, softcap, True, CAUSAL, WINDOW, DOC,
+                                    HAS_SOFTCAP, BLOCK_N)
+    # interior blocks every row sees in full (Alg. 1 lines 11-17): no mask
+    acc, m_i, l_i = _fwd_seq_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
+                                    a, b, Tk, window, qk_scale, softcap, False, CAUSAL, WINDOW, DOC,
+                                    HAS_SOFTCAP, BLOCK_N)
+    # boundary blocks with the grouped causal mask (Alg. 1 lines 18-23)
+    return _fwd_seq_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
+                           b, hi, Tk, window, qk_scale, softcap, True, CAUSAL, WINDOW, DOC,
+                           HAS_SOFTCAP, BLOCK_N)
 
-    Tile ``u`` holds rows ``u * DEPTH_ROWS ...`` of the block: the rows of
-    tokens ``t0 + u * P + i`` (``i < P``). Its ``BLOCK_C`` depth columns are
-    ``P`` tokens x ``BLOCK_S`` slots. Returns the token of every column
-    (U, BLOCK_C), the slot offset of every column (BLOCK_C,) and the
-    own-token mask (DEPTH_ROWS, BLOCK_C).
+
+@triton.jit
+def _fwd_depth(
+    acc, m_i, l_i, q, DK_TAB, DV_TAB, BIAS, b, hk, t0, offs_d,
+    sdkb, sdkh, sdkt, sdkd, sdvb, sdvh, sdvt, sdvd, sbh, sbl,
+    Tq, L, depth_first, qk_scale, softcap,
+    G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_FIRST: tl.constexpr,
+):
+    """The depth phase (Alg. 1 lines 24-29): each tile of DEPTH_ROWS rows against its own tokens' slots.
+
+    The tiles are a reshape of the block's rows: the online-softmax state
+    ``(acc, m, l)`` carries over from the sequence phase in place.
     """
-    P: tl.constexpr = DEPTH_ROWS // GP
-    BLOCK_S: tl.constexpr = BLOCK_C // P
     U: tl.constexpr = BLOCK_M // DEPTH_ROWS
-    offs_c = tl.arange(0, BLOCK_C)
-    col_tok = offs_c // BLOCK_S  # token of a column inside its tile
-    col_token = t0 + tl.arange(0, U)[:, None] * P + col_tok[None, :]  # (U, BLOCK_C)
-    own = (tl.arange(0, DEPTH_ROWS) // GP)[:, None] == col_tok[None, :]  # (DEPTH_ROWS, BLOCK_C)
-    return col_token, offs_c % BLOCK_S, own
-
-
-@triton.jit
-def _head_lanes(HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr):
-    """Head-dim lanes: offsets for addressing and the mask of real lanes.
-
-    ``HEAD_DIM`` is D rounded up to a power of two (at least 16, the least K of
-    a Tensor Core dot). Padded lanes address the last real one, so every load
-    stays in bounds; q and dO are zeroed there, which keeps every dot product
-    over D exact, and stores skip them.
-    """
-    lanes = tl.arange(0, HEAD_DIM)
-    if D_REAL == HEAD_DIM:
-        return lanes, lanes < HEAD_DIM
-    return tl.minimum(lanes, D_REAL - 1), lanes < D_REAL
-
-
-@triton.jit
-def _slot_bases(DK_TAB, DV_TAB, slot, L, ELEM: tl.constexpr):
-    """Base pointers of the depth key and value slots ``slot`` (BLOCK_C,), read from the address tables."""
-    ok = slot < L
-    dk_slot = tl.load(DK_TAB + slot, mask=ok, other=0).to(tl.pointer_type(ELEM))
-    dv_slot = tl.load(DV_TAB + slot, mask=ok, other=0).to(tl.pointer_type(ELEM))
-    return dk_slot, dv_slot
-
-
-@triton.jit
-def _bias_tile(BIAS, sbh, sbl, slot, L, G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr):
-    """The depth bias of a tile in base 2, (DEPTH_ROWS, BLOCK_C): ``bias[head of the row, slot of the column]``."""
-    head = tl.arange(0, DEPTH_ROWS) % GP  # rows of a tile are heads of consecutive tokens
-    ok = (head < G)[:, None] & (slot < L)[None, :]
-    return tl.load(BIAS + head[:, None] * sbh + slot[None, :] * sbl, mask=ok, other=0.0) * _LOG2E
-
-
-@triton.jit
-def _store_bias_grad(GBIAS, ds, l0, L, G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr,
-                     BLOCK_C: tl.constexpr):
-    """Sum a depth tile's dS (U, DEPTH_ROWS, BLOCK_C) per (head, slot) into slots ``l0 ...`` of a (GP, L) row.
-
-    Row ``r`` of a tile is head ``r % GP`` of its token ``r // GP``; column
-    ``c`` is slot ``c % BLOCK_S`` of token ``c // BLOCK_S``. dS is zero off a
-    row's own token, so summing over all tokens of rows and columns keeps
-    exactly the own-token terms.
-    """
-    P: tl.constexpr = DEPTH_ROWS // GP
-    BLOCK_S: tl.constexpr = BLOCK_C // P
-    g = tl.sum(ds, 0)  # (DEPTH_ROWS, BLOCK_C)
-    g = tl.sum(tl.reshape(g, (P, GP, BLOCK_C)), 0)  # (GP, BLOCK_C)
-    g = tl.sum(tl.reshape(g, (GP, P, BLOCK_S)), 1)  # (GP, BLOCK_S)
-    head = tl.arange(0, GP)
-    slot = l0 + tl.arange(0, BLOCK_S)
-    tl.store(GBIAS + head[:, None] * L + slot[None, :], g, mask=(head < G)[:, None] & (slot < L)[None, :])
+    BLOCK_S: tl.constexpr = BLOCK_C // (DEPTH_ROWS // GP)
+    col_token, col_slot, own = _depth_tiles(t0, DEPTH_ROWS, GP, BLOCK_M, BLOCK_C)
+    col_token64 = col_token.to(tl.int64)
+    # element offsets inside one slot: (U, D, BLOCK_C) for keys, (U, BLOCK_C, D) for values
+    dk_offs = b * sdkb + hk * sdkh + col_token64[:, None, :] * sdkt + offs_d[None, :, None] * sdkd
+    dv_offs = b * sdvb + hk * sdvh + col_token64[:, :, None] * sdvt + offs_d[None, None, :] * sdvd
+    q3 = tl.reshape(q, (U, DEPTH_ROWS, HEAD_DIM))
+    acc3 = tl.reshape(acc, (U, DEPTH_ROWS, HEAD_DIM))
+    m3 = tl.reshape(m_i, (U, DEPTH_ROWS))
+    l3 = tl.reshape(l_i, (U, DEPTH_ROWS))
+    for l0 in range(depth_first, L, BLOCK_S):
+        slot = l0 + col_slot  # (BLOCK_C,)
+        col_ok = (col_token < Tq) & (slot < L)[None, :]  # (U, BLOCK_C)
+        dk_slot, dv_slot = _slot_bases(DK_TAB, DV_TAB, slot, L, q.dtype)
+        dkT = tl.load(dk_slot[None, None, :] + dk_offs, mask=col_ok[:, None, :], other=0.0)
+        x = tl.dot(q3, dkT) * qk_scale  # (U, DEPTH_ROWS, BLOCK_C)
+        bias = 0.0
+        if HAS_BIAS:
+            bias = _bias_tile(BIAS, sbh, sbl, slot, L, G, GP, DEPTH_ROWS)
+        s, _ = _score(x, bias, softcap, HAS_SOFTCAP, HAS_BIAS, BIAS_FIRST)
+        vis = own[None, :, :] & (slot < L)[None, None, :]
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m3, tl.max(s, 2))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, :, None])
+        alpha = tl.math.exp2(m3 - m_use)
+        dv = tl.load(dv_slot[None, :, None] + dv_offs, mask=col_ok[:, :, None], other=0.0)
+        dv, dv_nan = _zero_nonfinite(dv, 2)
+        # as in the masked sequence blocks: only a row that sees a non-finite entry gets NaN
+        l3 = l3 * alpha + tl.sum(p + tl.where(vis, x * 0.0 + dv_nan[:, None, :], 0.0), 2)
+        acc3 = acc3 * alpha[:, :, None] + tl.dot(p.to(dv.dtype), dv)
+        m3 = m_new
+    return tl.reshape(acc3, (BLOCK_M, HEAD_DIM)), tl.reshape(m3, (BLOCK_M,)), tl.reshape(l3, (BLOCK_M,))
 
 
 @triton.jit
@@ -293,98 +484,28 @@ def _fwd_kernel(
     ``softcap`` the cap with ``HAS_SOFTCAP`` (:func:`_score`).
     """
     BLOCK_T: tl.constexpr = BLOCK_M // GP
-    # Causal blocks at the end of the sequence are the longest: launch them first.
-    block = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
-    b = pid_bh // Hk
-    hk = pid_bh % Hk
-    t0 = block * BLOCK_T
-    shift = Tk - Tq  # query token t sits at absolute position t + shift
-    Q += b * sqb + hk * G * sqh
-    K += b * skb + hk * skh
-    V += b * svb + hk * svh
-    O += b * sob + hk * G * soh
-    LSE += b * slb + hk * G * slh
-    DOC_IDS += b * sdoc
-    DOC_LO += b * sdoc
-    DOC_HI += b * sdoc
-    BIAS += hk * G * sbh
-
+    b, hk = _program(Hk)
+    t0 = _query_block() * BLOCK_T
+    DOC_IDS, DOC_LO, DOC_HI = _documents(DOC_IDS, DOC_LO, DOC_HI, b, sdoc)
     offs_d, d_ok = _head_lanes(HEAD_DIM, D_REAL)
-    offs_m = tl.arange(0, BLOCK_M)
-    tok = t0 + offs_m // GP  # base time of each row (Alg. 1 line 8)
-    grp = offs_m % GP
-    row_ok = (tok < Tq) & (grp < G)
-    q = tl.load(Q + grp[:, None] * sqh + tok[:, None] * sqt + offs_d[None, :] * sqd, mask=row_ok[:, None], other=0.0)
-    q = tl.where(d_ok[None, :], q, 0.0)
+    tok, grp, row_ok = _rows(t0, Tq, G, GP, BLOCK_M)
+    q = _load_rows(Q + b * sqb + hk * G * sqh, sqh, sqt, sqd, tok, grp, row_ok, offs_d, d_ok[None, :])
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     # a non-finite query makes its row NaN, even when the row sees no key
     l_i = tl.sum((q * 0.0).to(tl.float32), 1)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-
     if HAS_SEQ:
-        q_pos = tok + shift
-        if DOC:
-            q_doc = tl.load(DOC_IDS + q_pos, mask=tok < Tq, other=0)
-        else:
-            q_doc = q_pos
-        p_first = t0 + shift
-        p_last = tl.minimum(t0 + BLOCK_T, Tq) - 1 + shift
-        lo, a, b_, hi = _key_ranges(p_first, p_last, Tk, window, DOC_LO, DOC_HI, CAUSAL, WINDOW, DOC, BLOCK_N)
-        k_ptrs = K + offs_d[:, None] * skd
-        v_ptrs = V + offs_d[None, :] * svd
-        # edge blocks before the interior (window / document start), masked
-        acc, m_i, l_i = _fwd_seq_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
-                                        lo, a, Tk, window, qk_scale, softcap, True, CAUSAL, WINDOW, DOC,
-                                        HAS_SOFTCAP, BLOCK_N)
-        # interior blocks every row sees in full (Alg. 1 lines 11-17): no mask
-        acc, m_i, l_i = _fwd_seq_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
-                                        a, b_, Tk, window, qk_scale, softcap, False, CAUSAL, WINDOW, DOC,
-                                        HAS_SOFTCAP, BLOCK_N)
-        # boundary blocks with the grouped causal mask (Alg. 1 lines 18-23)
-        acc, m_i, l_i = _fwd_seq_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
-                                        b_, hi, Tk, window, qk_scale, softcap, True, CAUSAL, WINDOW, DOC,
-                                        HAS_SOFTCAP, BLOCK_N)
-
+        q_pos, q_doc, lo, a, b_, hi = _query_keys(t0, tok, Tq, Tk, window, DOC_IDS, DOC_LO, DOC_HI,
+                                                  CAUSAL, WINDOW, DOC, BLOCK_T, BLOCK_N)
+        acc, m_i, l_i = _fwd_sequence(acc, m_i, l_i, q, K + b * skb + hk * skh, V + b * svb + hk * svh,
+                                      skt, skd, svt, svd, offs_d, q_pos, q_doc, DOC_IDS, lo, a, b_, hi,
+                                      Tk, window, qk_scale, softcap, CAUSAL, WINDOW, DOC, HAS_SOFTCAP, BLOCK_N)
     if HAS_DEPTH:
-        # Depth phase (Alg. 1 lines 24-29): each tile of DEPTH_ROWS rows against its own tokens' slots.
-        U: tl.constexpr = BLOCK_M // DEPTH_ROWS
-        BLOCK_S: tl.constexpr = BLOCK_C // (DEPTH_ROWS // GP)
-        col_token, col_slot, own = _depth_tiles(t0, DEPTH_ROWS, GP, BLOCK_M, BLOCK_C)
-        col_token64 = col_token.to(tl.int64)
-        # element offsets inside one slot: (U, D, BLOCK_C) for keys, (U, BLOCK_C, D) for values
-        dk_offs = b * sdkb + hk * sdkh + col_token64[:, None, :] * sdkt + offs_d[None, :, None] * sdkd
-        dv_offs = b * sdvb + hk * sdvh + col_token64[:, :, None] * sdvt + offs_d[None, None, :] * sdvd
-        q3 = tl.reshape(q, (U, DEPTH_ROWS, HEAD_DIM))
-        acc3 = tl.reshape(acc, (U, DEPTH_ROWS, HEAD_DIM))
-        m3 = tl.reshape(m_i, (U, DEPTH_ROWS))
-        l3 = tl.reshape(l_i, (U, DEPTH_ROWS))
-        for l0 in range(depth_first, L, BLOCK_S):
-            slot = l0 + col_slot  # (BLOCK_C,)
-            col_ok = (col_token < Tq) & (slot < L)[None, :]  # (U, BLOCK_C)
-            dk_slot, dv_slot = _slot_bases(DK_TAB, DV_TAB, slot, L, Q.dtype.element_ty)
-            dkT = tl.load(dk_slot[None, None, :] + dk_offs, mask=col_ok[:, None, :], other=0.0)
-            x = tl.dot(q3, dkT) * qk_scale  # (U, DEPTH_ROWS, BLOCK_C)
-            bias = 0.0
-            if HAS_BIAS:
-                bias = _bias_tile(BIAS, sbh, sbl, slot, L, G, GP, DEPTH_ROWS)
-            s, _ = _score(x, bias, softcap, HAS_SOFTCAP, HAS_BIAS, BIAS_FIRST)
-            vis = own[None, :, :] & (slot < L)[None, None, :]
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m3, tl.max(s, 2))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_use[:, :, None])
-            alpha = tl.math.exp2(m3 - m_use)
-            dv = tl.load(dv_slot[None, :, None] + dv_offs, mask=col_ok[:, :, None], other=0.0)
-            dv, dv_nan = _zero_nonfinite(dv, 2)
-            # as in the masked sequence blocks: only a row that sees a non-finite entry gets NaN
-            l3 = l3 * alpha + tl.sum(p + tl.where(vis, x * 0.0 + dv_nan[:, None, :], 0.0), 2)
-            acc3 = acc3 * alpha[:, :, None] + tl.dot(p.to(dv.dtype), dv)
-            m3 = m_new
-        acc = tl.reshape(acc3, (BLOCK_M, HEAD_DIM))
-        m_i = tl.reshape(m3, (BLOCK_M,))
-        l_i = tl.reshape(l3, (BLOCK_M,))
+        acc, m_i, l_i = _fwd_depth(acc, m_i, l_i, q, DK_TAB, DV_TAB, BIAS + hk * G * sbh, b, hk, t0, offs_d,
+                                   sdkb, sdkh, sdkt, sdkd, sdvb, sdvh, sdvt, sdvd, sbh, sbl,
+                                   Tq, L, depth_first, qk_scale, softcap, G, GP, DEPTH_ROWS, HEAD_DIM,
+                                   BLOCK_M, BLOCK_C, HAS_SOFTCAP, HAS_BIAS, BIAS_FIRST)
 
     # A non-finite value in an unmasked block reached acc unsanitized (p * NaN, 0 * Inf):
     # fold it into l too, so that such a row stores NaN in out and lse.
@@ -392,49 +513,38 @@ def _fwd_kernel(
     # normalize once and store O and LSE (Alg. 1 lines 30-31); an empty row gives 0 and -inf
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_i)) * _LN2)
+    O += b * sob + hk * G * soh
+    LSE += b * slb + hk * G * slh
     tl.store(O + grp[:, None] * soh + tok[:, None] * sot + offs_d[None, :] * sod,
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LSE + grp * slh + tok * slt, lse, mask=row_ok)
 
 
-@triton.jit
-def _row_lse2(lse_ptrs, row_ok):
-    """The rows' lse in base 2 for recomputing ``p = exp2(s - lse)``, and which rows are dead.
-
-    A row that saw no key (lse = -inf) and a dead row, one that saw a NaN or
-    Inf (lse = NaN) and sends no gradient, both get lse = +inf, so p = 0.
-    """
-    lse = tl.load(lse_ptrs, mask=row_ok, other=float("inf"))
-    dead = lse != lse
-    return tl.where((lse == float("-inf")) | dead, float("inf"), lse) * _LOG2E, dead
+# ---- backward: dK, dV of the sequence keys -------------------------------------------------------
 
 
 @triton.jit
 def _bwd_dkdv_blocks(
     dk, dv, k, v, Q, DO, LSE, DELTA,
     sqh, sqt, sqd, sdoh, sdot, sdod, slh, slt,
-    k_pos, Tq, Tk, shift, window, doc_ptr, k_doc, qk_scale, softcap, start, end,
+    k_pos, Tq, Tk, window, doc_ptr, k_doc, qk_scale, softcap, start, end,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
     G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr, BLOCK_M: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query token blocks [start, end)."""
     BLOCK_T: tl.constexpr = BLOCK_M // GP
-    offs_m = tl.arange(0, BLOCK_M)
     offs_d, d_ok = _head_lanes(HEAD_DIM, D_REAL)
-    grp = offs_m % GP
     for t0 in range(start, end, BLOCK_T):
-        tok = t0 + offs_m // GP
-        row_ok = (tok < Tq) & (grp < G)
+        tok, grp, row_ok = _rows(t0, Tq, G, GP, BLOCK_M)
         lse, dead = _row_lse2(LSE + grp * slh + tok * slt, row_ok)
         # a dead row's q and dO may hold NaN: zero them, so that its p = 0 and it adds exact zeros
-        q = tl.load(Q + grp[:, None] * sqh + tok[:, None] * sqt + offs_d[None, :] * sqd,
-                    mask=row_ok[:, None], other=0.0)
-        q = tl.where(d_ok[None, :] & ~dead[:, None], q, 0.0)
+        live = d_ok[None, :] & ~dead[:, None]
+        q = _load_rows(Q, sqh, sqt, sqd, tok, grp, row_ok, offs_d, live)
         sT, dcapT = _score(tl.dot(k, tl.trans(q)) * qk_scale, 0.0, softcap, HAS_SOFTCAP, False, False)
         pT = tl.math.exp2(sT - lse[None, :])  # (BLOCK_N, BLOCK_M)
         if MASKED:
-            q_pos = tok + shift
+            q_pos = tok + (Tk - Tq)
             if DOC:
                 q_doc = tl.load(doc_ptr + q_pos, mask=tok < Tq, other=0)
             else:
@@ -443,9 +553,7 @@ def _bwd_dkdv_blocks(
             if DOC:
                 vis = vis & (k_doc[:, None] == q_doc[None, :])
             pT = tl.where(vis, pT, 0.0)
-        do = tl.load(DO + grp[:, None] * sdoh + tok[:, None] * sdot + offs_d[None, :] * sdod,
-                     mask=row_ok[:, None], other=0.0)
-        do = tl.where(d_ok[None, :] & ~dead[:, None], do, 0.0)
+        do = _load_rows(DO, sdoh, sdot, sdod, tok, grp, row_ok, offs_d, live)
         dv += tl.dot(pT.to(do.dtype), do)
         delta = tl.load(DELTA + grp * slh + tok * slt, mask=row_ok, other=0.0)
         dpT = tl.dot(v, tl.trans(do))
@@ -473,27 +581,19 @@ def _bwd_dkdv_kernel(
 ):
     """dK, dV (B, Hk, Tk, D) of one block of BLOCK_N sequence keys, summed over the G heads that read it."""
     BLOCK_T: tl.constexpr = BLOCK_M // GP
-    pid_bh = tl.program_id(1).to(tl.int64)
-    b = pid_bh // Hk
-    hk = pid_bh % Hk
+    b, hk = _program(Hk)
     n0 = tl.program_id(0) * BLOCK_N
-    shift = Tk - Tq
+    DOC_IDS, DOC_LO, DOC_HI = _documents(DOC_IDS, DOC_LO, DOC_HI, b, sdoc)
     Q += b * sqb + hk * G * sqh
     DO += b * sdob + hk * G * sdoh
     LSE += b * slb + hk * G * slh
     DELTA += b * slb + hk * G * slh
+
+    offs_d, d_ok = _head_lanes(HEAD_DIM, D_REAL)
+    k_pos = n0 + tl.arange(0, BLOCK_N)
+    k_ok = k_pos < Tk
     K += b * skb + hk * skh
     V += b * svb + hk * svh
-    DKO += b * sgb + hk * sgh
-    DVO += b * sgb + hk * sgh
-    DOC_IDS += b * sdoc
-    DOC_LO += b * sdoc
-    DOC_HI += b * sdoc
-
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d, d_ok = _head_lanes(HEAD_DIM, D_REAL)
-    k_pos = n0 + offs_n
-    k_ok = k_pos < Tk
     # A live row never sees a non-finite key or value, but masked ones still enter its products (0 * NaN):
     # read the block as if they were zero, once.
     k = _finite(tl.load(K + k_pos[:, None] * skt + offs_d[None, :] * skd, mask=k_ok[:, None], other=0.0))
@@ -505,40 +605,24 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
 
-    # Query positions that see some key of the block, and those that see all of them.
-    n_last = tl.minimum(n0 + BLOCK_N, Tk) - 1
-    lo = shift
-    hi = Tk
-    full_lo = shift
-    full_hi = Tk
-    if CAUSAL:
-        lo = tl.maximum(lo, n0)
-        full_lo = tl.maximum(full_lo, n_last)
-    if WINDOW:
-        hi = tl.minimum(hi, n_last + window)
-        full_hi = tl.minimum(full_hi, n0 + window)
-    if DOC:
-        lo = tl.maximum(lo, tl.load(DOC_LO + n0))
-        hi = tl.minimum(hi, tl.load(DOC_HI + n_last))
-        full_lo = tl.maximum(full_lo, tl.load(DOC_LO + n_last))
-        full_hi = tl.minimum(full_hi, tl.load(DOC_HI + n0))
-    # positions -> query tokens, in blocks of BLOCK_T tokens
-    lo = ((lo - shift) // BLOCK_T) * BLOCK_T
-    hi = tl.maximum(hi - shift, lo)
-    a = tl.minimum(tl.maximum(tl.cdiv(full_lo - shift, BLOCK_T) * BLOCK_T, lo), hi)
-    b_ = tl.minimum(tl.maximum(((full_hi - shift) // BLOCK_T) * BLOCK_T, a), hi)
+    lo, a, b_, hi = _query_ranges(n0, Tq, Tk, window, DOC_LO, DOC_HI, CAUSAL, WINDOW, DOC, BLOCK_N, BLOCK_T)
     dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, sqh, sqt, sqd, sdoh, sdot, sdod, slh, slt,
-                              k_pos, Tq, Tk, shift, window, DOC_IDS, k_doc, qk_scale, softcap, lo, a,
+                              k_pos, Tq, Tk, window, DOC_IDS, k_doc, qk_scale, softcap, lo, a,
                               True, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, D_REAL, BLOCK_M, HAS_SOFTCAP)
     dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, sqh, sqt, sqd, sdoh, sdot, sdod, slh, slt,
-                              k_pos, Tq, Tk, shift, window, DOC_IDS, k_doc, qk_scale, softcap, a, b_,
+                              k_pos, Tq, Tk, window, DOC_IDS, k_doc, qk_scale, softcap, a, b_,
                               False, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, D_REAL, BLOCK_M, HAS_SOFTCAP)
     dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, sqh, sqt, sqd, sdoh, sdot, sdod, slh, slt,
-                              k_pos, Tq, Tk, shift, window, DOC_IDS, k_doc, qk_scale, softcap, b_, hi,
+                              k_pos, Tq, Tk, window, DOC_IDS, k_doc, qk_scale, softcap, b_, hi,
                               True, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, D_REAL, BLOCK_M, HAS_SOFTCAP)
+    DKO += b * sgb + hk * sgh
+    DVO += b * sgb + hk * sgh
     store_ok = k_ok[:, None] & d_ok[None, :]
     tl.store(DKO + k_pos[:, None] * sgt + offs_d[None, :] * sgd, (dk * scale).to(DKO.dtype.element_ty), mask=store_ok)
     tl.store(DVO + k_pos[:, None] * sgt + offs_d[None, :] * sgd, dv.to(DVO.dtype.element_ty), mask=store_ok)
+
+
+# ---- backward: dQ, delta, and the depth gradients ------------------------------------------------
 
 
 @triton.jit
@@ -573,6 +657,82 @@ def _bwd_dq_seq_blocks(
 
 
 @triton.jit
+def _bwd_dq_sequence(
+    dq, q, do, lse, delta, K, V, skt, skd, svt, svd, offs_d, q_pos, q_doc, DOC_IDS, lo, a, b, hi,
+    Tk, window, qk_scale, softcap,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dQ over the key ranges of :func:`_key_ranges`, as the forward visits them: masked, unmasked, masked."""
+    k_ptrs = K + offs_d[:, None] * skd
+    v_ptrs = V + offs_d[:, None] * svd
+    dq = _bwd_dq_seq_blocks(dq, q, do, lse, delta, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
+                            lo, a, Tk, window, qk_scale, softcap, True, CAUSAL, WINDOW, DOC, HAS_SOFTCAP, BLOCK_N)
+    dq = _bwd_dq_seq_blocks(dq, q, do, lse, delta, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
+                            a, b, Tk, window, qk_scale, softcap, False, CAUSAL, WINDOW, DOC, HAS_SOFTCAP, BLOCK_N)
+    return _bwd_dq_seq_blocks(dq, q, do, lse, delta, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
+                              b, hi, Tk, window, qk_scale, softcap, True, CAUSAL, WINDOW, DOC, HAS_SOFTCAP, BLOCK_N)
+
+
+@triton.jit
+def _bwd_dq_depth(
+    dq, q, do, lse, delta, DK_TAB, DV_TAB, DDKO, DDVO, BIAS, GBIAS, b, hk, t0, offs_d, d_ok,
+    sdkb, sdkh, sdkt, sdkd, sdvb, sdvh, sdvt, sdvd, sgdt, sgdl, sgdd, sbh, sbl,
+    Tq, L, depth_first, scale, qk_scale, softcap,
+    G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_FIRST: tl.constexpr, BIAS_GRAD: tl.constexpr,
+):
+    """The depth phase of the backward in the forward's tiles: dQ, and the depth (and bias) gradients written.
+
+    A token's depth entries are read only by its own G rows, which all live
+    in this block, so its depth gradients are written once, without atomics.
+    """
+    U: tl.constexpr = BLOCK_M // DEPTH_ROWS
+    BLOCK_S: tl.constexpr = BLOCK_C // (DEPTH_ROWS // GP)
+    col_token, col_slot, own = _depth_tiles(t0, DEPTH_ROWS, GP, BLOCK_M, BLOCK_C)
+    rows = col_token.to(tl.int64)[:, :, None]
+    dk_offs = b * sdkb + hk * sdkh + rows * sdkt + offs_d[None, None, :] * sdkd  # (U, BLOCK_C, D)
+    dv_offs = b * sdvb + hk * sdvh + rows * sdvt + offs_d[None, None, :] * sdvd
+    gk_ptrs = DDKO + rows * sgdt + offs_d[None, None, :] * sgdd
+    gv_ptrs = DDVO + rows * sgdt + offs_d[None, None, :] * sgdd
+    q3 = tl.reshape(q, (U, DEPTH_ROWS, HEAD_DIM))
+    do3 = tl.reshape(do, (U, DEPTH_ROWS, HEAD_DIM))
+    lse3 = tl.reshape(lse, (U, DEPTH_ROWS))
+    delta3 = tl.reshape(delta, (U, DEPTH_ROWS))
+    dq3 = tl.reshape(dq, (U, DEPTH_ROWS, HEAD_DIM))
+    for l0 in range(depth_first, L, BLOCK_S):
+        slot = l0 + col_slot  # (BLOCK_C,)
+        col_ok = ((col_token < Tq) & (slot < L)[None, :])[:, :, None]  # (U, BLOCK_C, 1)
+        store_ok = col_ok & d_ok[None, None, :]
+        dk_slot, dv_slot = _slot_bases(DK_TAB, DV_TAB, slot, L, q.dtype)
+        # every depth column is masked for most rows of a tile: read non-finite entries as zero
+        kd = _finite(tl.load(dk_slot[None, :, None] + dk_offs, mask=col_ok, other=0.0))  # (U, BLOCK_C, D)
+        vd = _finite(tl.load(dv_slot[None, :, None] + dv_offs, mask=col_ok, other=0.0))
+        bias = 0.0
+        if HAS_BIAS:
+            bias = _bias_tile(BIAS, sbh, sbl, slot, L, G, GP, DEPTH_ROWS)
+        s, dcap = _score(tl.dot(q3, tl.permute(kd, (0, 2, 1))) * qk_scale, bias, softcap,
+                         HAS_SOFTCAP, HAS_BIAS, BIAS_FIRST)
+        p = tl.math.exp2(s - lse3[:, :, None])
+        p = tl.where(own[None, :, :] & (slot < L)[None, None, :], p, 0.0)  # (U, DEPTH_ROWS, BLOCK_C)
+        dp = tl.dot(do3, tl.permute(vd, (0, 2, 1)))
+        ds = p * (dp - delta3[:, :, None])  # gradient of the scored logit
+        if BIAS_GRAD and not BIAS_FIRST:  # bias added last: its gradient is dS itself
+            _store_bias_grad(GBIAS, ds, l0, L, G, GP, DEPTH_ROWS, BLOCK_C)
+        if HAS_SOFTCAP:
+            ds *= dcap
+        if BIAS_GRAD and BIAS_FIRST:  # bias added before the cap: its gradient is the raw logit's
+            _store_bias_grad(GBIAS, ds, l0, L, G, GP, DEPTH_ROWS, BLOCK_C)
+        dq3 += tl.dot(ds.to(kd.dtype), kd)
+        # a column's gradient sums over its own token's G rows (p and ds are zero elsewhere)
+        gv = tl.dot(tl.permute(p, (0, 2, 1)).to(do3.dtype), do3)  # (U, BLOCK_C, D)
+        gk = tl.dot(tl.permute(ds, (0, 2, 1)).to(q3.dtype), q3) * scale
+        tl.store(gk_ptrs + slot[None, :, None] * sgdl, gk.to(DDKO.dtype.element_ty), mask=store_ok)
+        tl.store(gv_ptrs + slot[None, :, None] * sgdl, gv.to(DDVO.dtype.element_ty), mask=store_ok)
+    return tl.reshape(dq3, (BLOCK_M, HEAD_DIM))
+
+
+@triton.jit
 def _bwd_dq_kernel(
     Q, K, V, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DELTA, DOC_IDS, DOC_LO, DOC_HI, BIAS, DQO, DDKO, DDVO, GBIAS,
     sqb, sqh, sqt, sqd,
@@ -597,129 +757,52 @@ def _bwd_dq_kernel(
     """dQ of one query block, the depth gradients of its tokens, and DELTA of its rows for the dK/dV kernel.
 
     ``DELTA = rowsum(dO * O) - dLSE`` (so that ``dS = P * (dP - DELTA)`` also
-    carries the lse gradient; LSE, GLSE and DELTA share strides). A token's
-    depth entries are read only by its own G rows, which all live in this
-    block, so dK_depth and dV_depth are written once, without atomics. With
+    carries the lse gradient; LSE, GLSE and DELTA share strides). With
     ``BIAS_GRAD``, the program also writes its part of the depth bias's
     gradient, summed over its tokens: row ``(b, hk, block)`` of GBIAS
     (B * Hk, blocks, GP, L) float32, which the launcher reduces.
     """
     BLOCK_T: tl.constexpr = BLOCK_M // GP
-    block = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
-    b = pid_bh // Hk
-    hk = pid_bh % Hk
+    b, hk = _program(Hk)
+    block = _query_block()
     t0 = block * BLOCK_T
-    shift = Tk - Tq
-    Q += b * sqb + hk * G * sqh
-    DO += b * sdob + hk * G * sdoh
+    DOC_IDS, DOC_LO, DOC_HI = _documents(DOC_IDS, DOC_LO, DOC_HI, b, sdoc)
     LSE += b * slb + hk * G * slh
     GLSE += b * slb + hk * G * slh
     DELTA += b * slb + hk * G * slh
-    O += b * sob + hk * G * soh
-    DQO += b * sgqb + hk * G * sgqh
-    K += b * skb + hk * skh
-    V += b * svb + hk * svh
-    DDKO += b * sgdb + hk * sgdh
-    DDVO += b * sgdb + hk * sgdh
-    DOC_IDS += b * sdoc
-    DOC_LO += b * sdoc
-    DOC_HI += b * sdoc
-    BIAS += hk * G * sbh
-    GBIAS += (pid_bh * tl.num_programs(0) + block) * GP * L
 
     offs_d, d_ok = _head_lanes(HEAD_DIM, D_REAL)
-    offs_m = tl.arange(0, BLOCK_M)
-    tok = t0 + offs_m // GP
-    grp = offs_m % GP
-    row_ok = (tok < Tq) & (grp < G)
-    dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    tok, grp, row_ok = _rows(t0, Tq, G, GP, BLOCK_M)
     lse, dead = _row_lse2(LSE + grp * slh + tok * slt, row_ok)
     # A dead row (it saw a NaN or Inf) sends no gradient: zero q and dO, so that its p = 0 and its
     # terms in the depth gradients are exact zeros, and give it delta = 0.
     live = d_ok[None, :] & ~dead[:, None]
-    q = tl.load(Q + grp[:, None] * sqh + tok[:, None] * sqt + offs_d[None, :] * sqd,
-                mask=row_ok[:, None], other=0.0)
-    q = tl.where(live, q, 0.0)
-    do = tl.load(DO + grp[:, None] * sdoh + tok[:, None] * sdot + offs_d[None, :] * sdod,
-                 mask=row_ok[:, None], other=0.0)
-    do = tl.where(live, do, 0.0)
-    o = tl.load(O + grp[:, None] * soh + tok[:, None] * sot + offs_d[None, :] * sod, mask=row_ok[:, None], other=0.0)
+    q = _load_rows(Q + b * sqb + hk * G * sqh, sqh, sqt, sqd, tok, grp, row_ok, offs_d, live)
+    do = _load_rows(DO + b * sdob + hk * G * sdoh, sdoh, sdot, sdod, tok, grp, row_ok, offs_d, live)
+    o = _load_rows(O + b * sob + hk * G * soh, soh, sot, sod, tok, grp, row_ok, offs_d, d_ok[None, :])
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     if HAS_GLSE:
         delta -= tl.load(GLSE + grp * slh + tok * slt, mask=row_ok, other=0.0)
     delta = tl.where(dead, 0.0, delta)
     tl.store(DELTA + grp * slh + tok * slt, delta, mask=row_ok)
 
+    dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     if HAS_SEQ:
-        q_pos = tok + shift
-        if DOC:
-            q_doc = tl.load(DOC_IDS + q_pos, mask=tok < Tq, other=0)
-        else:
-            q_doc = q_pos
-        p_first = t0 + shift
-        p_last = tl.minimum(t0 + BLOCK_T, Tq) - 1 + shift
-        lo, a, b_, hi = _key_ranges(p_first, p_last, Tk, window, DOC_LO, DOC_HI, CAUSAL, WINDOW, DOC, BLOCK_N)
-        k_ptrs = K + offs_d[:, None] * skd
-        v_ptrs = V + offs_d[:, None] * svd
-        dq = _bwd_dq_seq_blocks(dq, q, do, lse, delta, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
-                                lo, a, Tk, window, qk_scale, softcap, True, CAUSAL, WINDOW, DOC,
-                                HAS_SOFTCAP, BLOCK_N)
-        dq = _bwd_dq_seq_blocks(dq, q, do, lse, delta, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
-                                a, b_, Tk, window, qk_scale, softcap, False, CAUSAL, WINDOW, DOC,
-                                HAS_SOFTCAP, BLOCK_N)
-        dq = _bwd_dq_seq_blocks(dq, q, do, lse, delta, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
-                                b_, hi, Tk, window, qk_scale, softcap, True, CAUSAL, WINDOW, DOC,
-                                HAS_SOFTCAP, BLOCK_N)
-
+        q_pos, q_doc, lo, a, b_, hi = _query_keys(t0, tok, Tq, Tk, window, DOC_IDS, DOC_LO, DOC_HI,
+                                                  CAUSAL, WINDOW, DOC, BLOCK_T, BLOCK_N)
+        dq = _bwd_dq_sequence(dq, q, do, lse, delta, K + b * skb + hk * skh, V + b * svb + hk * svh,
+                              skt, skd, svt, svd, offs_d, q_pos, q_doc, DOC_IDS, lo, a, b_, hi,
+                              Tk, window, qk_scale, softcap, CAUSAL, WINDOW, DOC, HAS_SOFTCAP, BLOCK_N)
     if HAS_DEPTH:
-        # Depth phase in the forward's tiles: each tile of DEPTH_ROWS rows against its own tokens' slots.
-        U: tl.constexpr = BLOCK_M // DEPTH_ROWS
-        BLOCK_S: tl.constexpr = BLOCK_C // (DEPTH_ROWS // GP)
-        col_token, col_slot, own = _depth_tiles(t0, DEPTH_ROWS, GP, BLOCK_M, BLOCK_C)
-        col_token64 = col_token.to(tl.int64)
-        rows = col_token64[:, :, None]
-        dk_offs = b * sdkb + hk * sdkh + rows * sdkt + offs_d[None, None, :] * sdkd  # (U, BLOCK_C, D)
-        dv_offs = b * sdvb + hk * sdvh + rows * sdvt + offs_d[None, None, :] * sdvd
-        gk_ptrs = DDKO + rows * sgdt + offs_d[None, None, :] * sgdd
-        gv_ptrs = DDVO + rows * sgdt + offs_d[None, None, :] * sgdd
-        q3 = tl.reshape(q, (U, DEPTH_ROWS, HEAD_DIM))
-        do3 = tl.reshape(do, (U, DEPTH_ROWS, HEAD_DIM))
-        lse3 = tl.reshape(lse, (U, DEPTH_ROWS))
-        delta3 = tl.reshape(delta, (U, DEPTH_ROWS))
-        dq3 = tl.reshape(dq, (U, DEPTH_ROWS, HEAD_DIM))
-        for l0 in range(depth_first, L, BLOCK_S):
-            slot = l0 + col_slot  # (BLOCK_C,)
-            col_ok = ((col_token < Tq) & (slot < L)[None, :])[:, :, None]  # (U, BLOCK_C, 1)
-            store_ok = col_ok & d_ok[None, None, :]
-            dk_slot, dv_slot = _slot_bases(DK_TAB, DV_TAB, slot, L, Q.dtype.element_ty)
-            # every depth column is masked for most rows of a tile: read non-finite entries as zero
-            kd = _finite(tl.load(dk_slot[None, :, None] + dk_offs, mask=col_ok, other=0.0))  # (U, BLOCK_C, D)
-            vd = _finite(tl.load(dv_slot[None, :, None] + dv_offs, mask=col_ok, other=0.0))
-            bias = 0.0
-            if HAS_BIAS:
-                bias = _bias_tile(BIAS, sbh, sbl, slot, L, G, GP, DEPTH_ROWS)
-            s, dcap = _score(tl.dot(q3, tl.permute(kd, (0, 2, 1))) * qk_scale, bias, softcap,
-                          HAS_SOFTCAP, HAS_BIAS, BIAS_FIRST)
-            p = tl.math.exp2(s - lse3[:, :, None])
-            p = tl.where(own[None, :, :] & (slot < L)[None, None, :], p, 0.0)  # (U, DEPTH_ROWS, BLOCK_C)
-            dp = tl.dot(do3, tl.permute(vd, (0, 2, 1)))
-            ds = p * (dp - delta3[:, :, None])  # gradient of the scored logit
-            if BIAS_GRAD and not BIAS_FIRST:  # bias added last: its gradient is dS itself
-                _store_bias_grad(GBIAS, ds, l0, L, G, GP, DEPTH_ROWS, BLOCK_C)
-            if HAS_SOFTCAP:
-                ds *= dcap
-            if BIAS_GRAD and BIAS_FIRST:  # bias added before the cap: its gradient is the raw logit's
-                _store_bias_grad(GBIAS, ds, l0, L, G, GP, DEPTH_ROWS, BLOCK_C)
-            dq3 += tl.dot(ds.to(kd.dtype), kd)
-            # a column's gradient sums over its own token's G rows (p and ds are zero elsewhere)
-            gv = tl.dot(tl.permute(p, (0, 2, 1)).to(do3.dtype), do3)  # (U, BLOCK_C, D)
-            gk = tl.dot(tl.permute(ds, (0, 2, 1)).to(q3.dtype), q3) * scale
-            tl.store(gk_ptrs + slot[None, :, None] * sgdl, gk.to(DDKO.dtype.element_ty), mask=store_ok)
-            tl.store(gv_ptrs + slot[None, :, None] * sgdl, gv.to(DDVO.dtype.element_ty), mask=store_ok)
-        dq = tl.reshape(dq3, (BLOCK_M, HEAD_DIM))
+        dq = _bwd_dq_depth(dq, q, do, lse, delta, DK_TAB, DV_TAB, DDKO + b * sgdb + hk * sgdh,
+                           DDVO + b * sgdb + hk * sgdh, BIAS + hk * G * sbh,
+                           GBIAS + ((b * Hk + hk) * tl.num_programs(0) + block) * GP * L, b, hk, t0, offs_d, d_ok,
+                           sdkb, sdkh, sdkt, sdkd, sdvb, sdvh, sdvt, sdvd, sgdt, sgdl, sgdd, sbh, sbl,
+                           Tq, L, depth_first, scale, qk_scale, softcap, G, GP, DEPTH_ROWS, HEAD_DIM,
+                           BLOCK_M, BLOCK_C, HAS_SOFTCAP, HAS_BIAS, BIAS_FIRST, BIAS_GRAD)
 
     # a dead row's dq took NaN from the unmasked blocks (unsanitized keys): it sends no gradient
     dq = tl.where(dead[:, None], 0.0, dq)
+    DQO += b * sgqb + hk * G * sgqh
     tl.store(DQO + grp[:, None] * sgqh + tok[:, None] * sgqt + offs_d[None, :] * sgqd,
              (dq * scale).to(DQO.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
