@@ -91,10 +91,17 @@ def _rows(t0, Tq, G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(ptr, sh, st, sd, tok, grp, row_ok, offs_d, keep):
-    """Per-row vectors (q, dO, O), (BLOCK_M, HEAD_DIM), of head ``grp`` at token ``tok``; zero off ``keep``."""
-    x = tl.load(ptr + grp[:, None] * sh + tok[:, None] * st + offs_d[None, :] * sd, mask=row_ok[:, None], other=0.0)
-    return tl.where(keep, x, 0.0)
+def _load_rows(ptr, sh, st, sd, tok, grp, rows, offs_d, d_ok, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr):
+    """Per-row vectors (q, dO, O), (BLOCK_M, HEAD_DIM), of head ``grp`` at token ``tok``; zero off ``rows`` and padded lanes.
+
+    The rows are chosen by the load's mask, not by a select after it: a
+    select on a loaded tile keeps the compiler from pipelining the load
+    straight into shared memory.
+    """
+    x = tl.load(ptr + grp[:, None] * sh + tok[:, None] * st + offs_d[None, :] * sd, mask=rows[:, None], other=0.0)
+    if D_REAL != HEAD_DIM:
+        x = tl.where(d_ok[None, :], x, 0.0)
+    return x
 
 
 @triton.jit
@@ -489,7 +496,7 @@ def _fwd_kernel(
     DOC_IDS, DOC_LO, DOC_HI = _documents(DOC_IDS, DOC_LO, DOC_HI, b, sdoc)
     offs_d, d_ok = _head_lanes(HEAD_DIM, D_REAL)
     tok, grp, row_ok = _rows(t0, Tq, G, GP, BLOCK_M)
-    q = _load_rows(Q + b * sqb + hk * G * sqh, sqh, sqt, sqd, tok, grp, row_ok, offs_d, d_ok[None, :])
+    q = _load_rows(Q + b * sqb + hk * G * sqh, sqh, sqt, sqd, tok, grp, row_ok, offs_d, d_ok, HEAD_DIM, D_REAL)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     # a non-finite query makes its row NaN, even when the row sees no key
@@ -539,8 +546,8 @@ def _bwd_dkdv_blocks(
         tok, grp, row_ok = _rows(t0, Tq, G, GP, BLOCK_M)
         lse, dead = _row_lse2(LSE + grp * slh + tok * slt, row_ok)
         # a dead row's q and dO may hold NaN: zero them, so that its p = 0 and it adds exact zeros
-        live = d_ok[None, :] & ~dead[:, None]
-        q = _load_rows(Q, sqh, sqt, sqd, tok, grp, row_ok, offs_d, live)
+        live = row_ok & ~dead
+        q = _load_rows(Q, sqh, sqt, sqd, tok, grp, live, offs_d, d_ok, HEAD_DIM, D_REAL)
         sT, dcapT = _score(tl.dot(k, tl.trans(q)) * qk_scale, 0.0, softcap, HAS_SOFTCAP, False, False)
         pT = tl.math.exp2(sT - lse[None, :])  # (BLOCK_N, BLOCK_M)
         if MASKED:
@@ -553,7 +560,7 @@ def _bwd_dkdv_blocks(
             if DOC:
                 vis = vis & (k_doc[:, None] == q_doc[None, :])
             pT = tl.where(vis, pT, 0.0)
-        do = _load_rows(DO, sdoh, sdot, sdod, tok, grp, row_ok, offs_d, live)
+        do = _load_rows(DO, sdoh, sdot, sdod, tok, grp, live, offs_d, d_ok, HEAD_DIM, D_REAL)
         dv += tl.dot(pT.to(do.dtype), do)
         delta = tl.load(DELTA + grp * slh + tok * slt, mask=row_ok, other=0.0)
         dpT = tl.dot(v, tl.trans(do))
@@ -776,10 +783,10 @@ def _bwd_dq_kernel(
     lse, dead = _row_lse2(LSE + grp * slh + tok * slt, row_ok)
     # A dead row (it saw a NaN or Inf) sends no gradient: zero q and dO, so that its p = 0 and its
     # terms in the depth gradients are exact zeros, and give it delta = 0.
-    live = d_ok[None, :] & ~dead[:, None]
-    q = _load_rows(Q + b * sqb + hk * G * sqh, sqh, sqt, sqd, tok, grp, row_ok, offs_d, live)
-    do = _load_rows(DO + b * sdob + hk * G * sdoh, sdoh, sdot, sdod, tok, grp, row_ok, offs_d, live)
-    o = _load_rows(O + b * sob + hk * G * soh, soh, sot, sod, tok, grp, row_ok, offs_d, d_ok[None, :])
+    live = row_ok & ~dead
+    q = _load_rows(Q + b * sqb + hk * G * sqh, sqh, sqt, sqd, tok, grp, live, offs_d, d_ok, HEAD_DIM, D_REAL)
+    do = _load_rows(DO + b * sdob + hk * G * sdoh, sdoh, sdot, sdod, tok, grp, live, offs_d, d_ok, HEAD_DIM, D_REAL)
+    o = _load_rows(O + b * sob + hk * G * soh, soh, sot, sod, tok, grp, live, offs_d, d_ok, HEAD_DIM, D_REAL)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     if HAS_GLSE:
         delta -= tl.load(GLSE + grp * slh + tok * slt, mask=row_ok, other=0.0)
