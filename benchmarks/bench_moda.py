@@ -45,7 +45,7 @@ HK, D = 8, 64
 
 def depth_utilization(G: int, L: int) -> float:
     """Useful / computed MACs of the fused depth phase at its CUDA launch configuration."""
-    from moda_flex.triton.function import depth_utilization
+    from moda_flex.backends.triton.function import depth_utilization
 
     return depth_utilization(torch.empty(0, 1, 1, D, device="cuda"), G, L)
 

@@ -1,7 +1,7 @@
 """Time the Triton kernels under candidate launch configurations (block sizes, warps, stages).
 
 Each candidate replaces one kernel's configuration through the ``config=``
-hook of ``moda_flex.triton.triton_attention``; the others keep their
+hook of ``moda_flex.backends.triton.triton_attention``; the others keep their
 defaults. Prints forward and backward medians (ms) for L = 0 and
 L = ``--slots`` at one (T, G), and the spread of timing the default twice.
 Usage::
@@ -19,7 +19,7 @@ import torch
 import triton.testing
 
 from moda_flex import causal
-from moda_flex.triton import triton_attention
+from moda_flex.backends.triton import triton_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import cli  # noqa: E402

@@ -187,7 +187,7 @@ def _available_backends():
     """The backends that run here: triton only with its package and a device (or the interpreter)."""
     names = ["auto", "reference", "flex"]
     try:
-        from moda_flex.triton import unsupported_reason
+        from moda_flex.backends.triton import unsupported_reason
     except ImportError:
         return names
     if unsupported_reason(torch.zeros(1, 1, 1, 16), moda_flex.causal()) is None:

@@ -20,28 +20,12 @@ from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs, 
 from moda_flex.variants import BUILTINS
 
 from budget import examples
+from fused import FUSED_KINDS, TRITON, needs_triton
 from own_variant import user_variant
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _triton_here():
-    """The triton backend's package where it runs here, else None."""
-    try:
-        from moda_flex import triton
-    except ImportError:
-        return None
-    return triton if triton.unsupported_reason(torch.zeros(1, 1, 1, 16), causal()) is None else None
-
-
-TRITON = _triton_here()
-needs_triton = pytest.mark.skipif(TRITON is None, reason="the triton backend cannot run here")
-# The built-ins the fused kernels run, by the backend's own check.
-FUSED_KINDS = tuple(
-    kind
-    for kind, builtin in BUILTINS.items()
-    if TRITON is not None and TRITON.unsupported_reason(torch.zeros(1, 1, 1, 16), builtin.example(8, 2)) is None
-)
 
 
 def _choose(name="auto", *, q_len=5, kv_len=5, slots=0, variant=None, return_lse=False, batch=1):
@@ -187,7 +171,7 @@ except NotImplementedError as error:
     assert "needs the triton package" in str(error), error
 else:
     raise AssertionError("backend='triton' ran without triton")
-assert "moda_flex.triton" not in sys.modules
+assert "moda_flex.backends.triton" not in sys.modules
 """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

@@ -18,6 +18,7 @@ from moda_flex.backends.reference import visible_entries
 from moda_flex.testing import MoDAShape, make_inputs, moda_shapes, score_functions, variants
 
 from budget import examples
+from fused import FUSED_KINDS
 
 NAMES = ("q", "k", "v", "depth_k", "depth_v")
 # Where the Triton kernels run: on the GPU, else on the CPU through the interpreter.
@@ -97,7 +98,6 @@ def _entries(shape: MoDAShape):
 SHAPES = moda_shapes(max_batch=2, max_groups=3, max_kv_heads=2, max_kv_len=24, max_slots=4, head_dims=(8,))
 VALUES = st.sampled_from([float("nan"), float("inf"), float("-inf")])
 # The variant families the Triton kernels fuse.
-TRITON_KINDS = ("causal", "full", "sliding_window", "depth_window", "depth_only", "document")
 # The Triton interpreter computes through numpy, which warns on every NaN the kernels mean to make.
 NUMPY_NAN_WARNINGS = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
@@ -117,7 +117,7 @@ def test_a_non_finite_entry_reaches_only_the_rows_that_see_it(backend, shape, da
 def test_a_non_finite_entry_reaches_only_the_rows_that_see_it_on_triton(shape, data, value):
     """The rule inside the kernels, over the variants and scores they fuse (few examples: the interpreter is slow)."""
     pytest.importorskip("triton")
-    variant = data.draw(variants(shape, kinds=TRITON_KINDS, max_terms=2, structured=True))
+    variant = data.draw(variants(shape, kinds=FUSED_KINDS, max_terms=2, structured=True))
     scores = score_functions(shape, kinds=("softcap", "depth_bias"), max_terms=1, device=TRITON_DEVICE)
     score = data.draw(st.none() | scores)
     variant = variant if score is None else variant & score

@@ -22,6 +22,7 @@ from moda_flex.testing import (
 )
 
 from budget import examples
+from fused import FUSED_KINDS
 
 
 @settings(max_examples=examples(20))
@@ -124,7 +125,6 @@ TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # On a GPU float32 dots run as TF32, with float16's 10 mantissa bits: float16's tolerance there.
 TRITON_RTOL = tolerance(torch.float16) if TRITON_DEVICE == "cuda" else None
 # The variant families and scores the Triton kernels fuse.
-TRITON_KINDS = ("causal", "full", "sliding_window", "depth_window", "depth_only", "document")
 TRITON_SCORES = ("softcap", "depth_bias")
 
 
@@ -145,7 +145,7 @@ def test_learned_depth_bias_gets_gradient_on_every_backend(backend):
 
 def _fused(score: Score) -> bool:
     """At most one softcap and one depth_bias: what the kernels run."""
-    from moda_flex.triton import unsupported_reason
+    from moda_flex.backends.triton import unsupported_reason
 
     return unsupported_reason(torch.zeros(1, 1, 1, 8, device=TRITON_DEVICE), full() & score) is None
 
@@ -155,7 +155,7 @@ def _fused(score: Score) -> bool:
 def test_triton_matches_reference_with_scores(shape, data):
     """Output, lse and every gradient, the learned bias's included, for every fused score in either order."""
     pytest.importorskip("triton")
-    variant = data.draw(variants(shape, kinds=TRITON_KINDS, structured=True))
+    variant = data.draw(variants(shape, kinds=FUSED_KINDS, structured=True))
     score = data.draw(score_functions(shape, kinds=TRITON_SCORES, device=TRITON_DEVICE).filter(_fused))
     strided, entries = data.draw(st.booleans()), data.draw(st.booleans())
     inputs = make_inputs(shape, device=TRITON_DEVICE, strided_depth=strided, depth_entries=entries)
@@ -212,7 +212,7 @@ def test_triton_learns_the_bias_through_the_compiled_op():
 )
 def test_triton_refuses_other_scores_and_auto_falls_back(make_score, needle):
     pytest.importorskip("triton")
-    from moda_flex.triton import unsupported_reason
+    from moda_flex.backends.triton import unsupported_reason
 
     inputs = make_inputs(MoDAShape(1, 2, 1, 3, 5, 2, 8), requires_grad=False)
     score = make_score()

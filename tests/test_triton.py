@@ -22,12 +22,12 @@ from moda_flex.testing import (  # noqa: E402
     relative_error,
     variants,
 )
-from moda_flex.triton import triton_attention, unsupported_reason  # noqa: E402
+from moda_flex.backends.triton import triton_attention, unsupported_reason  # noqa: E402
 
 from budget import examples  # noqa: E402
+from fused import FUSED_KINDS  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FUSED_KINDS = ("causal", "full", "sliding_window", "depth_window", "depth_only", "document")
 
 
 def _inputs(shape, dtype=torch.float32, strided_depth=False, seed=0, depth_entries=False):
@@ -186,7 +186,7 @@ def test_unsupported_reason(variant, dim, dtype, needle):
     reason = unsupported_reason(q, variant)
     assert reason is not None and needle in reason
     with pytest.raises(NotImplementedError, match=needle):
-        triton_attention(q, q, q, q[:, :, :, None], q[:, :, :, None], variant, 1.0)
+        moda_attention(q, q, q, q[:, :, :, None], q[:, :, :, None], variant=variant, scale=1.0, backend="triton")
 
 
 @settings(max_examples=examples(6))

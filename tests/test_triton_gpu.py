@@ -29,7 +29,7 @@ def _inputs(B, Hq, Hk, T, L, D, lmax=None, seed=0):
 
 
 def _triton(inputs, variant, grad_out):
-    from moda_flex.triton import triton_attention
+    from moda_flex.backends.triton import triton_attention
 
     leaves = [t.detach().requires_grad_() for t in inputs]
     out, lse = triton_attention(*leaves, variant, inputs[0].shape[-1] ** -0.5)

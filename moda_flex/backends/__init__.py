@@ -5,7 +5,7 @@ that runs a call :func:`moda_flex.moda_attention` has already checked:
 
     reference   backends/reference.py   the definition in plain PyTorch: any device, float64, second derivatives
     flex        backends/flex/          one FlexAttention call over [sequence | depth]: any variant
-    triton      moda_flex/triton/       the fused kernels: CUDA (CPU under TRITON_INTERPRET=1), structured variants
+    triton      backends/triton/        the fused kernels: CUDA (CPU under TRITON_INTERPRET=1), structured variants
 
 ``auto``, the same for a direct call and for the layers of :mod:`moda_flex.nn`,
 takes the first that applies:
@@ -119,6 +119,6 @@ def _triton():
         import triton  # noqa: F401
     except ImportError:
         return None
-    from .. import triton as package
+    from . import triton as package
 
     return package

@@ -26,8 +26,8 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from ..scores import Score
-from ..variants import Variant
+from ...scores import Score
+from ...variants import Variant
 
 DepthKV = Union[Tensor, Sequence[Tensor]]
 
@@ -114,7 +114,7 @@ def triton_attention(
     *,
     config: Optional[ConfigHook] = None,
 ) -> tuple[Tensor, Tensor]:
-    """Fused MoDA through the Triton kernels. Inputs are already validated.
+    """Fused MoDA through the Triton kernels, for a call the registry has checked (inputs and support).
 
     Args:
         q: (B, Hq, Tq, D), fp16 / bf16 / fp32 (fp32 matmuls run as TF32 on GPU).
@@ -136,9 +136,6 @@ def triton_attention(
         (:mod:`moda_flex.nonfinite`). Both are differentiable with respect to
         q, k, v, depth_k, depth_v and the depth bias.
     """
-    reason = unsupported_reason(q, variant)
-    if reason is not None:
-        raise NotImplementedError(f"backend 'triton' cannot run variant {variant.name!r}: {reason}")
     s = variant.structure
     # Document ids with their runs, (3, Bd, Tk) int32, computed once where the variant was made.
     documents = None if s.documents is None else s.documents.packed.to(q.device)
