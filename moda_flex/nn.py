@@ -208,6 +208,8 @@ class MoDAAttention(nn.Module):
         self.head_dim = n_embd // n_head
         self.rope, self.rope_base = rope, rope_base
         self.variant, self.backend = variant, backend
+        # Joined once here, not per call: a compiled forward then builds no Variant.
+        self._scored = resolve(variant) if score is None else resolve(variant) & score
         self.q_proj = nn.Linear(n_embd, n_head * self.head_dim, bias=bias)
         self.kv_proj = nn.Linear(n_embd, 2 * n_kv_head * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(n_head * self.head_dim, n_embd, bias=bias)
@@ -233,7 +235,7 @@ class MoDAAttention(nn.Module):
         q, k, v = self._project(x, cache.length if cache is not None else 0)
         depth_k, depth_v = depth.read() if depth is not None else (None, None)
         k_all, v_all = cache.update(k, v) if cache is not None else (k, v)
-        y = moda_attention(q, k_all, v_all, depth_k, depth_v, variant=self.variant, score=self.score, backend=self.backend)
+        y = moda_attention(q, k_all, v_all, depth_k, depth_v, variant=self._scored, backend=self.backend)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, Hq*D)
         return self.o_proj(y), (depth.append(k, v) if depth is not None else None)
 
@@ -251,9 +253,7 @@ class MoDAAttention(nn.Module):
         q, k, v = self._project(x, 0)
         depth_k, depth_v = depth.read() if depth is not None else (None, None)
         depth_k, depth_v = as_tensor(depth_k or [], k), as_tensor(depth_v or [], v)  # (B, Hk, T, L, D)
-        variant = resolve(self.variant)
-        variant = variant if self.score is None else variant & self.score
-        return attention_probabilities(q, k, v, depth_k, depth_v, variant, 1.0 / math.sqrt(self.head_dim))
+        return attention_probabilities(q, k, v, depth_k, depth_v, self._scored, 1.0 / math.sqrt(self.head_dim))
 
     def _project(self, x: Tensor, start: int) -> tuple[Tensor, Tensor, Tensor]:
         """q (B, Hq, T, D) and k, v (B, Hk, T, D), normalized and rotated."""

@@ -26,7 +26,6 @@ variant is made; document ids are also prepared there, once
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 from typing import Callable, Optional, Sequence
@@ -315,9 +314,15 @@ class Variant:
         """This variant, same name, with ``score`` in place of its own (None: no score)."""
         if score is not None and not isinstance(score, Score):
             raise TypeError(f"score must be a moda_flex Score or None, got {type(score).__name__}")
-        variant = copy.copy(self)
-        variant.score = score
-        return variant
+        return Variant(
+            self.name,
+            self.sequence,
+            None if self._depth_for_slots is not None else self._depth,
+            depth_for_slots=self._depth_for_slots,
+            structure=self.structure,
+            documents=self.documents,
+            score=score,
+        )
 
     def __and__(self, other) -> "Variant":
         if isinstance(other, Score):
@@ -345,6 +350,9 @@ class Variant:
 def _checked(variant: str, role: str, predicate: Callable) -> Callable:
     """``predicate``, failing with a clear error unless it returns a bool tensor."""
 
+    if getattr(predicate, "_checked", False):
+        return predicate  # a variant rebuilt from another's predicates
+
     @functools.wraps(predicate)
     def checked(*args):
         mask = predicate(*args)
@@ -357,6 +365,7 @@ def _checked(variant: str, role: str, predicate: Callable) -> Callable:
             )
         return mask
 
+    checked._checked = True
     return checked
 
 

@@ -590,7 +590,8 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, documents, bias, *depth_k, *depth_v)
     ctx.num_depth = len(depth_k)
     ctx.options = tuple(options)
-    ctx.bias_grad = bias is not None and ctx.needs_input_grad[6]
+    # Not ctx.needs_input_grad: here it lists the flattened inputs, whose positions move with the depth entries.
+    ctx.bias_grad = bias is not None and bias.requires_grad
 
 
 def _autograd_backward(ctx, grad_out, grad_lse, run_backward=None):
