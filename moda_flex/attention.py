@@ -53,7 +53,8 @@ def moda_attention(
         score: a :class:`moda_flex.Score` (``softcap``, ``alibi``,
             ``depth_bias``, ``depth_alibi`` or your own) changing each logit
             before the softmax; the same as ``variant & score``. Runs on
-            ``reference`` and ``flex`` (``triton`` refuses scores).
+            ``reference`` and ``flex``; ``triton`` fuses ``softcap``,
+            ``depth_bias`` and the two joined with ``&``, and refuses the rest.
         scale: logit scale, a finite real number > 0; default ``1 / sqrt(D)``.
         backend: ``"auto"`` | ``"reference"`` | ``"flex"`` | ``"triton"``;
             ``"auto"`` follows the policy of :mod:`moda_flex.backends`.
