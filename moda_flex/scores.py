@@ -188,17 +188,7 @@ def alibi(slopes: Tensor) -> Score:
     Args:
         slopes: (Hq,) float, one per query head (may require grad).
     """
-    _check_float("alibi", "slopes", slopes, 1)
-
-    def build(q_heads, slots, slopes):
-        _check_slopes("alibi", slopes, q_heads)
-
-        def fn(s, b, h, q_pos, pos, slot, is_depth):
-            return torch.where(is_depth, s, s - slopes[h] * (q_pos - pos).abs())
-
-        return fn
-
-    return Score("alibi", build=build, params=(slopes,))
+    return _sloped("alibi", slopes, on_depth=False, distance=lambda q_pos, pos, slot, slots: (q_pos - pos).abs())
 
 
 def depth_bias(bias: Tensor) -> Score:
@@ -241,17 +231,23 @@ def depth_alibi(slopes: Tensor) -> Score:
     Args:
         slopes: (Hq,) float, one per query head (may require grad).
     """
-    _check_float("depth_alibi", "slopes", slopes, 1)
+    return _sloped("depth_alibi", slopes, on_depth=True, distance=lambda q_pos, pos, slot, slots: slots - 1 - slot)
+
+
+def _sloped(name: str, slopes: Tensor, on_depth: bool, distance: Callable) -> Score:
+    """``s - slopes[h] * distance(q_pos, pos, slot, L)`` on the depth logits (``on_depth``) or the sequence ones."""
+    _check_float(name, "slopes", slopes, 1)
 
     def build(q_heads, slots, slopes):
-        _check_slopes("depth_alibi", slopes, q_heads)
+        _check_slopes(name, slopes, q_heads)
 
         def fn(s, b, h, q_pos, pos, slot, is_depth):
-            return torch.where(is_depth, s - slopes[h] * (slots - 1 - slot), s)
+            biased = s - slopes[h] * distance(q_pos, pos, slot, slots)
+            return torch.where(is_depth, biased, s) if on_depth else torch.where(is_depth, s, biased)
 
         return fn
 
-    return Score("depth_alibi", build=build, params=(slopes,))
+    return Score(name, build=build, params=(slopes,))
 
 
 def _identity(s, b, h, q_pos, pos, slot, is_depth):

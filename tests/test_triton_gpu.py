@@ -50,10 +50,8 @@ def _assert_close(name, actual, expected, tol=BF16_TOL):
     assert error <= tol, f"{name}: relative RMS error {error:.3e} > {tol:.1e}"
 
 
-@pytest.mark.parametrize("variant", [v.causal(), v.full()], ids=lambda x: x.name)
-def test_paper_shape(variant):
-    """T=4096, G=8, Hq=64, Hk=8, L=64, D=64: output, lse and all five gradients."""
-    inputs = _inputs(1, 64, 8, 4096, 64, 64, lmax=80)
+def _assert_matches_reference(inputs, variant):
+    """Output, lse and the five gradients of the triton backend against the float32 reference."""
     grad_out = torch.randn_like(inputs[0])
     out, lse, grads = _triton(inputs, variant, grad_out)
     ref_out, ref_lse, ref_grads = _reference(inputs, variant, grad_out)
@@ -61,6 +59,13 @@ def test_paper_shape(variant):
     _assert_close("lse", lse, ref_lse, 1e-3)
     for name, g, r in zip(("q", "k", "v", "depth_k", "depth_v"), grads, ref_grads):
         _assert_close(f"grad of {name}", g, r)
+
+
+@pytest.mark.parametrize("variant", [v.causal(), v.full()], ids=lambda x: x.name)
+def test_paper_shape(variant):
+    """T=4096, G=8, Hq=64, Hk=8, L=64, D=64: output, lse and all five gradients."""
+    inputs = _inputs(1, 64, 8, 4096, 64, 64, lmax=80)
+    _assert_matches_reference(inputs, variant)
 
 
 @pytest.mark.parametrize(
@@ -75,13 +80,7 @@ def test_paper_shape(variant):
 def test_variants_at_size(make_variant):
     variant = make_variant()
     inputs = _inputs(2, 16, 2, 2048, 33, 64)
-    grad_out = torch.randn_like(inputs[0])
-    out, lse, grads = _triton(inputs, variant, grad_out)
-    ref_out, ref_lse, ref_grads = _reference(inputs, variant, grad_out)
-    _assert_close("out", out, ref_out)
-    _assert_close("lse", lse, ref_lse, 1e-3)
-    for name, g, r in zip(("q", "k", "v", "depth_k", "depth_v"), grads, ref_grads):
-        _assert_close(f"grad of {name}", g, r)
+    _assert_matches_reference(inputs, variant)
 
 
 @pytest.mark.parametrize("bias_first", [False, True], ids=["softcap&depth_bias", "depth_bias&softcap"])
@@ -111,13 +110,7 @@ def test_fused_scores_at_size(bias_first):
 def test_head_dims_padded_in_the_kernel(D, G):
     """Head dims that are not 16, 32, 64 or 128: padded inside the kernels, every output and gradient exact."""
     inputs = _inputs(2, 2 * G, 2, 1000, 23, D)
-    grad_out = torch.randn_like(inputs[0])
-    out, lse, grads = _triton(inputs, v.causal(), grad_out)
-    ref_out, ref_lse, ref_grads = _reference(inputs, v.causal(), grad_out)
-    _assert_close("out", out, ref_out)
-    _assert_close("lse", lse, ref_lse, 1e-3)
-    for name, g, r in zip(("q", "k", "v", "depth_k", "depth_v"), grads, ref_grads):
-        _assert_close(f"grad of {name}", g, r)
+    _assert_matches_reference(inputs, v.causal())
 
 
 def test_offsets_past_int32():
