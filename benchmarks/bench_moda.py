@@ -1,4 +1,4 @@
-"""Forward + backward time of MoDA against sequence-only SDPA: the paper's Table 4 sweeps.
+"""Forward + backward (or, with ``--forward-only``, forward) time of MoDA against sequence-only SDPA: Table 4's sweeps.
 
 B=1, D=64, Hk=8, bf16, causal, random inputs; median of repeats after warm-up
 (``triton.testing.do_bench``). Columns (ms):
@@ -18,6 +18,7 @@ Usage::
     python benchmarks/bench_moda.py                      # all three sweeps
     python benchmarks/bench_moda.py --sweep T --quick    # T up to 16K only
     python benchmarks/bench_moda.py --markdown results.md
+    python benchmarks/bench_moda.py --sweep T --quick --no-flex --forward-only
 """
 
 from __future__ import annotations
@@ -57,7 +58,16 @@ def _bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
-def _fwd_bwd(run, leaves, grad_out):
+def _step(run, leaves, grad_out, forward_only=False):
+    """One timed call: forward + backward, or the forward alone (no graph kept)."""
+    if forward_only:
+
+        def forward():
+            with torch.no_grad():
+                run(*leaves)
+
+        return forward
+
     def step():
         for t in leaves:
             t.grad = None
@@ -66,7 +76,7 @@ def _fwd_bwd(run, leaves, grad_out):
     return step
 
 
-def measure(T: int, G: int, L: int, with_flex: bool) -> dict:
+def measure(T: int, G: int, L: int, with_flex: bool, forward_only: bool = False) -> dict:
     """Milliseconds of each column for one (T, G, L); None where a column cannot run."""
     torch.manual_seed(0)
     # Each shape compiles flex afresh; without a reset dynamo stops recompiling after
@@ -89,7 +99,7 @@ def measure(T: int, G: int, L: int, with_flex: bool) -> dict:
             return moda_attention(q, k, v, *depth_kv, backend=backend)
 
         leaves = [q, k, v, dk, dv] if depth else [q, k, v]
-        return _bench(_fwd_bwd(run, leaves, grad_out))
+        return _bench(_step(run, leaves, grad_out, forward_only))
 
     row["triton"] = moda("triton")
     row["triton L=0"] = moda("triton", depth=False)
@@ -106,7 +116,7 @@ def measure(T: int, G: int, L: int, with_flex: bool) -> dict:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
         try:
-            row[name] = _bench(_fwd_bwd(run, [q, k, v], grad_out))
+            row[name] = _bench(_step(run, [q, k, v], grad_out, forward_only))
         except RuntimeError as err:
             print(f"  {name} skipped at T={T} G={G}: {str(err)[:120]}", file=sys.stderr)
             row[name] = None
@@ -146,6 +156,7 @@ def main(argv=None) -> None:
     parser.add_argument("--sweep", choices=["T", "G", "L", "all"], default="all", help="which of Table 4's sweeps")
     parser.add_argument("--quick", action="store_true", help=f"only T <= {QUICK_MAX_T}")
     parser.add_argument("--no-flex", action="store_true", help="leave out the flex column")
+    parser.add_argument("--forward-only", action="store_true", help="time the forward alone (no autograd graph)")
     parser.add_argument("--markdown", metavar="FILE", help="also write the tables as markdown (default: print only)")
     args = parser.parse_args(argv)
     cli.require_cuda(parser, "bench_moda.py")
@@ -153,7 +164,7 @@ def main(argv=None) -> None:
     import triton
 
     header = (f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
-              f"B=1, D={D}, Hk={HK}, bf16, causal, forward+backward, median ms")
+              f"B=1, D={D}, Hk={HK}, bf16, causal, {'forward' if args.forward_only else 'forward+backward'}, median ms")
     print(header)
     lines = [header.lstrip("# "), ""]
     sweeps = ["T", "G", "L"] if args.sweep == "all" else [args.sweep]
@@ -164,7 +175,7 @@ def main(argv=None) -> None:
         for T, G, L in SWEEPS[sweep]:
             if args.quick and T > QUICK_MAX_T:
                 continue
-            row = measure(T, G, L, with_flex=not args.no_flex)
+            row = measure(T, G, L, with_flex=not args.no_flex, forward_only=args.forward_only)
             row.update(_derived(T, G, L, row))
             row.update(T=T, G=G, Hq=HK * G, L=L)
             cells = [_fmt(c, row[c]) for c in COLUMNS]
