@@ -405,15 +405,18 @@ def report_table(results: dict) -> str:
 
 
 def sweep_table(results: dict) -> str:
-    """Final val loss of every sweep run, arm by learning rate; the chosen rate in bold."""
+    """Final val loss of every sweep run, arm by learning rate; in bold the rate of the arm's final runs,
+    in italics the best so far of an arm with none yet."""
     arms = list(dict.fromkeys(r["arm"] for r in results["runs"] if r["phase"] == "sweep"))
     order = {name: i for i, name in enumerate(DEFAULT_ARMS)}
     arms.sort(key=lambda name: (order.get(name, len(order)), name))
     lrs = sorted({r["lr"] for r in results["runs"] if r["phase"] == "sweep"})
     lines = ["| arm | " + " | ".join(f"lr {lr:.3g}" for lr in lrs) + " |", "|---|" + "---|" * len(lrs)]
+    finals = final_runs(results)
     for arm in arms:
         losses = sweep_losses(results, arm)
         best = best_lr(results, arm)
+        mark = "**" if arm in finals else "_"
         cells = []
         for lr in lrs:
             if lr not in losses:
@@ -421,7 +424,7 @@ def sweep_table(results: dict) -> str:
             elif not math.isfinite(losses[lr]):
                 cells.append("diverged")
             else:
-                cells.append(f"**{losses[lr]:.4f}**" if lr == best else f"{losses[lr]:.4f}")
+                cells.append(f"{mark}{losses[lr]:.4f}{mark}" if lr == best else f"{losses[lr]:.4f}")
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -447,7 +450,8 @@ def report(results: dict, out_dir: Path) -> str:
         header,
         "Final runs, each arm at its own best learning rate from the sweep:",
         report_table(results),
-        "Learning-rate sweep (final val loss, one seed; bold: the rate chosen):",
+        "Learning-rate sweep (final val loss, one seed; bold: the rate of the final runs; "
+        "italics: the best so far of an arm whose final runs have not run yet):",
         sweep_table(results),
     ])  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -146,9 +146,10 @@ def test_train_gpt_curve_and_seeds(tmp_path, data, capsys):
     assert (tmp_path / "out" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_default_run_has_its_seeds_on_record():
+def test_the_default_run_has_its_seeds_on_record(tmp_path):
     """The default configuration's seed spread is recorded, so that one default run can say what it means."""
     recorded = json.loads(train_gpt.CPU_MAIN_JOB.read_text())
-    assert recorded["config"] == train_gpt.loss_config(train_gpt.parse_args([]))
+    defaults = train_gpt.parse_args(["--out-dir", str(tmp_path)])  # the defaults, whatever an earlier run left
+    assert recorded["config"] == train_gpt.loss_config(defaults)
     assert len(recorded["seeds"]) >= 3
-    assert train_gpt.seed_table(recorded["rows"]) in train_gpt.noise_note(train_gpt.parse_args([]))
+    assert train_gpt.seed_table(recorded["rows"]) in train_gpt.noise_note(defaults)
