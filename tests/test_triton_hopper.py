@@ -79,13 +79,15 @@ def test_dead_rows_on_the_hopper_path(hopper, case):
     _assert_reaches_only_its_rows("triton", shape, variant, name, index, float("nan"), device=DEVICE)
 
 
-def test_generic_path_when_forced_or_off_hopper(monkeypatch):
-    q = torch.zeros(1, 2, 8, 64, device=DEVICE, dtype=torch.bfloat16)
+def test_auto_takes_the_hopper_path_on_hopper_for_large_calls_only(monkeypatch):
+    monkeypatch.delenv(function.PATH_ENV, raising=False)
+    small = torch.zeros(1, 2, 8, 64, device=DEVICE, dtype=torch.bfloat16)
+    big = torch.zeros(1, 64, 4096, 64, device=DEVICE, dtype=torch.bfloat16)  # 2^30 scores
+    on_hopper = big.is_cuda and torch.cuda.get_device_capability(big.device)[0] == 9
+    assert not function._hopper(small, small)
+    assert function._hopper(big, big) == on_hopper
     monkeypatch.setenv(function.PATH_ENV, "generic")
-    assert not function._hopper(q)
-    monkeypatch.delenv(function.PATH_ENV)
-    on_hopper = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
-    assert function._hopper(q) == on_hopper
+    assert not function._hopper(big, big)
 
 
 @pytest.mark.parametrize(
@@ -98,10 +100,11 @@ def test_generic_path_when_forced_or_off_hopper(monkeypatch):
     ],
 )
 def test_hopper_path_declines_what_descriptors_cannot_cover(hopper, make):
-    assert not function._hopper(make().to(DEVICE))
+    t = make().to(DEVICE)
+    assert not function._hopper(t, t)
 
 
 def test_unknown_path_is_named(monkeypatch):
     monkeypatch.setenv(function.PATH_ENV, "sm90")
     with pytest.raises(ValueError, match="MODA_FLEX_TRITON_PATH='sm90'"):
-        function._hopper(torch.zeros(1, 1, 1, 16))
+        function._hopper(torch.zeros(1, 1, 1, 16), torch.zeros(1, 1, 1, 16))

@@ -16,9 +16,10 @@ The launchers pass every kernel argument by name; block sizes come from
 change for one eager call (benchmarks/tune_moda.py, benchmarks/bench_hopper.py).
 
 Two paths, chosen at launch (:func:`_hopper`): the generic one (any CUDA GPU,
-and the interpreter) and the Hopper one (compute capability 9.x), which
-streams the tiles of the unmasked blocks through tensor descriptors (the TMA
-copy engine) and launches with configurations chosen for sm90. Both run the
+and the interpreter) and the Hopper one (compute capability 9.x, calls large
+enough not to be bound by the host), which streams the tiles of the unmasked
+blocks through tensor descriptors (the TMA copy engine) and launches with
+configurations chosen for sm90. Both run the
 same kernels; the Hopper parts sit behind the ``TMA`` and ``WS`` constexpr
 flags of the launch configuration. ``MODA_FLEX_TRITON_PATH=generic`` or
 ``=hopper`` overrides the choice (``hopper`` on any device, the interpreter
@@ -169,22 +170,30 @@ triton_attention.reads_depth_entries = True
 
 PATH_ENV = "MODA_FLEX_TRITON_PATH"
 _PATHS = ("auto", "generic", "hopper")
+# Below this many scores (B * Hq * Tq * Tk) a call is bound by the host, where building the descriptors
+# costs about 50 us per forward + backward and the kernels' gain is unmeasured: auto keeps the generic path.
+_HOPPER_MIN_SCORES = 1 << 28
 
 
 def _hopper(*tensors: Tensor) -> bool:
-    """Whether a launch over ``tensors`` (q first) takes the Hopper path.
+    """Whether a launch over ``tensors`` (q, k, ...) takes the Hopper path.
 
-    ``auto`` (the default): on a GPU of compute capability 9.x. The tensors
-    must suit tensor descriptors either way: 16-bit floats (or any float
-    under the interpreter), a head dim the kernels need not pad (a power of
-    two, 16 to 128), unit last stride, 16-byte aligned base and strides.
+    ``auto`` (the default): on a GPU of compute capability 9.x, for calls of
+    at least ``_HOPPER_MIN_SCORES`` scores. The tensors must suit tensor
+    descriptors either way: 16-bit floats (or any float under the
+    interpreter), a head dim the kernels need not pad (a power of two, 16 to
+    128), unit last stride, 16-byte aligned base and strides.
     """
     path = os.environ.get(PATH_ENV, "auto")
     if path not in _PATHS:
         raise ValueError(f"{PATH_ENV}={path!r}: expected one of {', '.join(_PATHS)}")
     q = tensors[0]
-    if path == "generic" or (path == "auto" and not (q.is_cuda and _capability(q.device)[0] == 9)):
+    if path == "generic":
         return False
+    if path == "auto":
+        scores = q.shape[0] * q.shape[1] * q.shape[2] * tensors[1].shape[2]
+        if not (q.is_cuda and _capability(q.device)[0] == 9 and scores >= _HOPPER_MIN_SCORES):
+            return False
     if q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
         return False
     D = q.shape[-1]
