@@ -92,10 +92,10 @@ SDPA = ("sdpa-flash", "sdpa-cudnn")
 def _inputs(B, Hq, Hk, Tq, Tk, L, D, device, seed=0):
     """q (B, Hq, Tq, D), k, v (B, Hk, Tk, D) and the depth K/V as strided (B, Hk, Tq, L, D) views of
     (L + 16)-slot buffers (read in place), bf16, all leaves that require grad."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)  # on the device: 20 GB of depth at T=65536, D=128
 
     def randn(*shape):
-        return torch.randn(*shape, generator=g).to(device=device, dtype=torch.bfloat16)
+        return torch.randn(*shape, generator=g, device=device, dtype=torch.bfloat16)
 
     q, k, v = randn(B, Hq, Tq, D), randn(B, Hk, Tk, D), randn(B, Hk, Tk, D)
     depth = [randn(B, Hk, Tq, L + 16, D)[:, :, :, :L] for _ in range(2)]
@@ -197,7 +197,8 @@ def check(variant_name: str, device: str, tiny: bool) -> list[dict]:
         if case.nan:
             with torch.no_grad():
                 leaves[1][0, 1, case.Tk // 2, 3] = float("nan")
-        grad_out = torch.randn(leaves[0].shape, generator=torch.Generator().manual_seed(1)).to(leaves[0])
+        grad_out = torch.randn(leaves[0].shape, generator=torch.Generator(device=device).manual_seed(1),
+                               device=device, dtype=leaves[0].dtype)
         attention_variant = _attention_variant(case, device)
         row = {"variant": variant_name, "case": case.name(), "ok": True, "errors": {}}
         try:
