@@ -83,7 +83,7 @@ VARIANTS = {
     "hopper-ws": Variant("hopper", {"fwd": {"WS": True, "num_warps": 4}}, gpu_only=True,
                          note="warp-specialized forward loop"),
 }
-SDPA = ("sdpa-flash", "sdpa-cudnn")
+SDPA = ("sdpa-cudnn", "sdpa-flash")  # cuDNN first: the other rows are divided by it
 
 
 # ---- inputs and one call ------------------------------------------------------------------------
@@ -461,6 +461,8 @@ def main(argv=None) -> None:
 
     import triton
 
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the timing allocates on the current device
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
     header = f"{where}, torch {torch.__version__}, triton {triton.__version__}"
     print(header, flush=True)
