@@ -47,6 +47,19 @@ end), a non-finite key through ``x * 0``. The backward treats a row with
 as zero, so it sends no gradient, and every other row's gradients are those of
 the inputs with the non-finite entries zeroed, bit for bit.
 
+The Hopper path (launch flag ``TMA``): the tiles of the unmasked blocks,
+the part of the work that grows as T^2, come through tensor descriptors
+(the TMA copy engine, pipelined ``LOOP_STAGES`` deep): K and V in the
+forward and dQ kernels, q and dO in the dK/dV kernel, where a descriptor
+over Q (or dO) seen as (B, Hk, T, G, D) gives a block's rows in the order
+above. A copy cannot leave a dead row's q and dO out, so the dQ kernel flags
+the blocks of rows that have one and the dK/dV kernel reads the heads with a
+flag through masked loads. Masked blocks and the depth phase read as on the
+generic path. ``DQ_ATOMIC`` (either path) lets the dK/dV kernel add
+``dS K`` to float32 dQ sums instead of the dQ kernel recomputing ``QK^T``
+and ``dO V^T``: five matrix products instead of seven, and a dQ whose last
+bits depend on the order of the atomic adds.
+
 Fused scores (:func:`_score`): a soft-cap on every logit and a depth bias on
 the depth logits, applied in the order the score joins them; the backward
 multiplies dS by the cap's derivative. The bias's gradient sums the depth dS
@@ -400,8 +413,9 @@ def _fwd_interior_tma(
     """The unmasked blocks of :func:`_fwd_seq_blocks` with K and V tiles (BLOCK_N, D) copied by the TMA engine.
 
     ``KD``, ``VD``: tensor descriptors over (B, Hk, Tk, D) with (1, 1,
-    BLOCK_N, D) boxes; ``b``, ``hk`` int32. ``WS`` splits the loop into a
-    producer (the copies) and consumer warp groups (Hopper, Triton >= 3.6).
+    BLOCK_N, D) boxes; ``b``, ``hk`` int32. ``WS`` asks Triton to split the
+    loop into a producer warp group (the copies) and consumer ones; Triton
+    3.6 does not compile that for this kernel on sm_90 (benchmarks/NOTES.md).
     """
     for start_n in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES, warp_specialize=WS):
         k = KD.load([b, hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
