@@ -19,11 +19,11 @@ Two paths, chosen at launch (:func:`_hopper`): the generic one (any CUDA GPU,
 and the interpreter) and the Hopper one (compute capability 9.x, calls large
 enough not to be bound by the host), which streams the tiles of the unmasked
 blocks through tensor descriptors (the TMA copy engine) and launches with
-configurations chosen for sm90. Both run the
-same kernels; the Hopper parts sit behind the ``TMA`` and ``WS`` constexpr
-flags of the launch configuration. ``MODA_FLEX_TRITON_PATH=generic`` or
-``=hopper`` overrides the choice (``hopper`` on any device, the interpreter
-included, wherever the tensors allow descriptors).
+configurations chosen for sm90. Both run the same kernels; the Hopper parts
+sit behind constexpr flags of the launch configuration (:func:`_config`).
+``MODA_FLEX_TRITON_PATH=generic`` or ``=hopper`` overrides the choice
+(``hopper`` on any device, the interpreter included, wherever the tensors
+allow descriptors).
 """
 
 from __future__ import annotations
@@ -293,9 +293,9 @@ class Options(NamedTuple):
 
 # A launch hook: ``config(kernel, default) -> config``, with ``kernel`` one of
 # "fwd", "dq", "dkdv" and ``default`` the launch options the launcher would use
-# (block sizes, num_warps, num_stages, and the flags TMA, LOOP_STAGES, WS of
-# :func:`_config`), a fresh dict. Turning TMA on is the hook's to check: the
-# tensors must allow descriptors (:func:`_hopper`).
+# (block sizes, num_warps, num_stages, and the flags TMA, LOOP_STAGES, WS,
+# DQ_ATOMIC of :func:`_config`), a fresh dict. Turning TMA on is the hook's to
+# check: the tensors must allow descriptors (:func:`_hopper`).
 ConfigHook = Callable[[str, dict], dict]
 
 
@@ -308,16 +308,16 @@ def _config(q: Tensor, G: int, which: str, hook: Optional[ConfigHook], has_depth
     the key blocks. The generic configurations were chosen on an H200 at
     T=16384, G=8, D=64 (benchmarks/tune_moda.py, benchmarks/NOTES.md).
 
-    ``hopper``: the Hopper path's configuration. Its flags, off on the generic
-    path: ``TMA`` (tensor descriptors for the tiles of the unmasked blocks),
+    ``hopper``: the Hopper path's configuration, the one with ``TMA`` on. The
+    flags: ``TMA`` (tensor descriptors for the tiles of the unmasked blocks),
     ``LOOP_STAGES`` (the software pipeline's depth on that loop), for "fwd"
-    ``WS`` (warp specialization of that loop, which Triton 3.6 does not
-    compile for this kernel on sm_90), and for "dkdv" ``DQ_ATOMIC``: 0, dQ
-    from its own kernel (deterministic); 1 or 2, the dK/dV kernel adds the
-    sequence part of dQ to float32 sums with atomics (1: per element; 2: by
-    the TMA engine's bulk reductions, with ``TMA``, on a GPU only), which
-    saves two of the backward's seven matrix products but makes dQ's last
-    bits vary between runs.
+    ``WS`` (warp specialization of that loop, off; Triton 3.6 does not
+    compile it for this kernel on sm_90), and for "dkdv" ``DQ_ATOMIC``: 0 (the
+    default, deterministic), dQ from its own kernel; 1 or 2, the dK/dV kernel
+    adds the sequence part of dQ to float32 sums with atomics (1: per
+    element; 2: by the TMA engine's bulk reductions, with ``TMA``, on a GPU
+    only), which saves two of the backward's seven matrix products but makes
+    dQ's last bits vary between runs.
     """
     few = which == "dkdv" and q.device.type == "cuda" and programs < _sm_count(q.device)
     cfg = _config_for(q.device.type, _head_dim(q.shape[-1]), G, which, has_depth, few, hopper)
