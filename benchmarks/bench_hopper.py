@@ -446,7 +446,7 @@ def main(argv=None) -> None:
     cli.add_device(parser, "; cpu runs the checks only, under the Triton interpreter")
     parser.add_argument("--tiny", action="store_true", help="tiny check shapes (for the interpreter)")
     parser.add_argument("--quick", action="store_true", help="time T <= 16384 only")
-    parser.add_argument("--jobs", type=int, default=6, help="worker processes for the checks on a GPU")
+    parser.add_argument("--jobs", type=int, default=len(VARIANTS), help="worker processes for the checks on a GPU")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="comma-separated subset of: " + ", ".join(VARIANTS))
     parser.add_argument("--out", metavar="FILE", help="also write the tables as markdown")
