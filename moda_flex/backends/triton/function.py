@@ -13,7 +13,17 @@ the ops as the depth bias tensor (so that it gets its gradient) and the cap.
 
 The launchers pass every kernel argument by name; block sizes come from
 :func:`_config`, which a ``config=`` hook of :func:`triton_attention` may
-change for one eager call (benchmarks/tune_moda.py).
+change for one eager call (benchmarks/tune_moda.py, benchmarks/bench_hopper.py).
+
+Two paths, chosen at launch (:func:`_hopper`): the generic one (any CUDA GPU,
+and the interpreter) and the Hopper one (compute capability 9.x, calls large
+enough not to be bound by the host), which streams the tiles of the unmasked
+blocks through tensor descriptors (the TMA copy engine) and launches with
+configurations chosen for sm90. Both run the same kernels; the Hopper parts
+sit behind constexpr flags of the launch configuration (:func:`_config`).
+``MODA_FLEX_TRITON_PATH=generic`` or ``=hopper`` overrides the choice
+(``hopper`` on any device, the interpreter included, wherever the tensors
+allow descriptors).
 """
 
 from __future__ import annotations
@@ -158,6 +168,70 @@ def triton_attention(
 triton_attention.reads_depth_entries = True
 
 
+PATH_ENV = "MODA_FLEX_TRITON_PATH"
+_PATHS = ("auto", "generic", "hopper")
+# Below this many scores (B * Hq * Tq * Tk) a call is bound by the host, where building the descriptors
+# costs about 50 us per forward + backward and the kernels' gain is unmeasured: auto keeps the generic path.
+_HOPPER_MIN_SCORES = 1 << 28
+
+
+def _hopper(*tensors: Tensor) -> bool:
+    """Whether a launch over ``tensors`` (q, k, ...) takes the Hopper path.
+
+    ``auto`` (the default): on a GPU of compute capability 9.x, for calls of
+    at least ``_HOPPER_MIN_SCORES`` scores. The tensors must suit tensor
+    descriptors either way: 16-bit floats (or any float under the
+    interpreter), a head dim the kernels need not pad (a power of two, 16 to
+    128), unit last stride, 16-byte aligned base and strides.
+    """
+    path = os.environ.get(PATH_ENV, "auto")
+    if path not in _PATHS:
+        raise ValueError(f"{PATH_ENV}={path!r}: expected one of {', '.join(_PATHS)}")
+    q = tensors[0]
+    if path == "generic":
+        return False
+    if path == "auto":
+        scores = q.shape[0] * q.shape[1] * q.shape[2] * tensors[1].shape[2]
+        if not (q.is_cuda and _capability(q.device)[0] == 9 and scores >= _HOPPER_MIN_SCORES):
+            return False
+    if q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    D = q.shape[-1]
+    return _head_dim(D) == D <= 128 and all(_descriptor_ok(t) for t in tensors)
+
+
+def _descriptor_ok(t: Tensor) -> bool:
+    """Whether a tensor descriptor may cover ``t``: unit last stride, 16-byte aligned base and other strides."""
+    size = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in t.stride()[:-1])
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _row_descriptor(t: Tensor, G: int, GP: int, block_t: int):
+    """A descriptor over (B, Hq, T, D) queries (or dO) seen as (B, Hk, T, G, D), boxes (1, 1, block_t, GP, D).
+
+    A box holds a block's rows in the kernels' order (token-major, the G heads
+    of a token together); heads past G and tokens past T are out of bounds and
+    read as zeros.
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    B, Hq, T, D = t.shape
+    sb, sh, st, sd = t.stride()
+    return TensorDescriptor(t, [B, Hq // G, T, G, D], [sb, G * sh, st, sh, sd], [1, 1, block_t, GP, D])
+
+
+def _tile_descriptor(t: Tensor, block_n: int):
+    """A descriptor over (B, Hk, Tk, D) keys or values, boxes (1, 1, block_n, D)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_n, t.shape[-1]])
+
+
 def _as_list(depth: DepthKV) -> list[Tensor]:
     """The op's form of depth K/V: ``[(B, Hk, Tq, L, D)]`` or L entries (B, Hk, Tq, D)."""
     return [depth] if isinstance(depth, Tensor) else list(depth)
@@ -219,21 +293,34 @@ class Options(NamedTuple):
 
 # A launch hook: ``config(kernel, default) -> config``, with ``kernel`` one of
 # "fwd", "dq", "dkdv" and ``default`` the launch options the launcher would use
-# (block sizes, num_warps, num_stages), a fresh dict.
+# (block sizes, num_warps, num_stages, and the flags TMA, LOOP_STAGES, WS,
+# DQ_ATOMIC of :func:`_config`), a fresh dict. Turning TMA on is the hook's to
+# check: the tensors must allow descriptors (:func:`_hopper`).
 ConfigHook = Callable[[str, dict], dict]
 
 
 def _config(q: Tensor, G: int, which: str, hook: Optional[ConfigHook], has_depth: bool = True,
-            programs: int = 0) -> dict:  # fmt: skip
+            programs: int = 0, hopper: bool = False) -> dict:  # fmt: skip
     """Block sizes and launch options for ``which`` in {"fwd", "dkdv", "dq"}, through ``hook`` if given.
 
     ``programs``: for "dkdv", the number of (key block, batch x KV head)
     programs at the default BLOCK_N = 128; fewer than the GPU has SMs halves
-    the key blocks. Chosen on an H200 at T=16384, G=8, D=64
-    (benchmarks/tune_moda.py, benchmarks/NOTES.md).
+    the key blocks. The generic configurations were chosen on an H200 at
+    T=16384, G=8, D=64 (benchmarks/tune_moda.py, benchmarks/NOTES.md).
+
+    ``hopper``: the Hopper path's configuration, the one with ``TMA`` on. The
+    flags: ``TMA`` (tensor descriptors for the tiles of the unmasked blocks),
+    ``LOOP_STAGES`` (the software pipeline's depth on that loop), for "fwd"
+    ``WS`` (warp specialization of that loop, off; Triton 3.6 does not
+    compile it for this kernel on sm_90), and for "dkdv" ``DQ_ATOMIC``: 0 (the
+    default, deterministic), dQ from its own kernel; 1 or 2, the dK/dV kernel
+    adds the sequence part of dQ to float32 sums with atomics (1: per
+    element; 2: by the TMA engine's bulk reductions, with ``TMA``, on a GPU
+    only), which saves two of the backward's seven matrix products but makes
+    dQ's last bits vary between runs.
     """
     few = which == "dkdv" and q.device.type == "cuda" and programs < _sm_count(q.device)
-    cfg = _config_for(q.device.type, _head_dim(q.shape[-1]), G, which, has_depth, few)
+    cfg = _config_for(q.device.type, _head_dim(q.shape[-1]), G, which, has_depth, few, hopper)
     return cfg if hook is None else hook(which, dict(cfg))
 
 
@@ -261,11 +348,27 @@ def _sm_count(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _config_for(device_type: str, head_dim: int, G: int, which: str, has_depth: bool, few_programs: bool) -> dict:
+def _config_for(device_type: str, head_dim: int, G: int, which: str, has_depth: bool, few_programs: bool,
+                hopper: bool) -> dict:  # fmt: skip
     GP = _next_pow2(G)
     if device_type != "cuda":
         # The interpreter: few, small programs.
-        return dict(BLOCK_M=max(16, GP), BLOCK_N=16, BLOCK_C=16)
+        cfg = dict(BLOCK_M=max(16, GP), BLOCK_N=16, BLOCK_C=16)
+    elif hopper:
+        cfg = _sm90_config(head_dim, which, has_depth, few_programs)
+    else:
+        cfg = _generic_config(head_dim, which, has_depth, few_programs)
+    cfg["BLOCK_M"] = max(cfg["BLOCK_M"], GP, _MIN_DOT_ROWS)
+    cfg.update(TMA=hopper, LOOP_STAGES=cfg.get("num_stages", 1))
+    if which == "fwd":
+        cfg["WS"] = False
+    if which == "dkdv":
+        cfg["DQ_ATOMIC"] = 0
+    return cfg
+
+
+def _generic_config(head_dim: int, which: str, has_depth: bool, few_programs: bool) -> dict:
+    """Block sizes, warps and stages of the generic path on a GPU."""
     if which == "fwd" and has_depth:
         cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_C=32, num_warps=4, num_stages=3)
     elif which == "fwd":
@@ -281,7 +384,31 @@ def _config_for(device_type: str, head_dim: int, G: int, which: str, has_depth: 
         cfg.update(BLOCK_M=min(cfg["BLOCK_M"], 64), BLOCK_N=min(cfg["BLOCK_N"], 32), num_stages=1)
         if "BLOCK_C" in cfg:
             cfg["BLOCK_C"] = 16
-    cfg["BLOCK_M"] = max(cfg["BLOCK_M"], GP, _MIN_DOT_ROWS)
+    return cfg
+
+
+# The Hopper path's launches by (head dim up to 64 / 128, kernel, with depth), before the dK/dV kernel's
+# few-programs rule: the tiles that compile for sm_90 (Triton 3.6) without spilling registers, or with the
+# fewest spills (D=128 with depth); benchmarks/NOTES.md ("Hopper path") has the compile table.
+_SM90 = {
+    (64, "fwd", False): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_C=32, num_warps=8, num_stages=3),
+    (64, "fwd", True): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_C=16, num_warps=8, num_stages=2),
+    (64, "dq", False): dict(BLOCK_M=128, BLOCK_N=64, BLOCK_C=32, num_warps=8, num_stages=3),
+    (64, "dq", True): dict(BLOCK_M=128, BLOCK_N=64, BLOCK_C=16, num_warps=8, num_stages=3),
+    (64, "dkdv", False): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
+    (128, "fwd", False): dict(BLOCK_M=128, BLOCK_N=64, BLOCK_C=16, num_warps=8, num_stages=3),
+    (128, "fwd", True): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_C=16, num_warps=8, num_stages=2),
+    (128, "dq", False): dict(BLOCK_M=128, BLOCK_N=64, BLOCK_C=16, num_warps=8, num_stages=2),
+    (128, "dq", True): dict(BLOCK_M=128, BLOCK_N=64, BLOCK_C=16, num_warps=8, num_stages=2),
+    (128, "dkdv", False): dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2),
+}
+
+
+def _sm90_config(head_dim: int, which: str, has_depth: bool, few_programs: bool) -> dict:
+    """Block sizes, warps and stages of the Hopper path (head_dim a power of two, 16 to 128)."""
+    cfg = dict(_SM90[64 if head_dim <= 64 else 128, which, has_depth and which != "dkdv"])
+    if which == "dkdv" and few_programs:
+        cfg["BLOCK_N"] = 64
     return cfg
 
 
@@ -361,11 +488,16 @@ def _forward(q, k, v, depth_k, depth_v, documents, bias, opts: Options, config: 
         return out, lse.fill_(float("-inf"))
     layout = _layout_args(q, k)
     has_depth = L > opts.depth_first
-    cfg = _config(q, layout["G"], "fwd", config, has_depth=has_depth)
+    cfg = _config(q, layout["G"], "fwd", config, has_depth=has_depth, hopper=_hopper(q, k, v))
     depth, _held = _depth_args(depth_k, depth_v, L, q)  # _held: alive until launched
-    grid = (_cdiv(Tq, cfg["BLOCK_M"] // layout["GP"]), B * Hk)
+    block_t = cfg["BLOCK_M"] // layout["GP"]
+    grid = (_cdiv(Tq, block_t), B * Hk)
+    tiles = dict(QD=None, KD=None, VD=None)
+    if cfg["TMA"]:
+        tiles = dict(QD=_row_descriptor(q, layout["G"], layout["GP"], block_t),
+                     KD=_tile_descriptor(k, cfg["BLOCK_N"]), VD=_tile_descriptor(v, cfg["BLOCK_N"]))  # fmt: skip
     kernels._fwd_kernel[grid](
-        Q=q, K=k, V=v, O=out, LSE=lse, **depth, **_mask_args(opts, documents, q), **_bias_args(bias, q),
+        Q=q, K=k, V=v, O=out, LSE=lse, **tiles, **depth, **_mask_args(opts, documents, q), **_bias_args(bias, q),
         **_strides("sq", q.stride(), "bhtd"), **_strides("sk", k.stride(), "bhtd"),
         **_strides("sv", v.stride(), "bhtd"), **_strides("so", out.stride(), "bhtd"),
         **_strides("sl", lse.stride(), "bht"),
@@ -402,42 +534,60 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents
         depth_shape = (B, Hk, Tq, L, D)
         return (torch.zeros_like(q, memory_format=torch.contiguous_format), dk.zero_(), dv.zero_(),
                 q.new_zeros(depth_shape), q.new_zeros(depth_shape), dbias)  # fmt: skip
-    # The dQ kernel runs first: it also writes delta = rowsum(dO * O) - dLSE, which the dK/dV kernel reads.
-    dq, ddk, ddv, delta, gbias = _launch_dq(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias,
-                                            bias_grad, opts, config)  # fmt: skip
-    if opts.sequence and Tk > 0:
-        _launch_dkdv(grad_out, q, k, v, lse, delta, documents, dk, dv, opts, config)
+    hopper, G = _hopper(q, k, v, grad_out), Hq // Hk
+    dq_cfg = _config(q, G, "dq", config, has_depth=L > opts.depth_first, hopper=hopper)
+    dkdv_cfg = _config(q, G, "dkdv", config, programs=_cdiv(Tk, 128) * B * Hk, hopper=hopper)
+    sequence = opts.sequence and Tk > 0
+    atomic = sequence and dkdv_cfg["DQ_ATOMIC"]
+    # The dQ kernel runs first: it also writes delta = rowsum(dO * O) - dLSE, which the dK/dV kernel reads,
+    # and for its descriptors, which blocks of rows have a dead one. With DQ_ATOMIC it writes only the depth
+    # part of dQ, as float32 sums to which the dK/dV kernel adds the sequence part.
+    dq, ddk, ddv, delta, gbias, dead = _launch_dq(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse,
+                                                  documents, bias, bias_grad, opts, dq_cfg,
+                                                  dead_flags=dkdv_cfg["TMA"], sums=atomic)  # fmt: skip
+    if sequence:
+        _launch_dkdv(grad_out, q, k, v, lse, delta, dead, documents, dk, dv, dq if atomic else None, opts, dkdv_cfg)
     else:
         dk.zero_()
         dv.zero_()
+    if atomic:
+        dq = dq.to(q.dtype)
     if gbias is not None:
         dbias = _reduce_bias_grad(gbias, bias, B, Hk, Hq // Hk)
     return dq, dk, dv, ddk, ddv, dbias
 
 
-def _launch_dq(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, bias_grad, opts, config):
-    """The dQ kernel: dq, the depth gradients, delta for the dK/dV kernel, and the bias's gradient in parts or None."""
+def _launch_dq(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, bias_grad, opts, cfg,
+               dead_flags, sums):  # fmt: skip
+    """The dQ kernel under launch configuration ``cfg``: dq, the depth gradients, delta for the dK/dV kernel, the
+    bias's gradient in parts or None, and with ``dead_flags`` whether each block of rows has a dead one,
+    (B * Hk, blocks) int8, else None. With ``sums``, dq is only the depth part, float32, for the dK/dV kernel
+    to add the sequence part to."""
     from . import kernels
 
     B, Hq, Tq, D = q.shape
     Hk, Tk, L = k.shape[1], k.shape[2], _num_slots(depth_k)
     layout = _layout_args(q, k)
     has_depth = L > opts.depth_first
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format, dtype=torch.float32 if sums else q.dtype)
     alloc = torch.zeros if opts.depth_first > 0 else torch.empty  # masked slots get a zero gradient
     ddk = alloc((B, Hk, Tq, L, D), device=q.device, dtype=q.dtype)
     ddv = alloc((B, Hk, Tq, L, D), device=q.device, dtype=q.dtype)
     delta = torch.empty_like(lse)
     glse = delta if grad_lse is None else grad_lse.float().contiguous()
-    cfg = _config(q, layout["G"], "dq", config, has_depth=has_depth)
     depth, _held = _depth_args(depth_k, depth_v, L, q)  # _held: alive until launched
     grid = (_cdiv(Tq, cfg["BLOCK_M"] // layout["GP"]), B * Hk)
+    tiles = dict(KD=None, VD=None)
+    if cfg["TMA"]:
+        tiles = dict(KD=_tile_descriptor(k, cfg["BLOCK_N"]), VD=_tile_descriptor(v, cfg["BLOCK_N"]))
     # Each program's part of the bias gradient, summed over its tokens, (B * Hk, blocks, GP, L).
     with_bias_grad = bias_grad and has_depth
     gbias = q.new_zeros((B * Hk, grid[0], layout["GP"], L) if with_bias_grad else (0,), dtype=torch.float32)
+    dead = torch.empty((B * Hk, grid[0]), device=q.device, dtype=torch.int8) if dead_flags else None
     kernels._bwd_dq_kernel[grid](
-        Q=q, K=k, V=v, O=out, DO=grad_out, LSE=lse, GLSE=glse, DELTA=delta, DQO=dq, DDKO=ddk, DDVO=ddv, GBIAS=gbias,
-        **depth, **_mask_args(opts, documents, q), **_bias_args(bias, q),
+        Q=q, K=k, V=v, O=out, DO=grad_out, LSE=lse, GLSE=glse, DELTA=delta, DEAD=dead, DEAD_FLAGS=dead_flags,
+        DQO=dq, DDKO=ddk, DDVO=ddv, GBIAS=gbias,
+        **tiles, **depth, **_mask_args(opts, documents, q), **_bias_args(bias, q),
         **_strides("sq", q.stride(), "bhtd"), **_strides("so", out.stride(), "bhtd"),
         **_strides("sk", k.stride(), "bhtd"), **_strides("sv", v.stride(), "bhtd"),
         **_strides("sdo", grad_out.stride(), "bhtd"), **_strides("sl", lse.stride(), "bht"),
@@ -445,23 +595,36 @@ def _launch_dq(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, document
         Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, scale=opts.scale,
         qk_scale=opts.scale * _LOG2E, softcap=opts.softcap,
         **layout, DEPTH_ROWS=max(layout["GP"], _MIN_DOT_ROWS),
-        HAS_SEQ=opts.sequence and Tk > 0, HAS_DEPTH=has_depth, HAS_GLSE=grad_lse is not None,
+        HAS_SEQ=opts.sequence and Tk > 0 and not sums, HAS_DEPTH=has_depth, HAS_GLSE=grad_lse is not None,
         HAS_SOFTCAP=opts.softcap > 0, BIAS_FIRST=opts.bias_first, BIAS_GRAD=with_bias_grad,
         **cfg,
     )
-    return dq, ddk, ddv, delta, gbias if with_bias_grad else None
+    return dq, ddk, ddv, delta, gbias if with_bias_grad else None, dead
 
 
-def _launch_dkdv(grad_out, q, k, v, lse, delta, documents, dk, dv, opts, config) -> None:
-    """The dK/dV kernel: writes dk, dv (B, Hk, Tk, D), contiguous, from delta of the dQ kernel."""
+def _launch_dkdv(grad_out, q, k, v, lse, delta, dead, documents, dk, dv, dq_sums, opts, cfg) -> None:
+    """The dK/dV kernel under launch configuration ``cfg``: writes dk, dv (B, Hk, Tk, D), contiguous, from delta
+    and (with ``cfg["TMA"]``) the dead-row flags of the dQ kernel; with ``cfg["DQ_ATOMIC"]`` also adds the
+    sequence part of dQ to ``dq_sums`` (B, Hq, Tq, D) float32."""
     from . import kernels
 
     B, Hk, Tk = k.shape[0], k.shape[1], k.shape[2]
     layout = _layout_args(q, k)
-    cfg = _config(q, layout["G"], "dkdv", config, programs=_cdiv(Tk, 128) * B * Hk)
     grid = (_cdiv(Tk, cfg["BLOCK_N"]), B * Hk)
+    tiles = dict(QD=None, DOD=None, DEAD=None, dead_blocks=0)
+    if cfg["TMA"]:
+        block_t = cfg["BLOCK_M"] // layout["GP"]
+        tiles = dict(QD=_row_descriptor(q, layout["G"], layout["GP"], block_t),
+                     DOD=_row_descriptor(grad_out, layout["G"], layout["GP"], block_t),
+                     DEAD=dead, dead_blocks=dead.shape[1])  # fmt: skip
+    sums = dict(DQA=_placeholder(q.device), DQD=None, sab=0, sah=0, sat=0)
+    if dq_sums is not None:
+        sums = dict(DQA=dq_sums, DQD=None, **_strides("sa", dq_sums.stride()[:3], "bht"))
+        if cfg["DQ_ATOMIC"] == 2:
+            sums["DQD"] = _row_descriptor(dq_sums, layout["G"], layout["GP"], cfg["BLOCK_M"] // layout["GP"])
     kernels._bwd_dkdv_kernel[grid](
-        Q=q, K=k, V=v, DO=grad_out, LSE=lse, DELTA=delta, DKO=dk, DVO=dv, **_mask_args(opts, documents, q),
+        Q=q, K=k, V=v, DO=grad_out, LSE=lse, DELTA=delta, DKO=dk, DVO=dv, **tiles, **sums,
+        **_mask_args(opts, documents, q),
         **_strides("sq", q.stride(), "bhtd"), **_strides("sk", k.stride(), "bhtd"),
         **_strides("sv", v.stride(), "bhtd"), **_strides("sdo", grad_out.stride(), "bhtd"),
         **_strides("sl", lse.stride(), "bht"), **_strides("sg", dk.stride(), "bhtd"),

@@ -47,6 +47,19 @@ end), a non-finite key through ``x * 0``. The backward treats a row with
 as zero, so it sends no gradient, and every other row's gradients are those of
 the inputs with the non-finite entries zeroed, bit for bit.
 
+The Hopper path (launch flag ``TMA``): the tiles of the unmasked blocks,
+the part of the work that grows as T^2, come through tensor descriptors
+(the TMA copy engine, pipelined ``LOOP_STAGES`` deep): K and V in the
+forward and dQ kernels, q and dO in the dK/dV kernel, where a descriptor
+over Q (or dO) seen as (B, Hk, T, G, D) gives a block's rows in the order
+above. A copy cannot leave a dead row's q and dO out, so the dQ kernel flags
+the blocks of rows that have one and the dK/dV kernel reads the heads with a
+flag through masked loads. Masked blocks and the depth phase read as on the
+generic path. ``DQ_ATOMIC`` (either path) lets the dK/dV kernel add
+``dS K`` to float32 dQ sums instead of the dQ kernel recomputing ``QK^T``
+and ``dO V^T``: five matrix products instead of seven, and a dQ whose last
+bits depend on the order of the atomic adds.
+
 Fused scores (:func:`_score`): a soft-cap on every logit and a depth bias on
 the depth logits, applied in the order the score joins them; the backward
 multiplies dS by the cap's derivative. The bias's gradient sums the depth dS
@@ -392,12 +405,46 @@ def _fwd_seq_blocks(
 
 
 @triton.jit
+def _fwd_interior_tma(
+    acc, m_i, l_i, q, KD, VD, b, hk, start, end, qk_scale, softcap,
+    HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, WS: tl.constexpr,
+):
+    """The unmasked blocks of :func:`_fwd_seq_blocks` with K and V tiles (BLOCK_N, D) copied by the TMA engine.
+
+    ``KD``, ``VD``: tensor descriptors over (B, Hk, Tk, D) with (1, 1,
+    BLOCK_N, D) boxes; ``b``, ``hk`` int32. ``WS`` asks Triton to split the
+    loop into a producer warp group (the copies) and consumer ones; Triton
+    3.6 does not compile that for this kernel on sm_90 (benchmarks/NOTES.md).
+    """
+    for start_n in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES, warp_specialize=WS):
+        k = KD.load([b, hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        x = tl.dot(q, k.T) * qk_scale  # (BLOCK_M, BLOCK_N), base-2 logits
+        s, _ = _score(x, 0.0, softcap, HAS_SOFTCAP, False, False)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        # the poison of the unmasked generic blocks: x * 0 is NaN exactly at a non-finite key's logits
+        l_i = l_i * alpha + tl.sum(p + x * 0.0, 1)
+        v = VD.load([b, hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _fwd_sequence(
-    acc, m_i, l_i, q, K, V, skt, skd, svt, svd, offs_d, q_pos, q_doc, DOC_IDS, lo, a, b, hi,
+    acc, m_i, l_i, q, K, V, KD, VD, b, hk, skt, skd, svt, svd, offs_d, q_pos, q_doc, DOC_IDS, lo, a, b_, hi,
     Tk, window, qk_scale, softcap,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, TMA: tl.constexpr, LOOP_STAGES: tl.constexpr, WS: tl.constexpr,
 ):
-    """The sequence phase over the key ranges of :func:`_key_ranges`: masked, unmasked, masked."""
+    """The sequence phase over the key ranges of :func:`_key_ranges`: masked, unmasked, masked.
+
+    With ``TMA`` the unmasked blocks read K and V through the descriptors
+    ``KD``, ``VD`` (:func:`_fwd_interior_tma`).
+    """
     k_ptrs = K + offs_d[:, None] * skd
     v_ptrs = V + offs_d[None, :] * svd
     # edge blocks before the interior (window / document start), masked
@@ -405,12 +452,16 @@ def _fwd_sequence(
                                     lo, a, Tk, window, qk_scale, softcap, True, CAUSAL, WINDOW, DOC,
                                     HAS_SOFTCAP, BLOCK_N)
     # interior blocks every row sees in full (Alg. 1 lines 11-17): no mask
-    acc, m_i, l_i = _fwd_seq_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
-                                    a, b, Tk, window, qk_scale, softcap, False, CAUSAL, WINDOW, DOC,
-                                    HAS_SOFTCAP, BLOCK_N)
+    if TMA:
+        acc, m_i, l_i = _fwd_interior_tma(acc, m_i, l_i, q, KD, VD, b, hk, a, b_, qk_scale, softcap,
+                                          HAS_SOFTCAP, BLOCK_N, HEAD_DIM, LOOP_STAGES, WS)
+    else:
+        acc, m_i, l_i = _fwd_seq_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
+                                        a, b_, Tk, window, qk_scale, softcap, False, CAUSAL, WINDOW, DOC,
+                                        HAS_SOFTCAP, BLOCK_N)
     # boundary blocks with the grouped causal mask (Alg. 1 lines 18-23)
     return _fwd_seq_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
-                           b, hi, Tk, window, qk_scale, softcap, True, CAUSAL, WINDOW, DOC,
+                           b_, hi, Tk, window, qk_scale, softcap, True, CAUSAL, WINDOW, DOC,
                            HAS_SOFTCAP, BLOCK_N)
 
 
@@ -466,7 +517,7 @@ def _fwd_depth(
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, DK_TAB, DV_TAB, DOC_IDS, DOC_LO, DOC_HI, BIAS, O, LSE,
+    Q, K, V, QD, KD, VD, DK_TAB, DV_TAB, DOC_IDS, DOC_LO, DOC_HI, BIAS, O, LSE,
     sqb, sqh, sqt, sqd,
     skb, skh, skt, skd,
     svb, svh, svt, svd,
@@ -482,6 +533,7 @@ def _fwd_kernel(
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_DEPTH: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_FIRST: tl.constexpr,
+    TMA: tl.constexpr, LOOP_STAGES: tl.constexpr, WS: tl.constexpr,
 ):
     """Fused MoDA forward: writes O (B, Hq, Tq, D) and LSE (B, Hq, Tq).
 
@@ -489,6 +541,12 @@ def _fwd_kernel(
     plus the (b, h, t, d) strides: the slots may be separate tensors. ``BIAS``:
     the depth bias (Hq, L) float32 (strides ``sbh``, ``sbl``) with ``HAS_BIAS``;
     ``softcap`` the cap with ``HAS_SOFTCAP`` (:func:`_score`).
+
+    ``TMA`` (Hopper): the query block comes through ``QD``, a descriptor over
+    Q seen as (B, Hk, Tq, G, D) with (1, 1, BLOCK_T, GP, D) boxes, which
+    gives the block's rows in their order, and the unmasked key blocks
+    through ``KD``, ``VD`` (:func:`_fwd_interior_tma`); ``LOOP_STAGES`` and
+    ``WS`` pipeline that loop. Without ``TMA`` the descriptors are None.
     """
     BLOCK_T: tl.constexpr = BLOCK_M // GP
     b, hk = _program(Hk)
@@ -496,7 +554,10 @@ def _fwd_kernel(
     DOC_IDS, DOC_LO, DOC_HI = _documents(DOC_IDS, DOC_LO, DOC_HI, b, sdoc)
     offs_d, d_ok = _head_lanes(HEAD_DIM, D_REAL)
     tok, grp, row_ok = _rows(t0, Tq, G, GP, BLOCK_M)
-    q = _load_rows(Q + b * sqb + hk * G * sqh, sqh, sqt, sqd, tok, grp, row_ok, offs_d, d_ok, HEAD_DIM, D_REAL)
+    if TMA:  # rows past Tq and heads past G are out of the descriptor's bounds: read as zeros
+        q = QD.load([b.to(tl.int32), hk.to(tl.int32), t0, 0, 0]).reshape(BLOCK_M, HEAD_DIM)
+    else:
+        q = _load_rows(Q + b * sqb + hk * G * sqh, sqh, sqt, sqd, tok, grp, row_ok, offs_d, d_ok, HEAD_DIM, D_REAL)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     # a non-finite query makes its row NaN, even when the row sees no key
@@ -506,8 +567,10 @@ def _fwd_kernel(
         q_pos, q_doc, lo, a, b_, hi = _query_keys(t0, tok, Tq, Tk, window, DOC_IDS, DOC_LO, DOC_HI,
                                                   CAUSAL, WINDOW, DOC, BLOCK_T, BLOCK_N)
         acc, m_i, l_i = _fwd_sequence(acc, m_i, l_i, q, K + b * skb + hk * skh, V + b * svb + hk * svh,
+                                      KD, VD, b.to(tl.int32), hk.to(tl.int32),
                                       skt, skd, svt, svd, offs_d, q_pos, q_doc, DOC_IDS, lo, a, b_, hi,
-                                      Tk, window, qk_scale, softcap, CAUSAL, WINDOW, DOC, HAS_SOFTCAP, BLOCK_N)
+                                      Tk, window, qk_scale, softcap, CAUSAL, WINDOW, DOC, HAS_SOFTCAP, BLOCK_N,
+                                      HEAD_DIM, TMA, LOOP_STAGES, WS)
     if HAS_DEPTH:
         acc, m_i, l_i = _fwd_depth(acc, m_i, l_i, q, DK_TAB, DV_TAB, BIAS + hk * G * sbh, b, hk, t0, offs_d,
                                    sdkb, sdkh, sdkt, sdkd, sdvb, sdvh, sdvt, sdvd, sbh, sbl,
@@ -532,14 +595,14 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_dkdv_blocks(
-    dk, dv, k, v, Q, DO, LSE, DELTA,
-    sqh, sqt, sqd, sdoh, sdot, sdod, slh, slt,
-    k_pos, Tq, Tk, window, doc_ptr, k_doc, qk_scale, softcap, start, end,
+    dk, dv, k, v, Q, DO, LSE, DELTA, DQA,
+    sqh, sqt, sqd, sdoh, sdot, sdod, slh, slt, sah, sat,
+    k_pos, Tq, Tk, window, doc_ptr, k_doc, scale, qk_scale, softcap, start, end,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
     G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr, BLOCK_M: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):
-    """Accumulate dK, dV of one key block over query token blocks [start, end)."""
+    """Accumulate dK, dV of one key block over query token blocks [start, end) (and dQ, :func:`_add_dq`)."""
     BLOCK_T: tl.constexpr = BLOCK_M // GP
     offs_d, d_ok = _head_lanes(HEAD_DIM, D_REAL)
     for t0 in range(start, end, BLOCK_T):
@@ -567,13 +630,79 @@ def _bwd_dkdv_blocks(
         dsT = pT * (dpT - delta[None, :])
         if HAS_SOFTCAP:
             dsT *= dcapT
-        dk += tl.dot(dsT.to(q.dtype), q)
+        dsT = dsT.to(q.dtype)
+        dk += tl.dot(dsT, q)
+        if DQ_ATOMIC:
+            _add_dq(DQA, sah, sat, dsT, k, scale, tok, grp, row_ok, offs_d, d_ok)
     return dk, dv
 
 
 @triton.jit
+def _add_dq(DQA, sah, sat, dsT, k, scale, tok, grp, row_ok, offs_d, d_ok):
+    """Add one key block's part of dQ, ``dS K * scale`` (BLOCK_M, D), to the rows' float32 sums in ``DQA``.
+
+    Atomic adds: the dQ kernel need not recompute ``QK^T`` and ``dO V^T``, but
+    the order of the additions, and so the last bits of dQ, vary between runs.
+    """
+    dq = tl.dot(tl.trans(dsT), k) * scale
+    tl.atomic_add(DQA + grp[:, None] * sah + tok[:, None] * sat + offs_d[None, :], dq,
+                  mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
+
+
+@triton.jit
+def _bwd_dkdv_interior_tma(
+    dk, dv, k, v, QD, DOD, LSE, DELTA, DQA, DQD, b, hk, slh, slt, sah, sat, Tq, scale, qk_scale, softcap, start, end,
+    G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, LOOP_STAGES: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+):
+    """The unmasked query blocks of :func:`_bwd_dkdv_blocks` with q and dO tiles copied by the TMA engine.
+
+    ``QD``, ``DOD``: descriptors with (1, 1, BLOCK_T, GP, D) boxes over Q and
+    dO seen as (B, Hk, Tq, G, D); a box is the block's rows in their order,
+    rows past Tq or G read as zeros. No row may be dead: a copy cannot leave
+    its q and dO out, and zeroing them after the copy spills registers.
+    ``DQ_ATOMIC == 2`` adds the block's part of dQ with one bulk reduction of
+    the TMA engine per tile, through ``DQD`` (a descriptor like ``QD`` over
+    the float32 sums ``DQA``), instead of one atomic per element (the
+    interpreter runs only the latter).
+    """
+    BLOCK_T: tl.constexpr = BLOCK_M // GP
+    for t0 in tl.range(start, end, BLOCK_T, num_stages=LOOP_STAGES):
+        tok, grp, row_ok = _rows(t0, Tq, G, GP, BLOCK_M)
+        lse, _ = _row_lse2(LSE + grp * slh + tok * slt, row_ok)
+        q = QD.load([b, hk, t0, 0, 0]).reshape(BLOCK_M, HEAD_DIM)
+        do = DOD.load([b, hk, t0, 0, 0]).reshape(BLOCK_M, HEAD_DIM)
+        sT, dcapT = _score(tl.dot(k, q.T) * qk_scale, 0.0, softcap, HAS_SOFTCAP, False, False)
+        pT = tl.math.exp2(sT - lse[None, :])  # (BLOCK_N, BLOCK_M)
+        dv = tl.dot(pT.to(do.dtype), do, dv)
+        delta = tl.load(DELTA + grp * slh + tok * slt, mask=row_ok, other=0.0)
+        dsT = pT * (tl.dot(v, do.T) - delta[None, :])
+        if HAS_SOFTCAP:
+            dsT *= dcapT
+        dsT = dsT.to(q.dtype)
+        dk = tl.dot(dsT, q, dk)
+        if DQ_ATOMIC == 2:
+            dq = tl.dot(tl.trans(dsT), k) * scale
+            DQD.atomic_add([b, hk, t0, 0, 0], dq.reshape(1, 1, BLOCK_T, GP, HEAD_DIM))
+        elif DQ_ATOMIC:
+            offs_d, d_ok = _head_lanes(HEAD_DIM, HEAD_DIM)
+            _add_dq(DQA, sah, sat, dsT, k, scale, tok, grp, row_ok, offs_d, d_ok)
+    return dk, dv
+
+
+@triton.jit
+def _any_flag(FLAGS, n):
+    """Whether any of the ``n`` int8 flags at ``FLAGS`` is set."""
+    seen = tl.zeros((1024,), tl.int8)
+    for i in range(0, n, 1024):
+        offs = i + tl.arange(0, 1024)
+        seen = tl.maximum(seen, tl.load(FLAGS + offs, mask=offs < n, other=0))
+    return tl.max(seen, 0) > 0
+
+
+@triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DOC_IDS, DOC_LO, DOC_HI, DKO, DVO,
+    Q, K, V, DO, LSE, DELTA, QD, DOD, DEAD, DOC_IDS, DOC_LO, DOC_HI, DKO, DVO, DQA, DQD,
     sqb, sqh, sqt, sqd,
     skb, skh, skt, skd,
     svb, svh, svt, svd,
@@ -581,12 +710,23 @@ def _bwd_dkdv_kernel(
     slb, slh, slt,
     sdoc,
     sgb, sgh, sgt, sgd,
-    Hk, Tq, Tk, window, scale, qk_scale, softcap,
+    sab, sah, sat,
+    Hk, Tq, Tk, window, scale, qk_scale, softcap, dead_blocks,
     G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    TMA: tl.constexpr, LOOP_STAGES: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):
-    """dK, dV (B, Hk, Tk, D) of one block of BLOCK_N sequence keys, summed over the G heads that read it."""
+    """dK, dV (B, Hk, Tk, D) of one block of BLOCK_N sequence keys, summed over the G heads that read it.
+
+    ``TMA`` (Hopper): the unmasked query blocks come through the descriptors
+    ``QD``, ``DOD`` (:func:`_bwd_dkdv_interior_tma`), and ``DEAD`` holds the
+    dQ kernel's ``dead_blocks`` flags per (batch, KV head): whether a block
+    of rows has a dead one. Else the three are None. ``DQ_ATOMIC``: also add
+    the block's part of dQ to ``DQA``, (B, Hq, Tq, D) float32 sums with unit
+    last stride, which the dQ kernel began with the depth part (:func:`_add_dq`);
+    2: in the unmasked blocks by bulk reductions through ``DQD`` (``TMA`` only).
+    """
     BLOCK_T: tl.constexpr = BLOCK_M // GP
     b, hk = _program(Hk)
     n0 = tl.program_id(0) * BLOCK_N
@@ -612,16 +752,23 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
 
+    DQA += b * sab + hk * G * sah
     lo, a, b_, hi = _query_ranges(n0, Tq, Tk, window, DOC_LO, DOC_HI, CAUSAL, WINDOW, DOC, BLOCK_N, BLOCK_T)
-    dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, sqh, sqt, sqd, sdoh, sdot, sdod, slh, slt,
-                              k_pos, Tq, Tk, window, DOC_IDS, k_doc, qk_scale, softcap, lo, a,
-                              True, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, D_REAL, BLOCK_M, HAS_SOFTCAP)
-    dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, sqh, sqt, sqd, sdoh, sdot, sdod, slh, slt,
-                              k_pos, Tq, Tk, window, DOC_IDS, k_doc, qk_scale, softcap, a, b_,
-                              False, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, D_REAL, BLOCK_M, HAS_SOFTCAP)
-    dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, sqh, sqt, sqd, sdoh, sdot, sdod, slh, slt,
-                              k_pos, Tq, Tk, window, DOC_IDS, k_doc, qk_scale, softcap, b_, hi,
-                              True, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, D_REAL, BLOCK_M, HAS_SOFTCAP)
+    dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, sqh, sqt, sqd, sdoh, sdot, sdod, slh, slt,
+                              sah, sat, k_pos, Tq, Tk, window, DOC_IDS, k_doc, scale, qk_scale, softcap, lo, a,
+                              True, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, D_REAL, BLOCK_M, HAS_SOFTCAP, DQ_ATOMIC)
+    # A copy cannot leave a dead row out (its q and dO may hold NaN): heads that have one take the masked loads.
+    if TMA and not _any_flag(DEAD + (b * Hk + hk) * dead_blocks, dead_blocks):
+        dk, dv = _bwd_dkdv_interior_tma(dk, dv, k, v, QD, DOD, LSE, DELTA, DQA, DQD, b.to(tl.int32), hk.to(tl.int32),
+                                        slh, slt, sah, sat, Tq, scale, qk_scale, softcap, a, b_, G, GP,
+                                        HEAD_DIM, BLOCK_M, HAS_SOFTCAP, LOOP_STAGES, DQ_ATOMIC)
+    else:
+        dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, sqh, sqt, sqd, sdoh, sdot, sdod, slh, slt,
+                                  sah, sat, k_pos, Tq, Tk, window, DOC_IDS, k_doc, scale, qk_scale, softcap, a, b_,
+                                  False, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, D_REAL, BLOCK_M, HAS_SOFTCAP, DQ_ATOMIC)
+    dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, sqh, sqt, sqd, sdoh, sdot, sdod, slh, slt,
+                              sah, sat, k_pos, Tq, Tk, window, DOC_IDS, k_doc, scale, qk_scale, softcap, b_, hi,
+                              True, CAUSAL, WINDOW, DOC, G, GP, HEAD_DIM, D_REAL, BLOCK_M, HAS_SOFTCAP, DQ_ATOMIC)
     DKO += b * sgb + hk * sgh
     DVO += b * sgb + hk * sgh
     store_ok = k_ok[:, None] & d_ok[None, :]
@@ -664,20 +811,46 @@ def _bwd_dq_seq_blocks(
 
 
 @triton.jit
+def _bwd_dq_interior_tma(
+    dq, q, do, lse, delta, KD, VD, b, hk, start, end, qk_scale, softcap,
+    HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, LOOP_STAGES: tl.constexpr,
+):
+    """The unmasked blocks of :func:`_bwd_dq_seq_blocks` with K and V tiles (BLOCK_N, D) copied by the TMA engine."""
+    for start_n in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
+        k = KD.load([b, hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        v = VD.load([b, hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        s, dcap = _score(tl.dot(q, k.T) * qk_scale, 0.0, softcap, HAS_SOFTCAP, False, False)
+        p = tl.math.exp2(s - lse[:, None])  # (BLOCK_M, BLOCK_N)
+        ds = p * (tl.dot(do, v.T) - delta[:, None])
+        if HAS_SOFTCAP:
+            ds *= dcap
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.jit
 def _bwd_dq_sequence(
-    dq, q, do, lse, delta, K, V, skt, skd, svt, svd, offs_d, q_pos, q_doc, DOC_IDS, lo, a, b, hi,
+    dq, q, do, lse, delta, K, V, KD, VD, b, hk, skt, skd, svt, svd, offs_d, q_pos, q_doc, DOC_IDS, lo, a, b_, hi,
     Tk, window, qk_scale, softcap,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, TMA: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
-    """dQ over the key ranges of :func:`_key_ranges`, as the forward visits them: masked, unmasked, masked."""
+    """dQ over the key ranges of :func:`_key_ranges`, as the forward visits them: masked, unmasked, masked.
+
+    With ``TMA`` the unmasked blocks read K and V through the descriptors ``KD``, ``VD``.
+    """
     k_ptrs = K + offs_d[:, None] * skd
     v_ptrs = V + offs_d[:, None] * svd
     dq = _bwd_dq_seq_blocks(dq, q, do, lse, delta, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
                             lo, a, Tk, window, qk_scale, softcap, True, CAUSAL, WINDOW, DOC, HAS_SOFTCAP, BLOCK_N)
-    dq = _bwd_dq_seq_blocks(dq, q, do, lse, delta, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
-                            a, b, Tk, window, qk_scale, softcap, False, CAUSAL, WINDOW, DOC, HAS_SOFTCAP, BLOCK_N)
+    if TMA:
+        dq = _bwd_dq_interior_tma(dq, q, do, lse, delta, KD, VD, b, hk, a, b_, qk_scale, softcap,
+                                  HAS_SOFTCAP, BLOCK_N, HEAD_DIM, LOOP_STAGES)
+    else:
+        dq = _bwd_dq_seq_blocks(dq, q, do, lse, delta, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
+                                a, b_, Tk, window, qk_scale, softcap, False, CAUSAL, WINDOW, DOC, HAS_SOFTCAP, BLOCK_N)
     return _bwd_dq_seq_blocks(dq, q, do, lse, delta, k_ptrs, v_ptrs, skt, svt, q_pos, q_doc, DOC_IDS,
-                              b, hi, Tk, window, qk_scale, softcap, True, CAUSAL, WINDOW, DOC, HAS_SOFTCAP, BLOCK_N)
+                              b_, hi, Tk, window, qk_scale, softcap, True, CAUSAL, WINDOW, DOC, HAS_SOFTCAP, BLOCK_N)
 
 
 @triton.jit
@@ -741,7 +914,8 @@ def _bwd_dq_depth(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DELTA, DOC_IDS, DOC_LO, DOC_HI, BIAS, DQO, DDKO, DDVO, GBIAS,
+    Q, K, V, KD, VD, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DELTA, DEAD, DOC_IDS, DOC_LO, DOC_HI, BIAS, DQO, DDKO, DDVO,
+    GBIAS,
     sqb, sqh, sqt, sqd,
     sob, soh, sot, sod,
     skb, skh, skt, skd,
@@ -760,6 +934,7 @@ def _bwd_dq_kernel(
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_DEPTH: tl.constexpr, HAS_GLSE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_FIRST: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    TMA: tl.constexpr, LOOP_STAGES: tl.constexpr, DEAD_FLAGS: tl.constexpr,
 ):
     """dQ of one query block, the depth gradients of its tokens, and DELTA of its rows for the dK/dV kernel.
 
@@ -767,7 +942,11 @@ def _bwd_dq_kernel(
     carries the lse gradient; LSE, GLSE and DELTA share strides). With
     ``BIAS_GRAD``, the program also writes its part of the depth bias's
     gradient, summed over its tokens: row ``(b, hk, block)`` of GBIAS
-    (B * Hk, blocks, GP, L) float32, which the launcher reduces.
+    (B * Hk, blocks, GP, L) float32, which the launcher reduces. ``TMA``
+    (Hopper): the unmasked key blocks come through the descriptors ``KD``,
+    ``VD`` (:func:`_bwd_dq_interior_tma`), else they are None. With
+    ``DEAD_FLAGS``, the program also writes whether its block has a dead row
+    to ``DEAD`` (B * Hk, blocks) int8, for the dK/dV kernel's descriptors.
     """
     BLOCK_T: tl.constexpr = BLOCK_M // GP
     b, hk = _program(Hk)
@@ -792,14 +971,18 @@ def _bwd_dq_kernel(
         delta -= tl.load(GLSE + grp * slh + tok * slt, mask=row_ok, other=0.0)
     delta = tl.where(dead, 0.0, delta)
     tl.store(DELTA + grp * slh + tok * slt, delta, mask=row_ok)
+    if DEAD_FLAGS:
+        tl.store(DEAD + (b * Hk + hk) * tl.num_programs(0) + block, tl.max(dead.to(tl.int8), 0))
 
     dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     if HAS_SEQ:
         q_pos, q_doc, lo, a, b_, hi = _query_keys(t0, tok, Tq, Tk, window, DOC_IDS, DOC_LO, DOC_HI,
                                                   CAUSAL, WINDOW, DOC, BLOCK_T, BLOCK_N)
         dq = _bwd_dq_sequence(dq, q, do, lse, delta, K + b * skb + hk * skh, V + b * svb + hk * svh,
+                              KD, VD, b.to(tl.int32), hk.to(tl.int32),
                               skt, skd, svt, svd, offs_d, q_pos, q_doc, DOC_IDS, lo, a, b_, hi,
-                              Tk, window, qk_scale, softcap, CAUSAL, WINDOW, DOC, HAS_SOFTCAP, BLOCK_N)
+                              Tk, window, qk_scale, softcap, CAUSAL, WINDOW, DOC, HAS_SOFTCAP, BLOCK_N,
+                              HEAD_DIM, TMA, LOOP_STAGES)
     if HAS_DEPTH:
         dq = _bwd_dq_depth(dq, q, do, lse, delta, DK_TAB, DV_TAB, DDKO + b * sgdb + hk * sgdh,
                            DDVO + b * sgdb + hk * sgdh, BIAS + hk * G * sbh,

@@ -1,0 +1,110 @@
+"""The triton backend's Hopper path, forced on any device, against the float64 reference.
+
+The path (sm90 tiles, tensor descriptors for the tiles of the unmasked
+blocks, per-block dead-row flags) is chosen at launch; ``MODA_FLEX_TRITON_PATH``
+forces it, and on CPU the Triton interpreter runs its descriptors. What the
+interpreter cannot run, warp specialization and the TMA engine's reductions
+(``DQ_ATOMIC=2``), is checked on a GPU by benchmarks/bench_hopper.py. The whole
+of test_triton.py, test_nonfinite.py and test_scores.py also passes with
+``MODA_FLEX_TRITON_PATH=hopper`` set.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moda_flex import variants as v  # noqa: E402
+from moda_flex.backends.triton import function, triton_attention  # noqa: E402
+from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs  # noqa: E402
+
+from test_nonfinite import MASKED, SHAPE, _assert_reaches_only_its_rows  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    monkeypatch.setenv(function.PATH_ENV, "hopper")
+
+
+def _recording(seen: list, **overrides):
+    """A config hook that records each kernel's default launch and applies ``overrides`` to the dK/dV kernel."""
+
+    def config(kernel, default):
+        seen.append((kernel, default["TMA"]))
+        return {**default, **overrides} if kernel == "dkdv" else default
+
+    return config
+
+
+CASES = [
+    (MoDAShape(1, 8, 2, 37, 37, 5, 64), v.causal()),  # G = 4: rows of 4 heads per token
+    (MoDAShape(2, 6, 2, 21, 45, 3, 32), v.causal()),  # G = 3: a padded head in every box, Tq < Tk
+    (MoDAShape(1, 4, 2, 40, 40, 2, 16), v.sliding_window(24)),  # unmasked blocks between the edges
+    (MoDAShape(1, 4, 2, 1, 29, 3, 32), v.full()),  # one-token decode
+]
+
+
+@pytest.mark.parametrize("shape, variant", CASES, ids=lambda x: str(x) if isinstance(x, MoDAShape) else x.name)
+@pytest.mark.parametrize("dq_atomic", [0, 1])
+def test_hopper_path_matches_reference(hopper, shape, variant, dq_atomic):
+    """Output, lse and every gradient through the descriptors, with dQ from its kernel or from atomics."""
+    seen = []
+
+    def run(q, k, vv, depth_k, depth_v, variant, scale):
+        return triton_attention(q, k, vv, depth_k, depth_v, variant, scale,
+                                config=_recording(seen, DQ_ATOMIC=dq_atomic))  # fmt: skip
+
+    inputs = make_inputs(shape, device=DEVICE, strided_depth=True, seed=2)
+    assert_matches_reference(inputs, backend=run, variant=variant)
+    assert seen == [("fwd", True), ("dq", True), ("dkdv", True)]
+
+
+# Lengths past two key blocks (16 on CPU), so that the dK/dV kernel has unmasked query blocks: a head with
+# dead rows reads them through masked loads, the other head through the descriptors.
+LONG = MoDAShape(1, 4, 2, 40, 40, 3, 16)
+DEAD = {
+    "k seen by later rows": (v.causal(), "k", (0, 1, 30)),
+    "q of one row": (v.causal(), "q", (0, 2, 25)),
+    "v seen by every row": (v.full(), "v", (0, 0, 5)),
+}
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+@pytest.mark.parametrize("case", sorted(MASKED) + sorted(DEAD))
+def test_dead_rows_on_the_hopper_path(hopper, case):
+    """The NaN rule holds bit for bit: rows that cannot see the entry are as if it were zero."""
+    shape, (variant, name, index) = (SHAPE, MASKED[case]) if case in MASKED else (LONG, DEAD[case])
+    _assert_reaches_only_its_rows("triton", shape, variant, name, index, float("nan"), device=DEVICE)
+
+
+def test_auto_takes_the_hopper_path_on_hopper_for_large_calls_only(monkeypatch):
+    monkeypatch.delenv(function.PATH_ENV, raising=False)
+    small = torch.zeros(1, 2, 8, 64, device=DEVICE, dtype=torch.bfloat16)
+    big = torch.zeros(1, 64, 4096, 64, device=DEVICE, dtype=torch.bfloat16)  # 2^30 scores
+    on_hopper = big.is_cuda and torch.cuda.get_device_capability(big.device)[0] == 9
+    assert not function._hopper(small, small)
+    assert function._hopper(big, big) == on_hopper
+    monkeypatch.setenv(function.PATH_ENV, "generic")
+    assert not function._hopper(big, big)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.zeros(1, 2, 8, 48),  # D not a power of two: the kernels pad it
+        lambda: torch.zeros(1, 2, 8, 256),  # D past 128
+        lambda: torch.zeros(1, 2, 64, 8).transpose(-1, -2),  # head dim not contiguous
+        lambda: torch.zeros(1, 2, 8, 65)[..., 1:],  # strides of 65 elements: not 16-byte aligned
+    ],
+)
+def test_hopper_path_declines_what_descriptors_cannot_cover(hopper, make):
+    t = make().to(DEVICE)
+    assert not function._hopper(t, t)
+
+
+def test_unknown_path_is_named(monkeypatch):
+    monkeypatch.setenv(function.PATH_ENV, "sm90")
+    with pytest.raises(ValueError, match="MODA_FLEX_TRITON_PATH='sm90'"):
+        function._hopper(torch.zeros(1, 1, 1, 16), torch.zeros(1, 1, 1, 16))
