@@ -21,9 +21,10 @@ enough not to be bound by the host), which streams the tiles of the unmasked
 blocks through tensor descriptors (the TMA copy engine) and launches with
 configurations chosen for sm90. Both run the same kernels; the Hopper parts
 sit behind constexpr flags of the launch configuration (:func:`_config`).
-``MODA_FLEX_TRITON_PATH=generic`` or ``=hopper`` overrides the choice
-(``hopper`` on any device, the interpreter included, wherever the tensors
-allow descriptors).
+The Hopper path has not run on a GPU yet, so it is opt-in:
+``MODA_FLEX_TRITON_PATH=auto`` takes it on Hopper GPUs for large calls,
+``=hopper`` wherever the tensors allow descriptors (the interpreter
+included); ``generic``, the default, never.
 """
 
 from __future__ import annotations
@@ -170,6 +171,8 @@ triton_attention.reads_depth_entries = True
 
 PATH_ENV = "MODA_FLEX_TRITON_PATH"
 _PATHS = ("auto", "generic", "hopper")
+# Until a GPU run has checked and timed the Hopper path, a call takes it only when asked.
+_DEFAULT_PATH = "generic"
 # Below this many scores (B * Hq * Tq * Tk) a call is bound by the host, where building the descriptors
 # costs about 50 us per forward + backward and the kernels' gain is unmeasured: auto keeps the generic path.
 _HOPPER_MIN_SCORES = 1 << 28
@@ -178,13 +181,13 @@ _HOPPER_MIN_SCORES = 1 << 28
 def _hopper(*tensors: Tensor) -> bool:
     """Whether a launch over ``tensors`` (q, k, ...) takes the Hopper path.
 
-    ``auto`` (the default): on a GPU of compute capability 9.x, for calls of
+    ``auto``: on a GPU of compute capability 9.x, for calls of
     at least ``_HOPPER_MIN_SCORES`` scores. The tensors must suit tensor
     descriptors either way: 16-bit floats (or any float under the
     interpreter), a head dim the kernels need not pad (a power of two, 16 to
     128), unit last stride, 16-byte aligned base and strides.
     """
-    path = os.environ.get(PATH_ENV, "auto")
+    path = os.environ.get(PATH_ENV, _DEFAULT_PATH)
     if path not in _PATHS:
         raise ValueError(f"{PATH_ENV}={path!r}: expected one of {', '.join(_PATHS)}")
     q = tensors[0]
