@@ -463,7 +463,7 @@ def main(argv=None) -> None:
 
     import triton
 
-    if device.type == "cuda":
+    if device.index is not None:
         torch.cuda.set_device(device)  # the timing allocates on the current device
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
     header = f"{where}, torch {torch.__version__}, triton {triton.__version__}"

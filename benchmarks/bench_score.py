@@ -13,10 +13,16 @@ Usage::
     python benchmarks/bench_score.py                       # B=8, Hq/Hk 6/2 and 16/4, T=2048, L=24, D=64, bf16
     python benchmarks/bench_score.py --backends triton     # the fused kernels only
     python benchmarks/bench_score.py --device cpu --tiny   # tiny sizes, float32, triton through its interpreter
+    python benchmarks/bench_score.py --backends flex --scores depth_bias --flex-options '{"num_stages": 1}'
+
+``--flex-options`` replaces the kernel options the flex backend passes when a
+score's tensors learn (``LEARNED_SCORE_KERNEL_OPTIONS``); a case that fails to
+compile is reported in the table, not fatal.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
@@ -93,6 +99,8 @@ def main(argv=None) -> list:
     cli.add_device(p)
     p.add_argument("--tiny", action="store_true", help=f"tiny sizes {TINY_SHAPES} in float32 instead of {SHAPES}")
     p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated, from triton,flex")
+    p.add_argument("--scores", default=",".join(SCORES), help=f"comma-separated, from {','.join(SCORES)}")
+    p.add_argument("--flex-options", type=json.loads, help="JSON kernel options for flex when a score learns")
     p.add_argument("--cap", type=float, default=30.0, help="the softcap")
     p.add_argument("--warmup", type=int, default=5, help="untimed runs per case (compilation, autotuning)")
     p.add_argument("--repeats", type=int, default=20, help="timed runs per case")
@@ -101,9 +109,16 @@ def main(argv=None) -> list:
     backends = [b for b in args.backends.split(",") if b]
     if not backends or not set(backends) <= set(BACKENDS):
         p.error(f"--backends {args.backends!r}: a comma-separated subset of {','.join(BACKENDS)}")
+    scores = [s for s in args.scores.split(",") if s]
+    if not scores or not set(scores) <= set(SCORES):
+        p.error(f"--scores {args.scores!r}: a comma-separated subset of {','.join(SCORES)}")
     if device.type == "cpu":
         # The fused kernels run on CPU through Triton's interpreter, chosen before triton is imported.
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if args.flex_options is not None:
+        from moda_flex.backends.flex import function as flex_function
+
+        flex_function.LEARNED_SCORE_KERNEL_OPTIONS = args.flex_options
     dtype = torch.bfloat16 if device.type == "cuda" and not args.tiny else torch.float32
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"# {name}, torch {torch.__version__}, {dtype}, causal, forward + backward, cap {args.cap:g}, median ms")
@@ -114,14 +129,23 @@ def main(argv=None) -> list:
     for shape in TINY_SHAPES if args.tiny else SHAPES:
         torch._dynamo.reset()  # each shape and score compiles flex afresh: stay under dynamo's recompile limit
         for backend in backends:
-            for score_name in SCORES:
+            base = None
+            for score_name in scores:
                 step = make_step(backend, score_name, shape, args.cap, device, dtype)
-                ms = time_ms(step, device, args.warmup, args.repeats)
+                try:
+                    ms = time_ms(step, device, args.warmup, args.repeats)
+                except Exception as error:  # a compile failure is a result here
+                    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+                    reason = f"{type(error).__name__}: " + " / ".join(lines[:2])[:160]
+                    print("| " + " | ".join(map(str, shape)) + f" | {backend} | {score_name} | failed: {reason} | |",
+                          flush=True)  # fmt: skip
+                    continue
                 if score_name == "none":
                     base = ms
-                rows.append((*shape, backend, score_name, ms, ms / base))
+                ratio = ms / base if base else float("nan")
+                rows.append((*shape, backend, score_name, ms, ratio))
                 print("| " + " | ".join(map(str, shape)) + f" | {backend} | {score_name} | {ms:.3f} | "
-                      f"{ms / base:.2f} |", flush=True)  # fmt: skip
+                      f"{ratio:.2f} |", flush=True)  # fmt: skip
     return rows
 
 

@@ -66,6 +66,49 @@ def test_learned_bias_without_depth_slots(backend):
     )
 
 
+@pytest.mark.parametrize("kind", ["alibi", "depth_bias"])
+def test_flex_spreads_learned_tensors_over_copies(kind):
+    # The compiled path (CUDA) reads a learning tensor through stacked copies so
+    # that FlexAttention's atomic adds do not collide; run that path eagerly.
+    from moda_flex.backends.flex.function import _copies, flex_moda
+
+    inputs = make_inputs(MoDAShape(1, 4, 2, 6, 9, 3, 8))
+    score = BUILTINS[kind]()
+    (param,) = score.params
+    assert _copies(param) > 1 and _copies(param.detach()) == 1
+    variant = causal() & score
+    leaves = [*inputs.values(), param]
+    out, lse = flex_moda(*inputs.values(), variant, 8**-0.5, compiled=False, spread_grads=True)
+    want_out, want_lse = moda_flex.backends.reference.reference_attention(*inputs.values(), variant, 8**-0.5)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    want = torch.autograd.grad(want_out, leaves, grad_out)
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(lse, want_lse)
+    for got, expected in zip(grads, want):
+        torch.testing.assert_close(got, expected)
+
+
+def test_flex_reads_a_tensor_used_whole_without_copies():
+    # A score that computes with its tensor (not only indexes it) cannot read
+    # it through a copy: it keeps the one tensor, and stays right.
+    from moda_flex.backends.flex.function import _reads_by_index, flex_moda
+
+    temperature = _learned(1)
+    score = Score("depth_temperature", build=lambda q_heads, slots, t: (
+        lambda s, b, h, q_pos, pos, slot, is_depth: torch.where(is_depth, s * (2 * t)[0], s)), params=(temperature,))
+    variant = causal() & score
+    assert not _reads_by_index(variant, 4, 3)
+    assert _reads_by_index(causal() & depth_bias(_learned(4, 3)), 4, 3)
+    inputs = make_inputs(MoDAShape(1, 4, 2, 6, 9, 3, 8))
+    out, _ = flex_moda(*inputs.values(), variant, 8**-0.5, compiled=False, spread_grads=True)
+    want, _ = moda_flex.backends.reference.reference_attention(*inputs.values(), variant, 8**-0.5)
+    got_grad, = torch.autograd.grad(out.sum(), temperature)
+    want_grad, = torch.autograd.grad(want.sum(), temperature)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(got_grad, want_grad)
+
+
 def _dense(q, k, v, depth_k, depth_v, seq_bias, depth_bias_, cap=None):
     """MoDA for G = 1, full variant, by hand: (Tq, Tk) and (Tq, L) additive biases, then an optional cap."""
     scale = 1 / math.sqrt(q.shape[-1])

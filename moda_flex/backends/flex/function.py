@@ -20,6 +20,8 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+from typing import Optional
+
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import AuxRequest, flex_attention
@@ -66,11 +68,14 @@ def flex_moda(
     *,
     compiled: bool,
     return_lse: bool = True,
+    spread_grads: Optional[bool] = None,
 ):
     """Like :func:`flex_attention_backend`, choosing eager or compiled FlexAttention.
 
     Compiled FlexAttention on CPU runs inference only, without the lse: call it
-    with ``return_lse=False`` there.
+    with ``return_lse=False`` there. ``spread_grads`` (default: ``compiled``)
+    reads a score's learning tensors through stacked copies (see
+    :func:`_spread`).
 
     Args:
         q: (B, Hq, Tq, D); k, v: (B, Hk, Tk, D); depth_k, depth_v: (B, Hk, Tq, L, D).
@@ -103,12 +108,19 @@ def flex_moda(
         # here: inside FlexAttention's tracing an error would lose its message.
         index = q.new_zeros((), dtype=torch.long)
         variant.score.bind(Hq, L)(q.new_zeros((), dtype=torch.float32), index, index, index, index, index, index == 0)
-        score_mod = _score_mod(variant, q_heads=Hq, q_len=Tq, kv_len=Tk, groups=G, slots=L, device=q.device)
         params = variant.score.params
     rows, keys, values, *params = _FirstOrderOnly.apply(rows, keys, values, *params)
     # An empty tensor (a depth bias when L = 0) has no gradient to compute, and
     # the eager op fails on a buffer that requires grad yet is never read.
     params = [p.detach() if p.numel() == 0 else p for p in params]
+    copies = [1] * len(params)
+    if params and (compiled if spread_grads is None else spread_grads) and _reads_by_index(variant, Hq, L):
+        copies = [_copies(p) for p in params]
+    params = [_spread(p, n) for p, n in zip(params, copies)]
+    if variant.score is not None:
+        score_mod = _score_mod(
+            variant, q_heads=Hq, q_len=Tq, kv_len=Tk, groups=G, slots=L, copies=copies, device=q.device
+        )
     out, lse = _run_flex(rows, keys, values, block_mask, scale, compiled, return_lse, score_mod, tuple(params))
     out = out.view(B, Hk, Tq, G, D).transpose(2, 3).reshape(B, Hq, Tq, D)  # (B, Hq, Tq, D)
     if return_lse:
@@ -156,6 +168,65 @@ def _rows_seeing_nonfinite(variant: Variant, q_bad: Tensor, key_bad: Tensor, slo
     return nonfinite.rows_seeing_dense(seq_visible, depth_visible, q_bad, key_bad, slot_bad, variant.own_depth_only)
 
 
+# Inductor's default FlexAttention tiles for a score whose tensors learn ask
+# an H100 for more shared memory than it has ("No valid triton configs" at
+# bf16, D=64); these options are the ones that compile there (see
+# benchmarks/bench_score.py).
+LEARNED_SCORE_KERNEL_OPTIONS = {"num_stages": 2}
+
+
+# FlexAttention sums a learning tensor's gradient by atomic adds from every
+# score entry it visits; into a small bias they collide (a (6, 24) depth bias
+# made an H100's backward 36x slower). Stacked copies, each entry adding into
+# the one its (row, column) hashes to, spread them; their sum is the gradient.
+SPREAD_ELEMENTS = 2**20  # at most this many elements of copies per tensor
+MAX_COPIES = 1024
+
+
+def _copies(param: Tensor) -> int:
+    """How many stacked copies of ``param`` the score reads: 1 unless its gradient is computed."""
+    if not (param.requires_grad and torch.is_grad_enabled()):
+        return 1
+    return max(1, min(MAX_COPIES, SPREAD_ELEMENTS // max(param.numel(), 1)))
+
+
+def _spread(param: Tensor, copies: int) -> Tensor:
+    """``param`` as (copies, *param.shape), materialized, or ``param`` itself for one copy."""
+    if copies == 1:
+        return param
+    return param.unsqueeze(0).expand(copies, *param.shape).contiguous()
+
+
+class _Copy:
+    """A score's view of one copy of a stacked tensor: ``t[i]`` reads ``stacked[copy, i]``, in one index.
+
+    FlexAttention takes a score's tensor reads one scalar at a time, so the
+    copy is chosen inside the same index; the tensor's shape is readable.
+    """
+
+    def __init__(self, stacked: Tensor, copy):
+        self._stacked, self._copy = stacked, copy
+        self.shape, self.dtype, self.device = stacked.shape[1:], stacked.dtype, stacked.device
+        self.ndim = len(self.shape)
+
+    def dim(self) -> int:
+        return self.ndim
+
+    def __getitem__(self, index):
+        return self._stacked[(self._copy, *(index if isinstance(index, tuple) else (index,)))]
+
+
+def _reads_by_index(variant: Variant, q_heads: int, slots: int) -> bool:
+    """Whether the score reads its tensors only by indexing them (so through :class:`_Copy` too)."""
+    index = torch.zeros((), dtype=torch.long)
+    copies = [_Copy(p.detach()[None], index) for p in variant.score.params]
+    try:
+        variant.score.bind(q_heads, slots, copies)(torch.zeros(()), index, index, index, index, index, index == 0)
+    except (TypeError, AttributeError):  # an operation a _Copy does not offer
+        return False
+    return True
+
+
 def _run_flex(rows, keys, values, block_mask, scale, compiled, return_lse, score_mod=None, params=()):
     """flex_attention over folded rows; returns out and the natural-log lse (None unless asked).
 
@@ -164,7 +235,17 @@ def _run_flex(rows, keys, values, block_mask, scale, compiled, return_lse, score
     """
     closed = None if score_mod is None else (lambda score, b, h, row, col: score_mod(score, b, h, row, col, *params))
     if compiled:
-        flex = functools.partial(_compiled_flex(), rows, keys, values, score_mod=closed, block_mask=block_mask, scale=scale)
+        learns = any(p.requires_grad for p in params) and torch.is_grad_enabled()
+        flex = functools.partial(
+            _compiled_flex(),
+            rows,
+            keys,
+            values,
+            score_mod=closed,
+            block_mask=block_mask,
+            scale=scale,
+            kernel_options=dict(LEARNED_SCORE_KERNEL_OPTIONS) if learns and rows.is_cuda else None,
+        )
         if not return_lse:
             return flex(), None
         out, aux = flex(return_aux=AuxRequest(lse=True))
@@ -214,11 +295,14 @@ def _compiled_flex():
     return torch.compile(flex_attention)
 
 
-def _score_mod(variant: Variant, *, q_heads: int, q_len: int, kv_len: int, groups: int, slots: int, device):
+def _score_mod(
+    variant: Variant, *, q_heads: int, q_len: int, kv_len: int, groups: int, slots: int, copies, device
+):
     """The variant's score over folded rows and ``[sequence | pad | depth]`` columns, as FlexAttention's score_mod.
 
     Returns ``moda_score(score, b, h, row, col, *params)``, ``h`` the KV
-    head; ``params`` are the score's tensors (or a backend's copies of them).
+    head; ``params`` are the score's tensors (or a backend's copies of them),
+    each stacked ``copies[i]`` times by :func:`_spread` where that is above 1.
     """
     score = variant.score
     # Lengths in a tensor, as for the mask: a compiled kernel reads them as inputs.
@@ -226,6 +310,8 @@ def _score_mod(variant: Variant, *, q_heads: int, q_len: int, kv_len: int, group
 
     def moda_score(s, b, h, row, col, *params):
         offset, last_key, kv_padded, slots_t = dims.unbind()
+        # 131 is odd and near a tile's width: a tile's entries hash to many copies.
+        params = [p if n == 1 else _Copy(p, (row * 131 + col) % n) for p, n in zip(params, copies)]
         fn = score.bind(q_heads, slots, params)
         token = row // groups
         q_pos = token + offset  # offset: absolute position of query token 0
