@@ -323,7 +323,8 @@ def _config(q: Tensor, G: int, which: str, hook: Optional[ConfigHook], has_depth
     dQ's last bits vary between runs.
     """
     few = which == "dkdv" and q.device.type == "cuda" and programs < _sm_count(q.device)
-    cfg = _config_for(q.device.type, _head_dim(q.shape[-1]), G, which, has_depth, few, hopper)
+    sm90 = q.is_cuda and _capability(q.device)[0] == 9
+    cfg = _config_for(q.device.type, _head_dim(q.shape[-1]), G, which, has_depth, few, hopper, sm90)
     return cfg if hook is None else hook(which, dict(cfg))
 
 
@@ -352,7 +353,7 @@ def _sm_count(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _config_for(device_type: str, head_dim: int, G: int, which: str, has_depth: bool, few_programs: bool,
-                hopper: bool) -> dict:  # fmt: skip
+                hopper: bool, sm90: bool) -> dict:  # fmt: skip
     GP = _next_pow2(G)
     if device_type != "cuda":
         # The interpreter: few, small programs.
@@ -360,7 +361,7 @@ def _config_for(device_type: str, head_dim: int, G: int, which: str, has_depth: 
     elif hopper:
         cfg = _sm90_config(head_dim, which, has_depth, few_programs)
     else:
-        cfg = _generic_config(head_dim, which, has_depth, few_programs)
+        cfg = _generic_config(head_dim, which, has_depth, few_programs, sm90)
     cfg["BLOCK_M"] = max(cfg["BLOCK_M"], GP, _MIN_DOT_ROWS)
     cfg.update(TMA=hopper, LOOP_STAGES=cfg.get("num_stages", 1))
     if which == "fwd":
@@ -370,8 +371,8 @@ def _config_for(device_type: str, head_dim: int, G: int, which: str, has_depth: 
     return cfg
 
 
-def _generic_config(head_dim: int, which: str, has_depth: bool, few_programs: bool) -> dict:
-    """Block sizes, warps and stages of the generic path on a GPU."""
+def _generic_config(head_dim: int, which: str, has_depth: bool, few_programs: bool, sm90: bool) -> dict:
+    """Block sizes, warps and stages of the generic path on a GPU (``sm90``: of compute capability 9.x)."""
     if which == "fwd" and has_depth:
         cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_C=32, num_warps=4, num_stages=3)
     elif which == "fwd":
@@ -380,7 +381,11 @@ def _generic_config(head_dim: int, which: str, has_depth: bool, few_programs: bo
         cfg = dict(BLOCK_M=128, BLOCK_N=64 if few_programs else 128, num_warps=8, num_stages=2)
     else:
         cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_C=32, num_warps=4, num_stages=3)
-    if head_dim == 128:
+    if head_dim == 128 and which == "fwd" and sm90:
+        # 128-row tiles over 8 warps: 0.50-0.81x the time of the 64-row ones on an H100 (BENCHMARKS.md);
+        # two stages of them need an H100's shared memory.
+        cfg.update(BLOCK_M=128, BLOCK_C=16, num_warps=8, num_stages=2)
+    elif head_dim == 128:
         cfg["BLOCK_M"] = min(cfg["BLOCK_M"], 64)
         cfg["num_stages"] = min(cfg["num_stages"], 2)
     elif head_dim > 128:  # 256: tiles that fit the registers and shared memory
