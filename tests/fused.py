@@ -1,9 +1,15 @@
-"""Where the fused kernels run, and which built-in variants they run, by the triton backend's own check."""
+"""Where the fused kernels run, and which built-in variants they run, by the triton backend's own check.
+
+``TRITON_DEVICE``: a GPU where there is one, else the CPU (the interpreter).
+"""
 
 import pytest
 import torch
 
 from moda_flex.variants import BUILTINS, causal
+
+
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _triton_here():
@@ -12,13 +18,17 @@ def _triton_here():
         from moda_flex.backends import triton
     except ImportError:
         return None
-    return triton if triton.unsupported_reason(torch.zeros(1, 1, 1, 16), causal()) is None else None
+    return triton if triton.unsupported_reason(torch.zeros(1, 1, 1, 16, device=TRITON_DEVICE), causal()) is None else None
 
 
 TRITON = _triton_here()
 needs_triton = pytest.mark.skipif(TRITON is None, reason="the triton backend cannot run here")
+# Tests written for the interpreter: CPU tensors and float32 tolerances (a GPU runs float32 dots as TF32).
+needs_interpreter = pytest.mark.skipif(
+    TRITON is None or TRITON_DEVICE != "cpu", reason="runs the kernels under Triton's interpreter, on CPU tensors"
+)
 FUSED_KINDS = tuple(
     kind
     for kind, builtin in BUILTINS.items()
-    if TRITON is not None and TRITON.unsupported_reason(torch.zeros(1, 1, 1, 16), builtin.example(8, 2)) is None
+    if TRITON is not None and TRITON.unsupported_reason(torch.zeros(1, 1, 1, 16, device=TRITON_DEVICE), builtin.example(8, 2)) is None
 )

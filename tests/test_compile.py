@@ -5,7 +5,6 @@ autograd that inductor also sees, without its slow codegen); one runs inductor.
 """
 
 import dataclasses
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -18,6 +17,8 @@ from moda_flex.testing import MoDAShape, make_inputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
+
+from fused import TRITON, TRITON_DEVICE, needs_interpreter  # noqa: E402
 
 CONFIG = GPTConfig(n_embd=32, n_head=4, n_kv_head=2, n_layer=3, vocab_size=64, block_size=16)
 
@@ -93,7 +94,7 @@ def _caches(model, length):
     return [KVCache(length) for _ in model.blocks]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@needs_interpreter
 def test_compiled_triton_op_reads_depth_entries():
     """The custom op takes depth as a list of entries under fullgraph compile, gradients included."""
     torch._dynamo.reset()
@@ -121,16 +122,17 @@ def test_compiled_triton_op_reads_depth_entries():
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_compiled_layer_learns_a_depth_bias(backend):
     """A MoDAAttention with a learned depth bias and a softcap traces with fullgraph; its bias gets the same gradient."""
-    if backend == "triton" and importlib.util.find_spec("triton") is None:
-        pytest.skip("needs triton")
+    if backend == "triton" and TRITON is None:
+        pytest.skip("the triton backend cannot run here")
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
     torch._dynamo.reset()
     torch.manual_seed(0)
-    bias = torch.nn.Parameter(0.1 * torch.randn(4, 2))  # (Hq, L)
-    layer = MoDAAttention(32, 4, 2, score=depth_bias(bias) & softcap(3.0), backend=backend)
-    x = torch.randn(1, 6, 32)
+    bias = torch.nn.Parameter(0.1 * torch.randn(4, 2, device=device))  # (Hq, L)
+    layer = MoDAAttention(32, 4, 2, score=depth_bias(bias) & softcap(3.0), backend=backend).to(device)
+    x = torch.randn(1, 6, 32, device=device)
     depth = DepthStream(3)  # two entries read, one the layer appends
     for _ in range(2):
-        depth = depth.append(torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8))
+        depth = depth.append(torch.randn(1, 2, 6, 8, device=device), torch.randn(1, 2, 6, 8, device=device))
 
     def loss(x):
         return layer(x, depth)[0].square().sum()

@@ -1,6 +1,5 @@
 """moda_flex.depth: the depth forms and the immutable DepthStream."""
 
-import importlib.util
 
 import pytest
 import torch
@@ -8,9 +7,9 @@ import torch
 from moda_flex import moda_attention
 from moda_flex.depth import DepthStream, as_tensor
 
-TRITON = pytest.param(
-    "triton", marks=pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
-)
+from fused import needs_interpreter
+
+TRITON = pytest.param("triton", marks=needs_interpreter)
 
 
 def _entry(B=1, Hk=2, T=3, D=4, dtype=torch.float32, device="cpu", fill=0.0):

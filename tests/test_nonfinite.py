@@ -18,11 +18,9 @@ from moda_flex.backends.reference import visible_entries
 from moda_flex.testing import MoDAShape, make_inputs, moda_shapes, score_functions, variants
 
 from budget import examples
-from fused import FUSED_KINDS
+from fused import FUSED_KINDS, TRITON_DEVICE
 
 NAMES = ("q", "k", "v", "depth_k", "depth_v")
-# Where the Triton kernels run: on the GPU, else on the CPU through the interpreter.
-TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _rows_that_see(name, index, shape, variant):

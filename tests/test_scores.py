@@ -22,7 +22,7 @@ from moda_flex.testing import (
 )
 
 from budget import examples
-from fused import FUSED_KINDS
+from fused import FUSED_KINDS, TRITON_DEVICE
 
 
 @settings(max_examples=examples(20))
@@ -163,8 +163,6 @@ def test_custom_score_runs_on_flex():
     assert_matches_reference(make_inputs(shape), backend="flex", variant=causal() & Score("halve_depth", halve_depth))
 
 
-# Where the Triton kernels run: on the GPU, else on the CPU through the interpreter.
-TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # On a GPU float32 dots run as TF32, with float16's 10 mantissa bits: float16's tolerance there.
 TRITON_RTOL = tolerance(torch.float16) if TRITON_DEVICE == "cuda" else None
 # The variant families and scores the Triton kernels fuse.
