@@ -144,3 +144,25 @@ def test_compiled_layer_learns_a_depth_bias(backend):
     for got, want in zip(compiled, eager):
         torch.testing.assert_close(got, want)
     assert eager[0].abs().sum() > 0
+
+
+def test_flex_call_with_a_score_traces_with_fullgraph():
+    """flex's per-call score checks and its first-order guard trace with Dynamo (as in a compiled model on CUDA).
+
+    On CPU the compiled FlexAttention runs inference only, hence no_grad.
+    """
+    from moda_flex import alibi, causal
+    from moda_flex.backends.flex.function import flex_moda
+    from moda_flex.backends.reference import reference_attention
+
+    torch._dynamo.reset()
+    inputs = make_inputs(MoDAShape(1, 4, 2, 6, 9, 3, 8))
+    variant = causal() & alibi(torch.rand(4)) & depth_bias(torch.rand(4, 3))
+
+    def call(*tensors):
+        return flex_moda(*tensors, variant, 8**-0.5, compiled=True, return_lse=False)
+
+    with torch.no_grad():
+        out = torch.compile(call, fullgraph=True, backend="eager")(*inputs.values())
+        want, _ = reference_attention(*inputs.values(), variant, 8**-0.5)
+    torch.testing.assert_close(out, want)

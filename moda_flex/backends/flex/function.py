@@ -104,10 +104,9 @@ def flex_moda(
 
     score_mod, params = None, ()
     if variant.score is not None:
-        # Check the params against this call, and the function on one scalar entry,
-        # here: inside FlexAttention's tracing an error would lose its message.
-        index = q.new_zeros((), dtype=torch.long)
-        variant.score.bind(Hq, L)(q.new_zeros((), dtype=torch.float32), index, index, index, index, index, index == 0)
+        # Check the params against this call, and the function on one entry, here:
+        # inside FlexAttention's tracing an error would lose its message.
+        _call_on_one_entry(variant.score.bind(Hq, L), q.device)
         params = variant.score.params
     rows, keys, values, *params = _FirstOrderOnly.apply(rows, keys, values, *params)
     # An empty tensor (a depth bias when L = 0) has no gradient to compute, and
@@ -139,12 +138,10 @@ class _FirstOrderOnly(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(*tensors: Tensor) -> tuple:
+    def forward(ctx, *tensors: Tensor) -> tuple:
+        # ctx in forward, not a setup_context: Dynamo mistakes a ctx-less
+        # forward(*tensors) for one whose first argument is the context.
         return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
 
     @staticmethod
     def backward(ctx, *grads: Tensor) -> tuple:
@@ -219,13 +216,23 @@ class _Copy:
 
 def _reads_by_index(variant: Variant, q_heads: int, slots: int) -> bool:
     """Whether the score reads its tensors only by indexing them (so through :class:`_Copy` too)."""
-    index = torch.zeros((), dtype=torch.long)
-    copies = [_Copy(p.detach()[None], index) for p in variant.score.params]
+    params = variant.score.params
+    copies = [_Copy(p.detach()[None], torch.zeros(1, dtype=torch.long, device=p.device)) for p in params]
     try:
-        variant.score.bind(q_heads, slots, copies)(torch.zeros(()), index, index, index, index, index, index == 0)
+        _call_on_one_entry(variant.score.bind(q_heads, slots, copies), params[0].device)
     except (TypeError, AttributeError):  # an operation a _Copy does not offer
         return False
     return True
+
+
+def _call_on_one_entry(fn, device) -> Tensor:
+    """The score function on one entry (logit 0, every index 0, a depth entry).
+
+    Indices of shape (1,), not 0-d: Dynamo reads a 0-d integer tensor used as
+    an index as a Python int, a data-dependent value it cannot trace.
+    """
+    index = torch.zeros(1, dtype=torch.long, device=device)
+    return fn(torch.zeros(1, device=device), index, index, index, index, index, index == 0)
 
 
 def _run_flex(rows, keys, values, block_mask, scale, compiled, return_lse, score_mod=None, params=()):
