@@ -245,7 +245,8 @@ def _run_flex(rows, keys, values, block_mask, scale, compiled, return_lse, score
     if compiled:
         learns = any(p.requires_grad for p in params) and torch.is_grad_enabled()
         flex = functools.partial(
-            _compiled_flex(),
+            # inside a compiled model the model's graph compiles flex_attention itself
+            flex_attention if torch.compiler.is_compiling() else _compiled_flex(),
             rows,
             keys,
             values,
