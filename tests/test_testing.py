@@ -154,6 +154,12 @@ def test_tolerances_grow_as_precision_drops():
         tolerance(torch.int64)
 
 
+def test_float32_on_a_gpu_gets_the_tf32_tolerance():
+    assert tolerance(torch.float32, "cuda") == tolerance(torch.float16) > tolerance(torch.float32, "cpu")
+    assert tolerance(torch.float32) == tolerance(torch.float32, torch.device("cpu"))
+    assert tolerance(torch.bfloat16, "cuda") == tolerance(torch.bfloat16)
+
+
 def test_relative_error_is_rms_ratio():
     expected = torch.tensor([3.0, 4.0])
     assert relative_error(expected + torch.tensor([0.3, 0.4]), expected) == pytest.approx(0.1)
