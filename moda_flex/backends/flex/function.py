@@ -112,9 +112,10 @@ def flex_moda(
     # An empty tensor (a depth bias when L = 0) has no gradient to compute, and
     # the eager op fails on a buffer that requires grad yet is never read.
     params = [p.detach() if p.numel() == 0 else p for p in params]
-    copies = [1] * len(params)
-    if params and (compiled if spread_grads is None else spread_grads) and _reads_by_index(variant, Hq, L):
-        copies = [_copies(p) for p in params]
+    spread = compiled if spread_grads is None else spread_grads
+    copies = [_copies(p) if spread else 1 for p in params]
+    if max(copies, default=1) > 1 and not _reads_by_index(variant, Hq, L):
+        copies = [1] * len(params)
     params = [_spread(p, n) for p, n in zip(params, copies)]
     if variant.score is not None:
         score_mod = _score_mod(
