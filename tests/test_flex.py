@@ -130,3 +130,13 @@ def test_compiled_flex_serves_many_lengths_without_recompiling_each():
         assert ((out - ref).norm() / ref.norm()).item() < 1e-4, (q_len, kv_len)
     # Each recompile is a new graph; past dynamo's limit of 8 it would run eagerly.
     assert counters["stats"]["unique_graphs"] - graphs_before < 8
+
+
+def test_first_order_guard_keeps_fixed_tensors_fixed():
+    """A score tensor that needs no gradient comes out of the guard needing none, beside ones that do."""
+    from moda_flex.backends.flex.function import _FirstOrderOnly
+
+    rows, fixed = torch.rand(2, requires_grad=True), torch.rand(3)
+    out_rows, out_fixed = _FirstOrderOnly.apply(rows, fixed)
+    assert out_rows.requires_grad and not out_fixed.requires_grad
+    torch.testing.assert_close(out_fixed, fixed)

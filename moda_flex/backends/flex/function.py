@@ -142,7 +142,11 @@ class _FirstOrderOnly(torch.autograd.Function):
     def forward(ctx, *tensors: Tensor) -> tuple:
         # ctx in forward, not a setup_context: Dynamo mistakes a ctx-less
         # forward(*tensors) for one whose first argument is the context.
-        return tuple(t.view_as(t) for t in tensors)
+        outs = tuple(t.view_as(t) for t in tensors)
+        # A Function's outputs all require grad when one input does; a fixed score
+        # tensor must not, or FlexAttention computes (and the copies spread) its gradient.
+        ctx.mark_non_differentiable(*(o for o, needed in zip(outs, ctx.needs_input_grad) if not needed))
+        return outs
 
     @staticmethod
     def backward(ctx, *grads: Tensor) -> tuple:
