@@ -364,6 +364,16 @@ def _store_bias_grad(GBIAS, ds, l0, L, G: tl.constexpr, GP: tl.constexpr, DEPTH_
 
 
 @triton.jit
+def _key_columns(ptrs, k_pos, stride_t, Tk, MASKED: tl.constexpr):
+    """The (D, BLOCK_N) tile of keys (or values) at positions ``k_pos``, one per column; ``MASKED``: 0 past ``Tk``."""
+    if MASKED:
+        tile = tl.load(ptrs + k_pos[None, :] * stride_t, mask=k_pos[None, :] < Tk, other=0.0)
+    else:
+        tile = tl.load(ptrs + k_pos[None, :] * stride_t)
+    return tile
+
+
+@triton.jit
 def _fwd_seq_blocks(
     acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kt, stride_vt, q_pos, q_doc, doc_ptr,
     start, end, Tk, window, qk_scale, softcap,
@@ -374,10 +384,7 @@ def _fwd_seq_blocks(
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         k_pos = start_n + offs_n
-        if MASKED:
-            kT = tl.load(k_ptrs + k_pos[None, :] * stride_kt, mask=k_pos[None, :] < Tk, other=0.0)
-        else:
-            kT = tl.load(k_ptrs + k_pos[None, :] * stride_kt)
+        kT = _key_columns(k_ptrs, k_pos, stride_kt, Tk, MASKED)
         x = tl.dot(q, kT) * qk_scale  # (BLOCK_M, BLOCK_N), base-2 logits
         s, _ = _score(x, 0.0, softcap, HAS_SOFTCAP, False, False)
         if MASKED:
@@ -790,13 +797,12 @@ def _bwd_dq_seq_blocks(
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         k_pos = start_n + offs_n
+        kT = _key_columns(k_ptrs, k_pos, stride_kt, Tk, MASKED)
+        vT = _key_columns(v_ptrs, k_pos, stride_vt, Tk, MASKED)
         if MASKED:
-            # a masked non-finite key or value would reach a live row through 0 * NaN: read it as zero
-            kT = _finite(tl.load(k_ptrs + k_pos[None, :] * stride_kt, mask=k_pos[None, :] < Tk, other=0.0))
-            vT = _finite(tl.load(v_ptrs + k_pos[None, :] * stride_vt, mask=k_pos[None, :] < Tk, other=0.0))
-        else:  # every row sees these keys: a non-finite one only reaches dead rows, whose dq is zeroed
-            kT = tl.load(k_ptrs + k_pos[None, :] * stride_kt)
-            vT = tl.load(v_ptrs + k_pos[None, :] * stride_vt)
+            # a masked non-finite key or value would reach a live row through 0 * NaN: read it as zero.
+            # (Unmasked, every row sees these keys: a non-finite one only reaches dead rows, whose dq is zeroed.)
+            kT, vT = _finite(kT), _finite(vT)
         s, dcap = _score(tl.dot(q, kT) * qk_scale, 0.0, softcap, HAS_SOFTCAP, False, False)
         p = tl.math.exp2(s - lse[:, None])  # (BLOCK_M, BLOCK_N)
         if MASKED:
