@@ -21,10 +21,10 @@ enough not to be bound by the host), which streams the tiles of the unmasked
 blocks through tensor descriptors (the TMA copy engine) and launches with
 configurations chosen for sm90. Both run the same kernels; the Hopper parts
 sit behind constexpr flags of the launch configuration (:func:`_config`).
-The Hopper path has not run on a GPU yet, so it is opt-in:
-``MODA_FLEX_TRITON_PATH=auto`` takes it on Hopper GPUs for large calls,
-``=hopper`` wherever the tensors allow descriptors (the interpreter
-included); ``generic``, the default, never.
+On an H100 the Hopper path is a few percent faster without depth and slower
+with it (BENCHMARKS.md), so it is opt-in: ``MODA_FLEX_TRITON_PATH=auto``
+takes it on Hopper GPUs for large calls, ``=hopper`` wherever the tensors
+allow descriptors (the interpreter included); ``generic``, the default, never.
 """
 
 from __future__ import annotations
@@ -171,10 +171,10 @@ triton_attention.reads_depth_entries = True
 
 PATH_ENV = "MODA_FLEX_TRITON_PATH"
 _PATHS = ("auto", "generic", "hopper")
-# Until a GPU run has checked and timed the Hopper path, a call takes it only when asked.
+# The Hopper path loses to the generic one with depth (H100, BENCHMARKS.md): a call takes it only when asked.
 _DEFAULT_PATH = "generic"
 # Below this many scores (B * Hq * Tq * Tk) a call is bound by the host, where building the descriptors
-# costs about 50 us per forward + backward and the kernels' gain is unmeasured: auto keeps the generic path.
+# costs about 50 us per forward + backward: auto keeps the generic path.
 _HOPPER_MIN_SCORES = 1 << 28
 
 
