@@ -509,7 +509,8 @@ def document(doc_ids: Tensor) -> Variant:
 
 
 def _check_positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or value < 1:
+    # bool is an int subclass: True would pass as 1.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 

@@ -255,8 +255,11 @@ def test_structure_intersect():
     [
         (lambda: v.sliding_window(0), "window"),
         (lambda: v.sliding_window(2.0), "window"),
+        (lambda: v.sliding_window(True), "window"),
         (lambda: v.depth_window(-1), "slots"),
+        (lambda: v.depth_window(True), "slots"),
         (lambda: v.chunk_depth(0), "chunk"),
+        (lambda: v.chunk_depth(True), "chunk"),
         (lambda: v.document(torch.zeros(4)), "doc_ids"),
         (lambda: v.document(torch.zeros(1, 2, 4, dtype=torch.long)), "doc_ids"),
         (lambda: v.document([0, 0, 1]), "doc_ids"),
@@ -265,8 +268,9 @@ def test_structure_intersect():
         (lambda: Variant("x", v.causal().sequence, v.own_token, depth_for_slots=lambda L: v.own_token), "depth"),
     ],
     ids=[
-        "window-0", "window-float", "depth-window-negative", "chunk-0", "doc-ids-float", "doc-ids-3d", "doc-ids-list",
-        "doc-ids-bool", "unknown-name", "depth-and-depth-for-slots",
+        "window-0", "window-float", "window-bool", "depth-window-negative", "depth-window-bool", "chunk-0",
+        "chunk-bool", "doc-ids-float", "doc-ids-3d", "doc-ids-list", "doc-ids-bool", "unknown-name",
+        "depth-and-depth-for-slots",
     ],
 )  # fmt: skip
 def test_bad_arguments_raise(make, argument):
