@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+from collections.abc import Sequence
 from typing import Optional, Union
 
 import torch
@@ -157,6 +158,12 @@ def check_inputs(q, k, v, depth_k, depth_v):
             + _layout_hint(q, k)
         )
 
+    for name, depth in (("depth_k", depth_k), ("depth_v", depth_v)):
+        if not (depth is None or isinstance(depth, (Tensor, Sequence))):
+            raise ValueError(
+                f"{name} must be a (B, Hk, Tq, L, D) tensor, a sequence of L (B, Hk, Tq, D) tensors or None, "
+                f"got {type(depth).__name__}"
+            )
     if (depth_k is None) != (depth_v is None):
         raise ValueError("depth_k and depth_v must both be given or both be None")
     if depth_k is None:

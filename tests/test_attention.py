@@ -161,6 +161,11 @@ BAD_INPUTS = {
     "dtype": (_with(k=torch.randn(2, 2, 5, 8, dtype=torch.float64)), r"k has dtype torch.float64 but q has torch.float32"),
     "integer q": (_with(q=torch.zeros(2, 4, 3, 8, dtype=torch.long)), r"q must be floating point"),
     "not a tensor": (_with(v=[[1.0]]), r"v must be a torch.Tensor"),
+    "depth a number": (
+        _with(depth_k=3, depth_v=3),
+        r"depth_k must be a \(B, Hk, Tq, L, D\) tensor, a sequence of L \(B, Hk, Tq, D\) tensors or None, got int",
+    ),
+    "depth_v a number": (_with(depth_v=3.0), r"depth_v must be a \(B, Hk, Tq, L, D\) tensor.*got float"),
 }
 
 
