@@ -8,7 +8,15 @@ from hypothesis import strategies as st
 import moda_flex
 from moda_flex.backends.flex import flex_moda
 from moda_flex.backends.reference import reference_attention
-from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs, moda_shapes, variants
+from moda_flex.testing import (
+    BUILTIN_KINDS,
+    MoDAShape,
+    assert_matches_reference,
+    make_inputs,
+    moda_shapes,
+    variants,
+)
+from moda_flex.variants import BUILTINS
 
 from budget import examples
 from own_variant import user_variant
@@ -140,3 +148,17 @@ def test_first_order_guard_keeps_fixed_tensors_fixed():
     out_rows, out_fixed = _FirstOrderOnly.apply(rows, fixed)
     assert out_rows.requires_grad and not out_fixed.requires_grad
     torch.testing.assert_close(out_fixed, fixed)
+
+
+@pytest.mark.parametrize("kind", BUILTIN_KINDS)
+def test_a_call_under_inference_mode_leaves_training_calls_working(kind):
+    """What a call caches under inference_mode (masks, lengths) must not be inference tensors."""
+    from moda_flex.backends.flex import block_mask
+
+    shape = MoDAShape(1, 2, 1, 9, 9, 2, 8)
+    variant = BUILTINS[kind].example(shape.kv_len, shape.slots)
+    inputs = make_inputs(shape)
+    block_mask._BLOCK_MASK_CACHE.clear()  # so that the first build happens under inference_mode
+    with torch.inference_mode():
+        moda_flex.moda_attention(**inputs, variant=variant, backend="flex")
+    assert_matches_reference(inputs, backend="flex", variant=variant)

@@ -66,8 +66,11 @@ def moda_block_mask(
     key = (structure, q_len, kv_len, groups, slots, str(device))
     block_mask = _BLOCK_MASK_CACHE.pop(key, None)
     if block_mask is None:
-        mask = mask_mod(variant, q_len, kv_len, groups, slots, device)
-        block_mask = structural_block_mask(structure, q_len, kv_len, groups, slots, device, mask)
+        # Cached tensors made under inference_mode would be inference tensors,
+        # which a later training call cannot save for backward.
+        with torch.inference_mode(False):
+            mask = mask_mod(variant, q_len, kv_len, groups, slots, device)
+            block_mask = structural_block_mask(structure, q_len, kv_len, groups, slots, device, mask)
     _BLOCK_MASK_CACHE[key] = block_mask  # most recently used last
     while len(_BLOCK_MASK_CACHE) > _BLOCK_MASK_CACHE_SIZE:
         _BLOCK_MASK_CACHE.pop(next(iter(_BLOCK_MASK_CACHE)))
