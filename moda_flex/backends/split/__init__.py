@@ -1,0 +1,11 @@
+"""The split path: MoDA's sequence part on the vendor's attention kernel, its depth part on ours.
+
+Files by layer: ``kernels.py`` (``@triton.jit``) -> ``sequence.py`` (the
+vendor's aten ops) -> ``ops.py`` (launchers, ``torch.library`` ops, autograd,
+:func:`split_attention`) -> ``support.py`` (which calls it computes exactly).
+"""
+
+from .ops import split_attention
+from .support import unsupported_reason
+
+__all__ = ["split_attention", "unsupported_reason"]

@@ -1,0 +1,296 @@
+"""Triton kernels of the split path: the depth part, its merge with the sequence part, and the NaN rule. ``@triton.jit`` only.
+
+Row layout (group-aware). A program owns one KV head ``hk`` of one batch
+element and ``BLOCK_T`` consecutive query tokens; its ``R = BLOCK_T * GP``
+rows fold the G query heads of that KV head into rows: row ``r`` is token
+``t0 + r // GP`` of query head ``hk * G + r % GP`` (``GP``: G rounded up to
+a power of two; rows with ``r % GP >= G`` are padding, never stored). ``R``
+is at least 16, the least M of a Tensor Core dot.
+
+Depth phase: step ``j`` multiplies all R rows by the slots of token
+``t0 + j`` and keeps the rows of that token, so a token's G rows meet only
+its own L depth keys, read where they lie through their strides. The
+softmax state ``(m, l, acc)`` starts from the sequence part, ``m = lse_s``,
+``l = 1``, ``acc = o_s``: after the last slot, ``acc / l`` and ``m + log l``
+are the output and lse of the one softmax over ``[sequence | depth]``.
+
+NaN and Inf (the rule of :mod:`moda_flex.nonfinite`): the vendor's kernels
+give a masked key a zero weight, and ``0 * NaN = NaN``, so they get keys and
+values with non-finite vectors zeroed (:func:`_sanitize_kv_kernel`, which
+also records the first such token of each KV head), and the depth kernel
+marks the rows that *see* one: their output and lse are NaN. In the
+backward such a dead row gets ``q = o = dO = 0`` and ``lse = +inf``
+(:func:`_prepare_backward_kernel`), so its p is zero and it sends no
+gradient, in the vendor's backward as in the depth kernel's.
+"""
+
+import triton
+import triton.language as tl
+
+_LOG2E: tl.constexpr = 1.4426950408889634
+_LN2: tl.constexpr = 0.6931471805599453
+
+
+@triton.jit
+def _finite(x):
+    """True where ``x`` is neither NaN nor Inf."""
+    return tl.abs(x) < float("inf")
+
+
+@triton.jit
+def _sanitize_kv_kernel(
+    K, V, KO, VO, FIRST,
+    skb, skh, skt,
+    svb, svh, svt,
+    sob, soh, sot,
+    Hk, Tk,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    DP: tl.constexpr,
+):  # fmt: skip
+    """k, v (B, Hk, Tk, D) with non-finite vectors zeroed into ``KO``, ``VO`` (contiguous), and
+    ``FIRST[b, hk]`` lowered to the first token whose key or value holds a NaN or Inf."""
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hk
+    hk = bh % Hk
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, DP)
+    live = (t < Tk)[:, None] & (d < D)[None, :]
+    k = tl.load(K + b * skb + hk * skh + t[:, None] * skt + d[None, :], mask=live, other=0.0)
+    v = tl.load(V + b * svb + hk * svh + t[:, None] * svt + d[None, :], mask=live, other=0.0)
+    k_ok = _finite(k)
+    v_ok = _finite(v)
+    out = b * sob + hk * soh + t[:, None] * sot + d[None, :]
+    tl.store(KO + out, tl.where(k_ok, k, 0.0), mask=live)
+    tl.store(VO + out, tl.where(v_ok, v, 0.0), mask=live)
+    bad = tl.sum((~k_ok | ~v_ok).to(tl.int32), 1) > 0
+    tl.atomic_min(FIRST + bh, tl.min(tl.where(bad, t, Tk), 0))
+
+
+@triton.jit
+def _depth_forward_kernel(
+    Q, DK, DV, OS, LS, FIRST, O, LO,
+    sqb, sqh, sqt,
+    skb, skh, skt, skl,
+    svb, svh, svt, svl,
+    sosb, sosh, sost,
+    slsb, slsh, slst,
+    sob, soh, sot,
+    slob, sloh, slot,
+    Hk, Tq, Tk, L, depth_first, qk_scale,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    HAS_SEQ: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):  # fmt: skip
+    """out, lse of ``[sequence | depth]`` from the sequence part (``OS``, ``LS``) and the depth slots.
+
+    Without ``HAS_SEQ`` the softmax is over the depth slots alone. A row that
+    sees nothing gets zeros and lse = -inf; a dead row NaN in both.
+    """
+    pid = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = bhk // Hk
+    hk = bhk % Hk
+    R: tl.constexpr = BLOCK_T * GP
+    r = tl.arange(0, R)
+    rt = r // GP
+    t0 = pid * BLOCK_T
+    tok = t0 + rt
+    h = hk * G + r % GP
+    row_ok = (r % GP < G) & (tok < Tq)
+    d = tl.arange(0, DP)
+    d_ok = d < D
+    rows2 = row_ok[:, None] & d_ok[None, :]
+    ninf = float("-inf")
+
+    q = tl.load(Q + b * sqb + h[:, None] * sqh + tok[:, None] * sqt + d[None, :], mask=rows2, other=0.0)
+    q_ok = _finite(q)
+    dead = tl.sum((~q_ok).to(tl.int32), 1) > 0
+    q = tl.where(q_ok, q, 0.0)
+    if HAS_SEQ:
+        m = tl.load(LS + b * slsb + h * slsh + tok * slst, mask=row_ok, other=ninf) * _LOG2E
+        acc = tl.load(OS + b * sosb + h[:, None] * sosh + tok[:, None] * sost + d[None, :], mask=rows2,
+                      other=0.0).to(tl.float32)  # fmt: skip
+        l_sum = tl.where(m == ninf, 0.0, 1.0)
+        first_bad = tl.load(FIRST + bhk)
+        if CAUSAL:  # query i sits at position Tk - Tq + i
+            dead |= first_bad <= Tk - Tq + tok
+        else:
+            dead |= first_bad < Tk
+    else:
+        m = tl.full((R,), ninf, tl.float32)
+        acc = tl.zeros((R, DP), tl.float32)
+        l_sum = tl.zeros((R,), tl.float32)
+
+    slot_ids = tl.arange(0, BLOCK_L)
+    kbase = DK + b * skb + hk * skh
+    vbase = DV + b * svb + hk * svh
+    for j in tl.static_range(BLOCK_T):
+        tj = t0 + j
+        own = rt == j
+        slots_end = tl.where(tj < Tq, L, 0)  # a token past Tq has no slots
+        for l0 in range(depth_first, L, BLOCK_L):
+            cols = l0 + slot_ids
+            visible = cols < slots_end
+            tile = visible[:, None] & d_ok[None, :]
+            kd = tl.load(kbase + tj * skt + cols[:, None] * skl + d[None, :], mask=tile, other=0.0)
+            vd = tl.load(vbase + tj * svt + cols[:, None] * svl + d[None, :], mask=tile, other=0.0)
+            kd_ok = _finite(kd)
+            vd_ok = _finite(vd)
+            slot_bad = tl.sum((~kd_ok | ~vd_ok).to(tl.int32), 1) > 0
+            dead |= own & (tl.sum((visible & slot_bad).to(tl.int32), 0) > 0)
+            kd = tl.where(kd_ok, kd, 0.0)
+            vd = tl.where(vd_ok, vd, 0.0)
+            # rescale the running max and denominator, as in a FlashAttention step
+            s = tl.dot(q, tl.trans(kd)) * qk_scale
+            s = tl.where(own[:, None] & visible[None, :], s, ninf)
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == ninf, 0.0, m_new)
+            alpha = tl.math.exp2(m - m_safe)
+            p = tl.math.exp2(s - m_safe[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vd.dtype), vd)
+            m = m_new
+
+    seen = l_sum > 0.0
+    lse = tl.where(seen, (m + tl.math.log2(tl.where(seen, l_sum, 1.0))) * _LN2, ninf)
+    out = acc / tl.where(seen, l_sum, 1.0)[:, None]
+    lse = tl.where(dead, float("nan"), lse)
+    out = tl.where(dead[:, None], float("nan"), out)
+    tl.store(O + b * sob + h[:, None] * soh + tok[:, None] * sot + d[None, :], out.to(O.dtype.element_ty), mask=rows2)
+    tl.store(LO + b * slob + h * sloh + tok * slot, lse, mask=row_ok)
+
+
+@triton.jit
+def _prepare_backward_kernel(
+    Q, O, DO, LSE, QC, OC, DOC, LSEC,
+    sqb, sqh, sqt,
+    sob, soh, sot,
+    sdob, sdoh, sdot,
+    slb, slh, slt,
+    sqcb, sqch, sqct,
+    socb, soch, soct,
+    sdocb, sdoch, sdoct,
+    slcb, slch, slct,
+    Hq, Tq,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    DP: tl.constexpr,
+):  # fmt: skip
+    """The backward's inputs with dead rows (lse = NaN) silenced: q with non-finite entries zeroed, a dead
+    row's o and dO zeroed and its lse +inf, so that its p is zero and every product it enters is exact."""
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, DP)
+    t_ok = t < Tq
+    live = t_ok[:, None] & (d < D)[None, :]
+    lse = tl.load(LSE + b * slb + h * slh + t * slt, mask=t_ok, other=0.0)
+    dead = lse != lse
+    q = tl.load(Q + b * sqb + h * sqh + t[:, None] * sqt + d[None, :], mask=live, other=0.0)
+    o = tl.load(O + b * sob + h * soh + t[:, None] * sot + d[None, :], mask=live, other=0.0)
+    do = tl.load(DO + b * sdob + h * sdoh + t[:, None] * sdot + d[None, :], mask=live, other=0.0)
+    tl.store(QC + b * sqcb + h * sqch + t[:, None] * sqct + d[None, :], tl.where(_finite(q), q, 0.0), mask=live)
+    tl.store(OC + b * socb + h * soch + t[:, None] * soct + d[None, :], tl.where(dead[:, None], 0.0, o), mask=live)
+    tl.store(DOC + b * sdocb + h * sdoch + t[:, None] * sdoct + d[None, :], tl.where(dead[:, None], 0.0, do),
+             mask=live)  # fmt: skip
+    tl.store(LSEC + b * slcb + h * slch + t * slct, tl.where(dead, float("inf"), lse), mask=t_ok)
+
+
+@triton.jit
+def _depth_backward_kernel(
+    Q, DK, DV, O, DO, LSE, GLSE, DQ, DDK, DDV,
+    sqb, sqh, sqt,
+    skb, skh, skt, skl,
+    svb, svh, svt, svl,
+    sob, soh, sot,
+    sdob, sdoh, sdot,
+    slb, slh, slt,
+    sglb, sglh, sglt,
+    sdqb, sdqh, sdqt,
+    sgkb, sgkh, sgkt, sgkl,
+    sgvb, sgvh, sgvt, sgvl,
+    Hk, Tq, L, depth_first, scale, qk_scale,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    DQ_ADD: tl.constexpr,
+    HAS_GLSE: tl.constexpr,
+):  # fmt: skip
+    """The depth part's gradients from the merged out and lse of the silenced inputs.
+
+    ``P = exp(scale q . kd - lse)``, ``delta = rowsum(dO * O) - dLSE``,
+    ``dS = P (dO . vd - delta)``: writes dK_d, dV_d of every slot (zero for
+    slots before ``depth_first``) and dQ, added in place to the sequence
+    part's ``DQ`` with ``DQ_ADD``.
+    """
+    pid = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = bhk // Hk
+    hk = bhk % Hk
+    R: tl.constexpr = BLOCK_T * GP
+    r = tl.arange(0, R)
+    rt = r // GP
+    t0 = pid * BLOCK_T
+    tok = t0 + rt
+    h = hk * G + r % GP
+    row_ok = (r % GP < G) & (tok < Tq)
+    d = tl.arange(0, DP)
+    d_ok = d < D
+    rows2 = row_ok[:, None] & d_ok[None, :]
+
+    q = tl.load(Q + b * sqb + h[:, None] * sqh + tok[:, None] * sqt + d[None, :], mask=rows2, other=0.0)
+    do = tl.load(DO + b * sdob + h[:, None] * sdoh + tok[:, None] * sdot + d[None, :], mask=rows2, other=0.0)
+    o = tl.load(O + b * sob + h[:, None] * soh + tok[:, None] * sot + d[None, :], mask=rows2, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    if HAS_GLSE:  # d lse / d s = p: the lse's gradient enters as delta does, with the opposite sign
+        delta -= tl.load(GLSE + b * sglb + h * sglh + tok * sglt, mask=row_ok, other=0.0)
+    lse = tl.load(LSE + b * slb + h * slh + tok * slt, mask=row_ok, other=float("inf")) * _LOG2E
+    dq = tl.zeros((R, DP), tl.float32)
+
+    slot_ids = tl.arange(0, BLOCK_L)
+    kbase = DK + b * skb + hk * skh
+    vbase = DV + b * svb + hk * svh
+    gkbase = DDK + b * sgkb + hk * sgkh
+    gvbase = DDV + b * sgvb + hk * sgvh
+    for j in tl.static_range(BLOCK_T):
+        tj = t0 + j
+        own = (rt == j) & row_ok
+        slots_end = tl.where(tj < Tq, L, 0)  # a token past Tq has no slots
+        for l0 in range(0, L, BLOCK_L):
+            cols = l0 + slot_ids
+            stored = cols < slots_end
+            visible = stored & (cols >= depth_first)
+            tile = visible[:, None] & d_ok[None, :]
+            kd = tl.load(kbase + tj * skt + cols[:, None] * skl + d[None, :], mask=tile, other=0.0)
+            vd = tl.load(vbase + tj * svt + cols[:, None] * svl + d[None, :], mask=tile, other=0.0)
+            # masked slots' products still meet other rows' p = 0: read their non-finite entries as zero
+            kd = tl.where(_finite(kd), kd, 0.0)
+            vd = tl.where(_finite(vd), vd, 0.0)
+            s = tl.dot(q, tl.trans(kd)) * qk_scale
+            p = tl.where(own[:, None] & visible[None, :], tl.math.exp2(s - lse[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(vd))
+            ds = (p * (dp - delta[:, None])).to(q.dtype)
+            dq += tl.dot(ds, kd)
+            ddv = tl.dot(tl.trans(p.to(do.dtype)), do)
+            ddk = tl.dot(tl.trans(ds), q) * scale
+            out = stored[:, None] & d_ok[None, :]
+            tl.store(gvbase + tj * sgvt + cols[:, None] * sgvl + d[None, :], ddv.to(DDV.dtype.element_ty), mask=out)
+            tl.store(gkbase + tj * sgkt + cols[:, None] * sgkl + d[None, :], ddk.to(DDK.dtype.element_ty), mask=out)
+
+    dq = dq * scale
+    dq_ptr = DQ + b * sdqb + h[:, None] * sdqh + tok[:, None] * sdqt + d[None, :]
+    if DQ_ADD:
+        dq += tl.load(dq_ptr, mask=rows2, other=0.0).to(tl.float32)
+    tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), mask=rows2)

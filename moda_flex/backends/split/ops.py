@@ -1,0 +1,298 @@
+"""Launchers, the ``torch.library`` ops and autograd of the split path.
+
+MoDA's one softmax over ``[sequence | depth]`` factorizes through the
+log-sum-exp, so the sequence part runs on the vendor's kernel and only the
+depth part on ours::
+
+    forward   (o_s, lse_s) = vendor attention over the sequence        (sequence.py)
+              out, lse     = the depth slots folded into (o_s, lse_s)  (one depth kernel: the merge is fused)
+    backward  dq, dk, dv   = the vendor's backward, given the MERGED out and lse
+              dq += depth part's dq (in place); dK_d, dV_d          (one depth kernel)
+
+The vendor's backward, handed the merged lse, computes ``P = exp(s - lse)``,
+the sequence columns of the one softmax, and ``delta = rowsum(dO * O)`` of
+the merged output: exactly the sequence part's share of the gradients.
+
+Two ops, ``moda_flex::split_forward`` and ``moda_flex::split_backward``,
+with fake implementations (so ``torch.compile(fullgraph=True)`` traces them)
+and registered autograd. A gradient of the returned lse adds ``-dLSE`` to
+``delta``: the depth kernel takes it as it is, the vendor's backward through
+two extra head lanes (:func:`_sequence_backward_with_lse`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import sequence
+
+_LOG2E = math.log2(math.e)
+_MIN_DOT_ROWS = 16  # the least M of a Tensor Core dot
+_BLOCK_T_ELEMENTWISE = 64
+
+
+class Options(NamedTuple):
+    """A call's non-tensor arguments, in the order the ops take them."""
+
+    scale: float
+    causal: bool  # the sequence mask is causal (top-left: Tq == Tk), else full
+    sequence: bool  # False: no sequence keys (depth-only)
+    depth_first: int  # the first visible depth slot
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _layout(q: Tensor, kv_heads: int, slots: int) -> dict:
+    """The depth kernels' constants: G heads per KV head padded to GP, BLOCK_T tokens a program, slot chunk, lanes."""
+    G, D = q.shape[1] // kv_heads, q.shape[-1]
+    GP = _next_pow2(G)
+    return dict(G=G, GP=GP, BLOCK_T=max(1, _MIN_DOT_ROWS // GP), BLOCK_L=min(64, max(16, _next_pow2(slots))),
+                D=D, DP=max(16, _next_pow2(D)))  # fmt: skip
+
+
+def _unit_last(t: Tensor) -> Tensor:
+    """``t`` with unit stride on its last axis, as the kernels index it (a copy only when it has another)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _strides(t: Tensor, n: int) -> tuple[int, ...]:
+    return tuple(t.stride())[:n]
+
+
+def _has_sequence(k: Tensor, opts: Options) -> bool:
+    return opts.sequence and k.shape[2] > 0
+
+
+def _sanitized_kv(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """k, v (B, Hk, Tk, D) with non-finite vectors zeroed, and the first token holding one, (B, Hk) int32 (Tk: none)."""
+    from . import kernels
+
+    B, Hk, Tk, D = k.shape
+    k0 = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+    v0 = torch.empty_like(k0)
+    first = torch.full((B, Hk), Tk, device=k.device, dtype=torch.int32)
+    grid = (_cdiv(Tk, _BLOCK_T_ELEMENTWISE), B * Hk)
+    kernels._sanitize_kv_kernel[grid](
+        k, v, k0, v0, first, *_strides(k, 3), *_strides(v, 3), *_strides(k0, 3), Hk, Tk,
+        D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, _next_pow2(D)),
+    )  # fmt: skip
+    return k0, v0, first
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: Tensor, opts: Options):
+    """out (B, Hq, Tq, D) and lse in the vendor's layouts (the lse natural-log, float32)."""
+    from . import kernels
+
+    q, k, v, depth_k, depth_v = (_unit_last(t) for t in (q, k, v, depth_k, depth_v))
+    B, Hq, Tq, D = q.shape
+    Hk, Tk, L = k.shape[1], k.shape[2], depth_k.shape[3]
+    has_sequence = _has_sequence(k, opts)
+    if has_sequence:
+        k0, v0, first = _sanitized_kv(k, v)
+        out_s, lse_s = sequence.forward(sequence.kernel_for(q.device, D), q, k0, v0, opts.causal, opts.scale)
+        out, lse = torch.empty_like(out_s), torch.empty_like(lse_s)
+    else:  # nothing of the sequence is read
+        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        lse = torch.empty((B, Hq, Tq), device=q.device, dtype=torch.float32)
+        out_s, lse_s, first = out, lse, lse
+    if out.numel() == 0:
+        return out, lse
+    ls, lo = sequence.lse_view(lse_s), sequence.lse_view(lse)
+    layout = _layout(q, Hk, L)
+    grid = (_cdiv(Tq, layout["BLOCK_T"]), B * Hk)
+    kernels._depth_forward_kernel[grid](
+        q, depth_k, depth_v, out_s, ls, first, out, lo,
+        *_strides(q, 3), *_strides(depth_k, 4), *_strides(depth_v, 4), *_strides(out_s, 3), *_strides(ls, 3),
+        *_strides(out, 3), *_strides(lo, 3),
+        Hk, Tq, Tk, L, opts.depth_first, opts.scale * _LOG2E,
+        **layout, HAS_SEQ=has_sequence, CAUSAL=opts.causal,
+    )  # fmt: skip
+    return out, lse
+
+
+def _silenced(q: Tensor, out: Tensor, grad_out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """q, out, grad_out, lse (the lse in the vendor's layout) with dead rows silenced (kernels.py)."""
+    from . import kernels
+
+    B, Hq, Tq, D = q.shape
+    q_c = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    out_c, grad_c, lse_c = torch.empty_like(out), torch.empty_like(out), torch.empty_like(lse)
+    lv, lcv = sequence.lse_view(lse), sequence.lse_view(lse_c)
+    grid = (_cdiv(Tq, _BLOCK_T_ELEMENTWISE), B * Hq)
+    kernels._prepare_backward_kernel[grid](
+        q, out, grad_out, lv, q_c, out_c, grad_c, lcv,
+        *_strides(q, 3), *_strides(out, 3), *_strides(grad_out, 3), *_strides(lv, 3),
+        *_strides(q_c, 3), *_strides(out_c, 3), *_strides(grad_c, 3), *_strides(lcv, 3),
+        Hq, Tq, D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, _next_pow2(D)),
+    )  # fmt: skip
+    return q_c, out_c, grad_c, lse_c
+
+
+def _sequence_backward_with_lse(q, k, v, out, grad_out, lse, grad_lse, opts: Options):
+    """The vendor's backward with ``delta = rowsum(dO * O) - dLSE``.
+
+    The ops compute delta themselves, from dO and O. Two extra head lanes
+    carry the lse's gradient into it: ``O`` gets ``-dLSE`` (split into a
+    part its dtype holds and the rest, for precision), ``dO`` gets ones there,
+    and q, k, v get zeros, which changes no logit and no other product.
+    """
+    D = q.shape[-1]
+    pad = (-D) % 8  # the padded head dim a multiple of 8, with at least 2 extra lanes
+    pad = pad if pad >= 2 else pad + 8
+    q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
+    glse = sequence.lse_view(grad_lse).float()
+    high = glse.to(out.dtype)
+    low = (glse - high.float()).to(out.dtype)
+    extra_out = torch.stack([-high, -low], dim=-1)  # (B, Hq, Tq, 2)
+    out = torch.cat([out, extra_out, out.new_zeros(*out.shape[:3], pad - 2)], dim=-1)
+    extra_grad = torch.ones_like(extra_out)
+    grad_out = torch.cat([grad_out, extra_grad, grad_out.new_zeros(*grad_out.shape[:3], pad - 2)], dim=-1)
+    kernel = sequence.kernel_for(q.device, D + pad)
+    dq, dk, dv = sequence.backward(kernel, grad_out, q, k, v, out, lse, opts.causal, opts.scale)
+    return dq[..., :D], dk[..., :D], dv[..., :D]
+
+
+def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Options):
+    """dq (B, Hq, Tq, D), dk, dv (B, Hk, Tk, D), and the depth gradients, two (B, Hk, Tq, L, D) tensors.
+
+    ``grad_out`` or ``grad_lse`` may be None (no gradient reached that output).
+    """
+    from . import kernels
+
+    q, k, v, depth_k, depth_v = (_unit_last(t) for t in (q, k, v, depth_k, depth_v))
+    B, Hq, Tq, D = q.shape
+    Hk, Tk, L = k.shape[1], k.shape[2], depth_k.shape[3]
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+    if grad_out.stride() != out.stride():  # the vendor's backward reads dO in out's layout
+        grad_out = torch.empty_like(out).copy_(grad_out)
+    ddk = torch.empty((B, Hk, Tq, L, D), device=q.device, dtype=q.dtype)
+    ddv = torch.empty_like(ddk)
+    if q.numel() == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), ddk.zero_(), ddv.zero_()
+    q_c, out_c, grad_c, lse_c = _silenced(q, out, grad_out, lse)
+    has_sequence = _has_sequence(k, opts)
+    if has_sequence:
+        k0, v0, _ = _sanitized_kv(k, v)
+        if grad_lse is None:
+            kernel = sequence.kernel_for(q.device, D)
+            dq, dk, dv = sequence.backward(kernel, grad_c, q_c, k0, v0, out_c, lse_c, opts.causal, opts.scale)
+        else:
+            dq, dk, dv = _sequence_backward_with_lse(q_c, k0, v0, out_c, grad_c, lse_c, grad_lse, opts)
+        if L == 0:
+            return dq, dk, dv, ddk, ddv
+    else:
+        dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    lv = sequence.lse_view(lse_c)
+    glse = lv if grad_lse is None else sequence.lse_view(grad_lse).float()
+    layout = _layout(q, Hk, L)
+    grid = (_cdiv(Tq, layout["BLOCK_T"]), B * Hk)
+    kernels._depth_backward_kernel[grid](
+        q_c, depth_k, depth_v, out_c, grad_c, lv, glse, dq, ddk, ddv,
+        *_strides(q_c, 3), *_strides(depth_k, 4), *_strides(depth_v, 4), *_strides(out_c, 3),
+        *_strides(grad_c, 3), *_strides(lv, 3), *_strides(glse, 3), *_strides(dq, 3),
+        *_strides(ddk, 4), *_strides(ddv, 4),
+        Hk, Tq, L, opts.depth_first, opts.scale, opts.scale * _LOG2E,
+        **layout, DQ_ADD=has_sequence, HAS_GLSE=grad_lse is not None,
+    )  # fmt: skip
+    return dq, dk, dv, ddk, ddv
+
+
+# ---- torch.library ops -------------------------------------------------------------------------
+# The non-tensor arguments are :class:`Options`, spelled out. The ops run on CUDA, and on CPU under
+# Triton's interpreter (the tests), with SDPA's CPU flash op as the vendor.
+
+_OPTIONS = "float scale, bool causal, bool sequence, int depth_first"
+torch.library.define(
+    "moda_flex::split_forward",
+    f"(Tensor q, Tensor k, Tensor v, Tensor depth_k, Tensor depth_v, {_OPTIONS}) -> (Tensor, Tensor)",
+)
+torch.library.define(
+    "moda_flex::split_backward",
+    f"(Tensor? grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor depth_k, Tensor depth_v, "
+    f"Tensor out, Tensor lse, {_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+
+
+@torch.library.impl("moda_flex::split_forward", ("cuda", "cpu"))
+def _forward_op(q, k, v, depth_k, depth_v, *options):
+    """out (B, Hq, Tq, D) and lse, both in the vendor's layouts."""
+    return _forward(q, k, v, depth_k, depth_v, Options(*options))
+
+
+@torch.library.register_fake("moda_flex::split_forward")
+def _forward_fake(q, k, v, depth_k, depth_v, scale, causal, sequence_keys, depth_first):
+    B, Hq, Tq, D = q.shape
+    if not (sequence_keys and k.shape[2] > 0):
+        return q.new_empty(q.shape), q.new_empty((B, Hq, Tq), dtype=torch.float32)
+    kernel = sequence.kernel_for(q.device, D)
+    if kernel == "cudnn":  # cuDNN: out in q's layout, lse (B, H, T, 1)
+        return torch.empty_like(q), q.new_empty((B, Hq, Tq, 1), dtype=torch.float32)
+    return torch.empty_like(q), q.new_empty((B, Hq, Tq), dtype=torch.float32)
+
+
+@torch.library.impl("moda_flex::split_backward", ("cuda", "cpu"))
+def _backward_op(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, *options):
+    """dq, dk, dv and the depth gradients as two (B, Hk, Tq, L, D) tensors."""
+    return _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, Options(*options))
+
+
+@torch.library.register_fake("moda_flex::split_backward")
+def _backward_fake(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, *options):
+    depth_shape = (k.shape[0], k.shape[1], q.shape[2], depth_k.shape[3], q.shape[3])
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty(depth_shape),
+            q.new_empty(depth_shape))  # fmt: skip
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, depth_k, depth_v, *options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, depth_k, depth_v, out, lse)
+    ctx.options = tuple(options)
+    # An output no loss reached gets None, not zeros: the lse's gradient costs an extra pass only when it exists.
+    ctx.set_materialize_grads(False)
+
+
+def _autograd_backward(ctx, grad_out, grad_lse):
+    q, k, v, depth_k, depth_v, out, lse = ctx.saved_tensors
+    if grad_out is None and grad_lse is None:
+        return (None,) * (5 + len(ctx.options))
+    grads = torch.ops.moda_flex.split_backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, *ctx.options)
+    return (*grads, *(None,) * len(ctx.options))
+
+
+torch.library.register_autograd("moda_flex::split_forward", _autograd_backward, setup_context=_setup_context)
+
+
+def split_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: Tensor, variant, scale: float):
+    """MoDA with the sequence part on the vendor's kernel and the depth part on ours, for a supported call.
+
+    Args:
+        q: (B, Hq, Tq, D), float16 or bfloat16 (float32 on CPU, under the interpreter).
+        k, v: (B, Hk, Tk, D); ``Tq == Tk`` for a causal mask.
+        depth_k, depth_v: (B, Hk, Tq, L, D), any strides (read in place).
+        variant: causal or full, with the default depth mask, a depth window
+            or depth-only (:func:`moda_flex.backends.split.unsupported_reason`).
+        scale: logit scale.
+
+    Returns:
+        out (B, Hq, Tq, D) and lse (B, Hq, Tq) float32, natural log; both
+        differentiable. The NaN rule of :mod:`moda_flex.nonfinite` holds.
+    """
+    s = variant.structure
+    L = depth_k.shape[3]
+    depth_first = 0 if s.depth_window is None else max(0, L - s.depth_window)
+    out, lse = torch.ops.moda_flex.split_forward(q, k, v, depth_k, depth_v, float(scale), bool(s.causal),
+                                                 bool(s.sequence), depth_first)  # fmt: skip
+    return out, sequence.lse_view(lse)

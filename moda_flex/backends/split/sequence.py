@@ -1,0 +1,93 @@
+"""The sequence part on the attention kernels PyTorch ships: SDPA's cuDNN and FlashAttention aten ops.
+
+Each returns the output with its lse (natural log), and its backward takes
+the output and lse it is given: called with the *merged* output and lse of
+MoDA, it returns the sequence part's exact share of dq, dk, dv. Both take
+GQA (``Hq = G * Hk``) without expanding k and v. On CPU (the tests, under
+Triton's interpreter) the same role is played by SDPA's CPU flash op.
+
+An op's lse comes in its own layout (cuDNN: (B, H, T, 1)); :func:`lse_view`
+gives the (B, H, T) view the depth kernels read and write.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+aten = torch.ops.aten
+
+KERNELS = ("cudnn", "flash", "cpu")
+
+
+@torch.compiler.assume_constant_result
+def capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA device's compute capability (a constant to ``torch.compile``)."""
+    return _capability(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+@torch.compiler.assume_constant_result
+def kernel_for(device: torch.device, head_dim: int) -> str:
+    """The vendor kernel for a call on ``device`` with head dim ``head_dim`` (16-bit floats, ``D % 8 == 0``).
+
+    cuDNN on compute capability 9.x and 10.x up to D=128, where it is the
+    faster of the two (BENCHMARKS.md), FlashAttention elsewhere; the CPU op
+    on CPU. SDPA's switches (``torch.nn.attention.sdpa_kernel``) are honoured:
+    a disabled cuDNN falls back to FlashAttention.
+    """
+    if device.type == "cpu":
+        return "cpu"
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled() and _capability(device)[0] in (9, 10) and head_dim <= 128
+    return "cudnn" if cudnn else "flash"
+
+
+def lse_view(lse: Tensor) -> Tensor:
+    """An op's lse as a (B, H, T) view."""
+    return lse[..., 0] if lse.dim() == 4 else lse
+
+
+def forward(kernel: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """(out, lse) of attention over the sequence: out (B, Hq, Tq, D) in the op's layout, lse in the op's layout.
+
+    Args:
+        q: (B, Hq, Tq, D); k, v: (B, Hk, Tk, D). ``causal`` is top-left: the
+            caller passes it only where ``Tq == Tk``.
+    """
+    if kernel == "cudnn":
+        out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
+    elif kernel == "flash":
+        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    else:
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse
+
+
+def backward(kernel: str, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+             causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """dq (B, Hq, Tq, D), dk, dv (B, Hk, Tk, D) of the attention whose softmax gave ``out`` and ``lse``.
+
+    ``grad_out`` and ``out`` share a layout, ``lse`` is in the op's layout.
+    Without dropout the ops read no random state: empty seeds stand in for it.
+    """
+    Tq, Tk = q.shape[2], k.shape[2]
+    if kernel == "cudnn":
+        seed = torch.empty((), dtype=torch.int64, device=q.device)
+        return aten._scaled_dot_product_cudnn_attention_backward(
+            grad_out, q, k, v, out, lse, seed, seed, None, None, None, Tq, Tk, 0.0, causal, scale=scale
+        )
+    if kernel == "flash":
+        seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+        offset = torch.empty((), dtype=torch.uint64, device=q.device)
+        return aten._scaled_dot_product_flash_attention_backward(
+            grad_out, q, k, v, out, lse, None, None, Tq, Tk, 0.0, causal, seed, offset, scale=scale
+        )
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, 0.0, causal, scale=scale
+    )
