@@ -162,3 +162,21 @@ def test_a_call_under_inference_mode_leaves_training_calls_working(kind):
     with torch.inference_mode():
         moda_flex.moda_attention(**inputs, variant=variant, backend="flex")
     assert_matches_reference(inputs, backend="flex", variant=variant)
+
+
+WRONG_SHAPES = {
+    "mean over keys": lambda s, b, h, q_pos, pos, slot, is_depth: s.mean(-1, keepdim=True),
+    "first column": lambda s, b, h, q_pos, pos, slot, is_depth: s[..., :1],
+    "max over the batch": lambda s, b, h, q_pos, pos, slot, is_depth: s.amax(0, keepdim=True),
+    "flattened": lambda s, b, h, q_pos, pos, slot, is_depth: s.flatten(),
+}
+
+
+@pytest.mark.parametrize("name", WRONG_SHAPES)
+def test_a_score_of_the_wrong_shape_is_refused_as_on_the_reference(name):
+    """Inside FlexAttention each logit is a scalar, where these would run; flex refuses them up front."""
+    inputs = make_inputs(MoDAShape(2, 2, 1, 5, 5, 2, 8))
+    score = moda_flex.Score(name, WRONG_SHAPES[name])
+    for backend in ("reference", "flex"):
+        with pytest.raises(ValueError, match=rf"score '{name}' must return a tensor of the logit's shape"):
+            moda_flex.moda_attention(**inputs, score=score, backend=backend)

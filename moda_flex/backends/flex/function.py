@@ -104,9 +104,9 @@ def flex_moda(
 
     score_mod, params = None, ()
     if variant.score is not None:
-        # Check the params against this call, and the function on one entry, here:
-        # inside FlexAttention's tracing an error would lose its message.
-        _call_on_one_entry(variant.score.bind(Hq, L), q.device)
+        # Check the params against this call, and the function on a grid of logits,
+        # here: inside FlexAttention's tracing an error would lose its message.
+        _probe_score(variant.score.bind(Hq, L), q.device)
         params = variant.score.params
     rows, keys, values, *params = _FirstOrderOnly.apply(rows, keys, values, *params)
     # An empty tensor (a depth bias when L = 0) has no gradient to compute, and
@@ -224,20 +224,34 @@ def _reads_by_index(variant: Variant, q_heads: int, slots: int) -> bool:
     params = variant.score.params
     copies = [_Copy(p.detach()[None], torch.zeros(1, dtype=torch.long, device=p.device)) for p in params]
     try:
-        _call_on_one_entry(variant.score.bind(q_heads, slots, copies), params[0].device)
+        _probe_score(variant.score.bind(q_heads, slots, copies), params[0].device)
     except (TypeError, AttributeError):  # an operation a _Copy does not offer
         return False
     return True
 
 
-def _call_on_one_entry(fn, device) -> Tensor:
-    """The score function on one entry (logit 0, every index 0, a depth entry).
+# A grid of logits laid out like the reference's (B, Hq, Tq, N), every size
+# distinct and above 1, sequence and depth columns alternating.
+_PROBE_SHAPE = (2, 3, 4, 5)
 
-    Indices of shape (1,), not 0-d: Dynamo reads a 0-d integer tensor used as
+
+def _probe_score(fn, device) -> Tensor:
+    """The score function on the :data:`_PROBE_SHAPE` grid (logits 0, every index 0), as the reference calls it.
+
+    Inside FlexAttention every logit is a scalar, so a function that does not
+    keep the logit's shape (a reduction or a reshape over some axis) would run
+    there; on this grid it fails as on the reference, naming the shapes.
+    Index tensors have no 0-d one: Dynamo reads a 0-d integer tensor used as
     an index as a Python int, a data-dependent value it cannot trace.
     """
-    index = torch.zeros(1, dtype=torch.long, device=device)
-    return fn(torch.zeros(1, device=device), index, index, index, index, index, index == 0)
+    B, H, T, N = _PROBE_SHAPE
+
+    def zeros(*shape):
+        return torch.zeros(shape, dtype=torch.long, device=device)
+
+    is_depth = (torch.arange(N, device=device) % 2 == 1).view(1, 1, 1, N)
+    return fn(torch.zeros(_PROBE_SHAPE, device=device), zeros(B, 1, 1, 1), zeros(1, H, 1, 1), zeros(1, 1, T, 1),
+              zeros(1, 1, T, N), zeros(1, 1, 1, N), is_depth)  # fmt: skip
 
 
 def _run_flex(rows, keys, values, block_mask, scale, compiled, return_lse, score_mod=None, params=()):
