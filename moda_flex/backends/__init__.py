@@ -6,6 +6,8 @@ that runs a call :func:`moda_flex.moda_attention` has already checked:
     reference   backends/reference.py   the definition in plain PyTorch: any device, float64, second derivatives
     flex        backends/flex/          one FlexAttention call over [sequence | depth]: any variant
     triton      backends/triton/        the fused kernels: CUDA (CPU under TRITON_INTERPRET=1), structured variants
+    split       backends/split/         the sequence part on SDPA's cuDNN / FlashAttention op, the depth part
+                                        on our kernel, merged through the lse: causal or full, fp16 / bf16
 
 ``auto``, the same for a direct call and for the layers of :mod:`moda_flex.nn`,
 takes the first that applies:
@@ -15,7 +17,9 @@ takes the first that applies:
    computes exactly that call (a baseline model, a MoDA model's first layer).
    It gives a masked key a zero weight, and ``0 * NaN = NaN``: a NaN or Inf
    in a later token's key or value reaches the earlier rows here;
-2. on CUDA: ``triton`` where it supports the call, else ``flex``;
+2. on CUDA: ``split`` where the vendor's kernel computes the sequence part
+   exactly (:func:`moda_flex.backends.split.unsupported_reason`), else
+   ``triton`` where it supports the call, else ``flex``;
 3. elsewhere: ``reference`` (on CPU it beats eager FlexAttention).
 
 Whatever the name, a call with no output element (B, Hq or Tq is 0) runs on
@@ -32,7 +36,7 @@ from torch import Tensor
 from ..variants import Variant
 from .reference import reference_attention
 
-NAMES = ("auto", "reference", "flex", "triton")
+NAMES = ("auto", "reference", "flex", "triton", "split")
 
 Backend = Callable[..., tuple[Tensor, Optional[Tensor]]]
 
@@ -53,25 +57,33 @@ def choose(name: str, q: Tensor, k: Tensor, slots: int, variant: Variant, *, ret
     """
     if name not in NAMES:
         raise ValueError(f"backend must be one of {NAMES}, got {name!r}")
-    run = _auto(q, k, slots, variant, return_lse) if name == "auto" else _named(name, q, variant)
+    run = _auto(q, k, slots, variant, return_lse) if name == "auto" else _named(name, q, k, variant)
     return reference_attention if q.numel() == 0 else run
 
 
-def _named(name: str, q: Tensor, variant: Variant) -> Backend:
+def _named(name: str, q: Tensor, k: Tensor, variant: Variant) -> Backend:
     if name == "reference":
         return reference_attention
     if name == "flex":
         return _flex()
-    triton = _triton()
-    if triton is None:
+    if not _has_triton():
         raise NotImplementedError(
-            "backend 'triton' needs the triton package (installed with moda_flex on Linux); "
+            f"backend {name!r} needs the triton package (installed with moda_flex on Linux); "
             "use backend='flex' or 'reference'"
         )
-    reason = triton.unsupported_reason(q, variant)
+    if name == "split":
+        from . import split
+
+        reason = split.unsupported_reason(q, k, variant)
+        run = split.split_attention
+    else:
+        from . import triton
+
+        reason = triton.unsupported_reason(q, variant)
+        run = triton.triton_attention
     if reason is not None:
-        raise NotImplementedError(f"backend 'triton' cannot run variant {variant.name!r}: {reason}")
-    return triton.triton_attention
+        raise NotImplementedError(f"backend {name!r} cannot run variant {variant.name!r}: {reason}")
+    return run
 
 
 def _auto(q: Tensor, k: Tensor, slots: int, variant: Variant, return_lse: bool) -> Backend:
@@ -79,9 +91,13 @@ def _auto(q: Tensor, k: Tensor, slots: int, variant: Variant, return_lse: bool) 
         return sdpa_attention
     if q.device.type != "cuda":
         return reference_attention
-    triton = _triton()
-    if triton is not None and triton.unsupported_reason(q, variant) is None:
-        return triton.triton_attention
+    if _has_triton():
+        from . import split, triton
+
+        if split.unsupported_reason(q, k, variant) is None:
+            return split.split_attention
+        if triton.unsupported_reason(q, variant) is None:
+            return triton.triton_attention
     return _flex()
 
 
@@ -113,12 +129,10 @@ def _flex() -> Backend:
     return flex_attention_backend
 
 
-def _triton():
-    """The fused backend's package, or None without the triton package (no wheel exists off Linux)."""
+def _has_triton() -> bool:
+    """Whether the triton package is installed (no wheel exists off Linux): the kernel backends need it."""
     try:
         import triton  # noqa: F401
     except ImportError:
-        return None
-    from . import triton as package
-
-    return package
+        return False
+    return True

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..first_order import refuse_create_graph
 from . import sequence
 
 _LOG2E = math.log2(math.e)
@@ -265,6 +266,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _autograd_backward(ctx, grad_out, grad_lse):
+    # The kernels' gradients have no graph: refuse a backward that would differentiate them again.
+    refuse_create_graph("split")
     q, k, v, depth_k, depth_v, out, lse = ctx.saved_tensors
     if grad_out is None and grad_lse is None:
         return (None,) * (5 + len(ctx.options))

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from ...scores import Score
 from ...variants import Variant
+from ..first_order import refuse_create_graph
 
 DepthKV = Union[Tensor, Sequence[Tensor]]
 
@@ -766,7 +767,12 @@ def _setup_context(ctx, inputs, output):
 
 
 def _autograd_backward(ctx, grad_out, grad_lse, run_backward=None):
-    """Gradients of q, k, v, depth_k, depth_v (depth in its input form), documents (None), the bias, the options."""
+    """Gradients of q, k, v, depth_k, depth_v (depth in its input form), documents (None), the bias, the options.
+
+    The eager path's backward too. The kernels' gradients have no graph: a backward under create_graph=True
+    is refused, rather than return second derivatives that are silently wrong.
+    """
+    refuse_create_graph("triton")
     (q, k, v, out, lse, documents, bias), depth = ctx.saved_tensors[:7], ctx.saved_tensors[7:]
     depth_k, depth_v = list(depth[: ctx.num_depth]), list(depth[ctx.num_depth :])
     if grad_out is None:

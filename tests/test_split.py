@@ -1,0 +1,176 @@
+"""The split path against the float64 reference, its NaN rule, and where ``auto`` sends a call.
+
+On CPU the depth kernels run under the Triton interpreter and SDPA's CPU
+flash op stands in for the vendor's kernel (float32, small shapes); on a GPU
+the same tests run the cuDNN or FlashAttention op in bfloat16 and float16.
+"""
+
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("triton")
+
+from moda_flex import backends, moda_attention  # noqa: E402
+from moda_flex import variants as v  # noqa: E402
+from moda_flex.backends import split  # noqa: E402
+from moda_flex.backends.reference import reference_attention  # noqa: E402
+from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs, moda_shapes, relative_error, tolerance  # noqa: E402
+
+from budget import examples  # noqa: E402
+from test_nonfinite import NUMPY_NAN_WARNINGS, VALUES, _assert_reaches_only_its_rows, _entries  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = (torch.bfloat16, torch.float16) if DEVICE == "cuda" else (torch.float32,)
+# The variants the split path computes: the sequence mask of the vendor's kernel, depth slots of the token's own.
+KINDS = ("causal", "full", "depth_window", "depth_only")
+
+
+def _split_variants(shape: MoDAShape):
+    """Variants the split path runs for ``shape``: causal ones only at Tq == Tk (the vendor aligns it top-left)."""
+    any_length = st.sampled_from([v.full(), v.depth_only()])
+    causal = st.just(v.causal()) | st.integers(1, max(shape.slots, 1)).map(v.depth_window)  # a causal depth window
+    return (any_length | causal) if shape.q_len == shape.kv_len else any_length
+
+
+@settings(max_examples=examples(25))
+@given(
+    shape=moda_shapes(max_kv_len=40, max_slots=9, max_kv_heads=2, head_dims=(8, 16)),
+    dtype=st.sampled_from(DTYPES),
+    strided=st.booleans(),
+    data=st.data(),
+)
+def test_matches_reference(shape, dtype, strided, data):
+    """Output, lse and the five gradients: odd lengths, G of 1..8, L of 0..9, Tq < Tk under full, strided depth."""
+    variant = data.draw(_split_variants(shape))
+    inputs = make_inputs(shape, dtype=dtype, device=DEVICE, strided_depth=strided)
+    assert split.unsupported_reason(inputs["q"], inputs["k"], variant) is None
+    assert_matches_reference(inputs, backend="split", variant=variant)
+
+
+@pytest.mark.parametrize("variant", [v.causal(), v.full(), v.depth_window(2), v.depth_only()], ids=lambda x: x.name)
+def test_the_lse_gradient(variant):
+    """A loss of out and lse: the lse's gradient reaches the vendor's backward through its extra head lanes."""
+    shape = MoDAShape(batch=2, q_heads=6, kv_heads=2, q_len=9, kv_len=9, slots=5, head_dim=16)
+    inputs = make_inputs(shape, dtype=DTYPES[0], device=DEVICE)
+    ref_inputs = {name: t.detach().double().requires_grad_() for name, t in inputs.items()}
+    out, lse = moda_attention(**inputs, variant=variant, backend="split", return_lse=True)
+    ref_out, ref_lse = reference_attention(*ref_inputs.values(), variant, shape.head_dim**-0.5)
+    weights = torch.randn_like(ref_lse)
+    grads = torch.autograd.grad((out.float().sum(-1) * 0.3 + lse * weights.float()).sum(), list(inputs.values()))
+    ref_grads = torch.autograd.grad((ref_out.sum(-1) * 0.3 + ref_lse * weights).sum(), list(ref_inputs.values()))
+    for name, grad, ref in zip(inputs, grads, ref_grads):
+        assert relative_error(grad, ref) <= tolerance(DTYPES[0], DEVICE), name
+
+
+def test_a_loss_of_the_lse_alone():
+    """No gradient reaches the output: the backward reads the lse's gradient only."""
+    shape = MoDAShape(batch=1, q_heads=2, kv_heads=1, q_len=5, kv_len=5, slots=3, head_dim=8)
+    inputs = make_inputs(shape, dtype=DTYPES[0], device=DEVICE)
+    ref_inputs = {name: t.detach().double().requires_grad_() for name, t in inputs.items()}
+    _, lse = moda_attention(**inputs, backend="split", return_lse=True)
+    _, ref_lse = reference_attention(*ref_inputs.values(), v.causal(), shape.head_dim**-0.5)
+    grads = torch.autograd.grad(lse.sum(), list(inputs.values()))
+    ref_grads = torch.autograd.grad(ref_lse.sum(), list(ref_inputs.values()), allow_unused=True)
+    for name, grad, ref in zip(inputs, grads, ref_grads):
+        if ref is None:  # the values: the lse does not depend on them
+            assert not grad.any(), name
+        else:
+            assert relative_error(grad, ref) <= tolerance(DTYPES[0], DEVICE), name
+
+
+def test_no_second_derivative():
+    """The kernels' gradients have no graph: a backward that builds one is refused, not silently wrong."""
+    inputs = make_inputs(MoDAShape(1, 2, 1, 4, 4, 2, 8), dtype=DTYPES[0], device=DEVICE)
+    out = moda_attention(**inputs, backend="split")
+    with pytest.raises(NotImplementedError, match="backend 'split' has no second derivative"):
+        torch.autograd.grad(out.square().sum(), inputs["q"], create_graph=True)
+
+
+# ---- NaN and Inf ----------------------------------------------------------------------------------------------
+
+
+@NUMPY_NAN_WARNINGS
+@settings(max_examples=examples(12))
+@given(
+    shape=moda_shapes(max_batch=2, max_groups=3, max_kv_heads=2, max_kv_len=20, max_slots=4, head_dims=(8,)),
+    data=st.data(),
+    value=VALUES,
+)
+def test_a_non_finite_entry_reaches_only_the_rows_that_see_it(shape, data, value):
+    """Zeroed keys and values for the vendor, dead rows silenced in its backward: bit for bit."""
+    variant = data.draw(_split_variants(shape))
+    name, index = data.draw(_entries(shape))
+    _assert_reaches_only_its_rows("split", shape, variant, name, index, value, device=DEVICE)
+
+
+@NUMPY_NAN_WARNINGS
+@pytest.mark.parametrize(
+    "case",
+    [
+        (v.causal(), "v", (0, 1, 8)),  # a future value: the vendor's diagonal tile would spread it
+        (v.causal(), "k", (0, 0, 2)),
+        (v.causal(), "depth_v", (0, 0, 2, 1)),  # another token's slot
+        (v.depth_window(1), "depth_k", (0, 1, 4, 0)),  # a slot outside the window
+        (v.full(), "q", (0, 3, 4)),
+    ],
+    ids=lambda case: f"{case[0].name}-{case[1]}",
+)
+def test_named_entries(case):
+    variant, name, index = case
+    shape = MoDAShape(batch=1, q_heads=4, kv_heads=2, q_len=9, kv_len=9, slots=3, head_dim=16)
+    _assert_reaches_only_its_rows("split", shape, variant, name, index, float("nan"), device=DEVICE)
+
+
+# ---- auto's choice --------------------------------------------------------------------------------------------
+
+
+def _call(device: str, dtype=torch.bfloat16, q_len=64, kv_len=64, head_dim=64):
+    """Stand-ins for q and k: the policy reads only their shapes, dtype and device."""
+    q = types.SimpleNamespace(shape=(2, 8, q_len, head_dim), dtype=dtype, device=torch.device(device), numel=lambda: 1)
+    k = types.SimpleNamespace(shape=(2, 2, kv_len, head_dim), dtype=dtype, device=torch.device(device))
+    return q, k
+
+
+CASES = {
+    # (variant, slots, q_len, dtype, head_dim, return_lse) -> what auto runs on an sm90 GPU
+    "causal, no depth": ((v.causal(), 0, 64, torch.bfloat16, 64, False), "sdpa_attention"),
+    "causal MoDA": ((v.causal(), 8, 64, torch.bfloat16, 64, False), "split_attention"),
+    "causal MoDA, lse": ((v.causal(), 8, 64, torch.float16, 64, True), "split_attention"),
+    "full MoDA, Tq < Tk": ((v.full(), 8, 5, torch.bfloat16, 128, False), "split_attention"),
+    "depth window": ((v.depth_window(2), 8, 64, torch.bfloat16, 64, False), "split_attention"),
+    "depth only": ((v.depth_only(), 8, 64, torch.bfloat16, 64, False), "split_attention"),
+    "causal MoDA, Tq < Tk": ((v.causal(), 8, 5, torch.bfloat16, 64, False), "triton_attention"),
+    "float32": ((v.causal(), 8, 64, torch.float32, 64, False), "triton_attention"),
+    "head dim 20": ((v.causal(), 8, 64, torch.bfloat16, 20, False), "triton_attention"),
+    "sliding window": ((v.sliding_window(4), 8, 64, torch.bfloat16, 64, False), "triton_attention"),
+    "documents": ((v.causal() & v.document(torch.tensor([[0] * 32 + [1] * 32] * 2)), 8, 64, torch.bfloat16, 64,
+                   False), "triton_attention"),  # fmt: skip
+    "chunk-visible depth": ((v.chunk_depth(4), 8, 64, torch.bfloat16, 64, False), "flex_attention_backend"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_auto_on_cuda(case, monkeypatch):
+    """The policy is a function of the call: shapes, dtype, device and variant, here on a stand-in sm90 GPU."""
+    (variant, slots, q_len, dtype, head_dim, return_lse), expected = CASES[case]
+    monkeypatch.setattr(split.support, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(split.sequence, "capability", lambda device: (9, 0))
+    q, k = _call("cuda", dtype, q_len, 64, head_dim)
+    assert backends.choose("auto", q, k, slots, variant, return_lse=return_lse).__name__ == expected
+
+
+@pytest.mark.parametrize("kind", sorted(v.BUILTINS))
+def test_auto_on_cpu_never_runs_a_kernel(kind):
+    variant = v.BUILTINS[kind].example(64, 8)
+    q, k = _call("cpu", torch.float32)
+    assert backends.choose("auto", q, k, 8, variant, return_lse=False) is reference_attention
+
+
+def test_split_by_name_says_why_not():
+    inputs = make_inputs(MoDAShape(1, 2, 1, 3, 5, 2, 8), device=DEVICE, dtype=DTYPES[0])
+    with pytest.raises(NotImplementedError, match="backend 'split' cannot run variant 'causal'.*top-left"):
+        moda_attention(**inputs, backend="split")
