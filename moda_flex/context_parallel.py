@@ -31,13 +31,35 @@ and receives the next from ``r - 1``. The partial results of a query row
 merge through their log-sum-exps (``lse = log sum_i exp(lse_i)``,
 ``out = sum_i exp(lse_i - lse) * out_i``).
 
-Backward runs the same ring: each block is recomputed with ``moda_attention``
-and differentiated with the block's share of the row's gradient, and the
-K/V gradients travel with the K/V until they reach the rank that owns them.
-A rank holds its own K/V and at most two others' (the one in use, the one
-arriving): memory per rank stays proportional to ``T / world``. The lse of
-each block is float32 (what ``moda_attention`` returns), so float64 inputs
-agree with the one-process result to float32 precision.
+Backward runs the same ring without running any block's forward again.
+The merge hands back all that FlashAttention's backward needs of a row: its
+merged output ``out`` and ``lse``. With them a block's share of the
+gradients follows from its own logits ``s`` alone, since the row's final
+weights over the block's entries are ``P = exp(s - lse)``::
+
+    delta = rowsum(dO * out) - dlse          once per row, for every block
+    dV = P^T dO        dS = P * (dO V^T - delta)        dQ = scale dS K        dK = scale dS^T Q
+
+and the blocks' shares sum to the one-process gradients (the depth slots
+of the diagonal block are more columns of the same ``P``). A block on
+triton or on the split path hands ``(out, lse)`` to that backend's
+backward op (the split path's vendor kernel takes a given output and lse
+too); a block on the reference backend computes the lines above in plain
+PyTorch. FlexAttention takes no given lse, so a block on flex (where
+triton cannot describe a document block, see
+:func:`context_parallel_moda_attention`) is run forward again and
+differentiated with its share of the row's gradient.
+
+Memory per rank: the backward keeps, besides the rank's own inputs, the
+merged ``out`` (B, Hq, T_local, D) and ``lse`` (B, Hq, T_local) in float32
+(float64 for float64 inputs): ``O(T/P * Hq * (D + 1))`` floats, and nothing
+per block or per ring step. While the ring turns it also holds the K/V in
+use, the K/V arriving and one K/V gradient in flight, (2, B, Hk, T_local, D)
+each: memory per rank stays proportional to ``T / world``. A block's own
+working memory is its backend's: the reference's holds the block's weights,
+(b, Hq, rows, cols + L), as its forward does. The lse of each block is
+float32 (what ``moda_attention`` returns), so float64 inputs agree with the
+one-process result to float32 precision.
 
 Works with any torch.distributed backend that has point-to-point sends
 (NCCL on GPUs, gloo on CPU).
@@ -50,6 +72,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Optional, Union
 
 import torch
@@ -58,6 +81,7 @@ from torch import Tensor
 
 from . import backends
 from .attention import check_inputs, moda_attention
+from .backends.reference import reference_attention, visible_entries
 from .depth import slot_count
 from .variants import Documents, Structure, Variant, full, resolve
 
@@ -500,7 +524,7 @@ def _block_inputs(block: _Block, q, kv, depth_k, depth_v) -> list[Tensor]:
 
 
 class _RingAttention(torch.autograd.Function):
-    """Ring MoDA: forward merges the blocks by lse, backward recomputes them one at a time."""
+    """Ring MoDA: forward merges the blocks by lse, backward differentiates each from the merged (out, lse)."""
 
     @staticmethod
     def forward(ctx, q, k, v, depth_k, depth_v, ring: _Ring):
@@ -520,6 +544,8 @@ class _RingAttention(torch.autograd.Function):
                 kv = incoming.wait()
         ctx.save_for_backward(q, k, v, depth_k, depth_v, out, lse)
         ctx.ring = ring
+        # The dtype the blocks computed in (autocast's, if on): the backward computes in it too.
+        ctx.compute_dtype = out_dtype
         ctx.autocast = _autocast_state(q.device.type)
         return out.to(out_dtype), lse.float()
 
@@ -530,8 +556,8 @@ class _RingAttention(torch.autograd.Function):
         ring = ctx.ring
         accumulate = out.dtype
         grad_out, grad_lse = grad_out.to(accumulate), grad_lse.to(accumulate)
-        # Rows that saw nothing have lse = -inf: a finite stand-in makes their block weights exp(-inf) = 0.
-        lse = lse.masked_fill(lse == -math.inf, 0.0)
+        delta = (grad_out * out).sum(-1) - grad_lse  # (B, Hq, 2C)
+        rows = _Rows(out, lse, grad_out, grad_lse, delta, ctx.compute_dtype, ctx.autocast)
         grads = {
             "q": torch.zeros(q.shape, dtype=accumulate, device=q.device),
             "depth_k": torch.zeros(depth_k.shape, dtype=accumulate, device=q.device),
@@ -543,7 +569,14 @@ class _RingAttention(torch.autograd.Function):
             incoming = ring.pass_on(kv) if step < ring.world - 1 else None
             grad_kv = torch.zeros(kv.shape, dtype=accumulate, device=q.device)
             for block in blocks:
-                _block_backward(block, q, kv, depth_k, depth_v, out, lse, grad_out, grad_lse, grads, grad_kv, ctx)
+                inputs = _block_inputs(block, q, kv, depth_k, depth_v)
+                block_grads = _block_backward(block, inputs, rows, ring)
+                b, r = block.batch, block.rows
+                grads["q"][b, :, r] += block_grads[0]
+                grad_kv[:, b, :, block.cols] += torch.stack(block_grads[1:3])
+                if block.depth:
+                    grads["depth_k"][b, :, r] += block_grads[3]
+                    grads["depth_v"][b, :, r] += block_grads[4]
             # This K/V's gradient so far arrived from the ranks it visited before; add ours and pass it on.
             if grad_kv_in_flight is not None:
                 grad_kv += grad_kv_in_flight.wait()
@@ -576,35 +609,179 @@ def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> No
     lse.copy_(merged)
 
 
-def _block_backward(block, q, kv, depth_k, depth_v, out, lse, grad_out, grad_lse, grads, grad_kv, ctx) -> None:
-    """Recompute one block and add its gradients into the accumulators.
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """What the backward knows of this rank's rows: (B, Hq, 2C, D) ``out`` and ``grad_out``, (B, Hq, 2C) the rest.
+
+    ``out``, ``lse`` are the merged forward results (``lse = -inf``: a row
+    that saw nothing); ``delta = rowsum(grad_out * out) - grad_lse``; all in
+    the accumulation dtype. ``compute_dtype`` and ``autocast`` are the
+    forward's (:func:`_autocast_state`).
+    """
+
+    out: Tensor
+    lse: Tensor
+    grad_out: Tensor
+    grad_lse: Tensor
+    delta: Tensor
+    compute_dtype: torch.dtype
+    autocast: tuple[str, bool, torch.dtype]
+
+
+def _block_backward(block: _Block, inputs: list[Tensor], rows: _Rows, ring: _Ring) -> tuple[Tensor, ...]:
+    """One block's share of the gradients: dq (b, Hq, rows, D), dk, dv (b, Hk, cols, D), and on the
+    diagonal d depth_k, d depth_v (b, Hk, rows, L, D), by the backend that ran the block's forward."""
+    q_rows, kv_cols, *depth = inputs
+    slots = depth[0].shape[3] if depth else 0
+    run = backends.choose(block.backend or ring.backend, q_rows, kv_cols[0], slots, block.variant, return_lse=True)
+    if run is reference_attention:
+        return _reference_block_backward(block, inputs, rows, ring.scale)
+    # The kernel backends' packages are imported once a block has run on them.
+    triton, split = (sys.modules.get(f"{backends.__name__}.{name}") for name in ("triton", "split"))
+    if triton is not None and run is triton.triton_attention:
+        return _triton_block_backward(block, inputs, rows, ring.scale)
+    if split is not None and run is split.split_attention:
+        return _split_block_backward(block, inputs, rows, ring.scale)
+    return _recomputed_block_backward(block, inputs, rows, ring)
+
+
+def _reference_block_backward(block: _Block, inputs: list[Tensor], rows: _Rows, scale: float) -> tuple[Tensor, ...]:
+    """FlashAttention's backward of one block in plain PyTorch, from the merged lse and delta of its rows.
+
+    Query head ``h`` reads KV head ``h // G``: the rows are grouped as
+    (b, Hk, G * rows, D) against (b, Hk, cols, D), so no K/V is repeated.
+    """
+    b, r = block.batch, block.rows
+    dtype = rows.out.dtype
+    # Computed in the forward's dtype, then in the accumulation dtype; non-finite entries zeroed as the
+    # reference does, so that a masked NaN reaches no row (moda_flex.nonfinite).
+    q, kv, *depth = (torch.where(t.isfinite(), t, 0).to(rows.compute_dtype).to(dtype) for t in inputs)
+    k, v = kv
+    B, Hq, R, D = q.shape
+    Hk, Tk = k.shape[1], k.shape[2]
+    G, L = Hq // Hk, (depth[0].shape[3] if depth else 0)
+    lse, delta, grad_out = rows.lse[b, :, r], rows.delta[b, :, r], rows.grad_out[b, :, r]  # (B, Hq, R), (.., D)
+    # A row that saw nothing (lse = -inf) or a NaN (lse = NaN) sends no gradient.
+    live = lse.isfinite().unsqueeze(-1)  # (B, Hq, R, 1)
+    seq_visible, depth_visible = visible_entries(block.variant, B, Hq, R, Tk, L, q.device)
+
+    def grouped(x: Tensor) -> Tensor:  # (B, Hq, R, N) -> (B, Hk, G * R, N)
+        return x.reshape(B, Hk, G * R, x.shape[-1])
+
+    def weights(logits: Tensor, visible: Tensor) -> Tensor:  # P = exp(s - lse) where visible, (B, Hq, R, N)
+        return torch.where(visible & live, torch.exp(logits - lse.unsqueeze(-1)), 0)
+
+    s = scale * grouped(q) @ k.transpose(-1, -2)  # (B, Hk, G * R, Tk)
+    p = weights(s.view(B, Hq, R, Tk), seq_visible)  # (B, Hq, R, Tk)
+    dp = (grouped(grad_out) @ v.transpose(-1, -2)).view(B, Hq, R, Tk)
+    ds = grouped(p * (dp - delta.unsqueeze(-1)))  # (B, Hk, G * R, Tk)
+    dq = (scale * ds @ k).view(B, Hq, R, D)
+    dk = scale * ds.transpose(-1, -2) @ grouped(q)  # (B, Hk, Tk, D)
+    dv = grouped(p).transpose(-1, -2) @ grouped(grad_out)
+    if not block.depth:
+        return dq, dk, dv
+    assert block.variant.own_depth_only, "the ring runs only variants that read each token's own depth"
+    depth_k, depth_v = depth  # (B, Hk, R, L, D)
+    q5, grad_out5 = q.reshape(B, Hk, G, R, D), grad_out.reshape(B, Hk, G, R, D)
+    sd = scale * torch.einsum("bkgrd,bkrld->bkgrl", q5, depth_k)  # (B, Hk, G, R, L)
+    pd = weights(sd.reshape(B, Hq, R, L), depth_visible).view(B, Hk, G, R, L)
+    dpd = torch.einsum("bkgrd,bkrld->bkgrl", grad_out5, depth_v)
+    dsd = pd * (dpd - delta.reshape(B, Hk, G, R, 1))
+    dq = dq + scale * torch.einsum("bkgrl,bkrld->bkgrd", dsd, depth_k).reshape(B, Hq, R, D)
+    d_depth_k = scale * torch.einsum("bkgrl,bkgrd->bkrld", dsd, q5)
+    d_depth_v = torch.einsum("bkgrl,bkgrd->bkrld", pd, grad_out5)
+    return dq, dk, dv, d_depth_k, d_depth_v
+
+
+def _triton_block_backward(block: _Block, inputs: list[Tensor], rows: _Rows, scale: float) -> tuple[Tensor, ...]:
+    """One block through the triton backward op, given the merged out and lse of its rows.
+
+    The op's options are those ``triton_attention`` derives from the block's
+    structure (the ring runs no score: no cap, no bias).
+    """
+    b, r = block.batch, block.rows
+    q, kv, depth_k, depth_v = _kernel_inputs(inputs, rows.compute_dtype)
+    s = block.variant.structure
+    documents = None if s.documents is None else s.documents.packed.to(q.device)
+    window = 0 if s.window is None else int(s.window)
+    options = (scale, bool(s.causal), window, _depth_first(s, depth_k), bool(s.sequence), 0.0, False)
+    dq, dk, dv, d_depth_k, d_depth_v, _ = torch.ops.moda_flex.triton_backward(
+        rows.grad_out[b, :, r].to(rows.compute_dtype).contiguous(),
+        rows.grad_lse[b, :, r].float().contiguous(),
+        q, kv[0], kv[1], [depth_k], [depth_v],
+        rows.out[b, :, r].to(rows.compute_dtype),
+        rows.lse[b, :, r].float().contiguous(),  # the op reads dlse and writes delta with the lse's strides
+        documents, None, False, *options,
+    )  # fmt: skip
+    return (dq, dk, dv, d_depth_k, d_depth_v) if block.depth else (dq, dk, dv)
+
+
+def _split_block_backward(block: _Block, inputs: list[Tensor], rows: _Rows, scale: float) -> tuple[Tensor, ...]:
+    """One block through the split path's backward op, given the merged out and lse of its rows.
+
+    The vendor's backward takes the output and lse it is given, so the
+    sequence part's share comes out of it as the depth part's does out of
+    ours. Every tensor is handed over contiguous, in the layout the vendor's
+    forward returns for contiguous inputs.
+    """
+    from .backends.split import sequence
+
+    b, r = block.batch, block.rows
+    q, kv, depth_k, depth_v = (t.contiguous() for t in _kernel_inputs(inputs, rows.compute_dtype))
+    s = block.variant.structure
+    lse = rows.lse[b, :, r].float().contiguous()  # (b, Hq, rows)
+    if sequence.kernel_for(q.device, q.shape[-1]) == "cudnn":
+        lse = lse.unsqueeze(-1)  # cuDNN's layout, (b, Hq, rows, 1)
+    dq, dk, dv, d_depth_k, d_depth_v = torch.ops.moda_flex.split_backward(
+        rows.grad_out[b, :, r].to(rows.compute_dtype).contiguous(),
+        rows.grad_lse[b, :, r].float().contiguous(),
+        q, kv[0], kv[1], depth_k, depth_v,
+        rows.out[b, :, r].to(rows.compute_dtype).contiguous(),
+        lse, scale, bool(s.causal), bool(s.sequence), _depth_first(s, depth_k),
+    )  # fmt: skip
+    return (dq, dk, dv, d_depth_k, d_depth_v) if block.depth else (dq, dk, dv)
+
+
+def _kernel_inputs(inputs: list[Tensor], dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A block's q rows, (2, ...) K/V columns and depth in ``dtype``; an off-diagonal block gets L = 0 depth."""
+    q, kv, *depth = (t.to(dtype) for t in inputs)
+    if not depth:
+        depth = [q.new_empty(*kv.shape[1:3], q.shape[2], 0, q.shape[3])] * 2  # (b, Hk, rows, 0, D)
+    return q, kv, depth[0], depth[1]
+
+
+def _depth_first(structure: Structure, depth_k: Tensor) -> int:
+    """The first depth slot a bounded depth window leaves visible (0: all), as the kernel ops take it."""
+    L = depth_k.shape[3]
+    return 0 if structure.depth_window is None else max(0, L - structure.depth_window)
+
+
+def _recomputed_block_backward(block: _Block, inputs: list[Tensor], rows: _Rows, ring: _Ring) -> tuple[Tensor, ...]:
+    """Run one block forward again and differentiate it: for backends that take no given lse (flex).
 
     The block's output enters the row's output with weight ``w = exp(lse_block - lse)``,
     so its upstream gradients are ``w * grad_out`` for its output and
     ``w * (grad_out . (out_block - out) + grad_lse)`` for its lse.
     """
-    ring = ctx.ring
-    b, rows = block.batch, block.rows
-    inputs = [t.detach().requires_grad_() for t in _block_inputs(block, q, kv, depth_k, depth_v)]
-    device_type, enabled, dtype = ctx.autocast
+    b, r = block.batch, block.rows
+    inputs = [t.detach().requires_grad_() for t in inputs]
+    device_type, enabled, dtype = rows.autocast
     with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
         q_rows, kv_cols, *depth = inputs
         block_out, block_lse = _attend(block, q_rows, kv_cols, *(depth or (None, None)), ring)
-    weight = torch.exp(block_lse.to(lse.dtype) - lse[b, :, rows])  # (b, Hq, rows)
-    row_grad = grad_out[b, :, rows]
-    share = ((block_out.detach().to(out.dtype) - out[b, :, rows]) * row_grad).sum(-1)
+    # Rows that saw nothing have lse = -inf: a finite stand-in makes their block weights exp(-inf) = 0.
+    lse = rows.lse[b, :, r]
+    lse = lse.masked_fill(lse == -math.inf, 0.0)
+    weight = torch.exp(block_lse.to(lse.dtype) - lse)  # (b, Hq, rows)
+    row_grad = rows.grad_out[b, :, r]
+    share = ((block_out.detach().to(lse.dtype) - rows.out[b, :, r]) * row_grad).sum(-1)
     upstream = (
         (weight.unsqueeze(-1) * row_grad).to(block_out.dtype),
-        (weight * (share + grad_lse[b, :, rows])).to(block_lse.dtype),
+        (weight * (share + rows.grad_lse[b, :, r])).to(block_lse.dtype),
     )
-    block_grads = torch.autograd.grad(
-        (block_out, block_lse), inputs, upstream, allow_unused=True, materialize_grads=True
-    )
-    grads["q"][b, :, rows] += block_grads[0]
-    grad_kv[:, b, :, block.cols] += block_grads[1]
-    if block.depth:
-        grads["depth_k"][b, :, rows] += block_grads[2]
-        grads["depth_v"][b, :, rows] += block_grads[3]
+    grads = torch.autograd.grad((block_out, block_lse), inputs, upstream, allow_unused=True, materialize_grads=True)
+    q_grad, kv_grad, *depth_grads = grads
+    return (q_grad, kv_grad[0], kv_grad[1], *depth_grads)
 
 
 def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:

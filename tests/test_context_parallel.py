@@ -2,12 +2,14 @@
 
 One run of 2 and one of 3 worker processes (this file run as a script) runs every case and
 writes what each rank saw to a JSON file; the tests read those files. Shapes
-are tiny (T=16 or 24, D=8, float64, mostly the reference backend) so that a
-run finishes in seconds on two CPU cores.
+are tiny (T=16 or 24, D=8, float64 on the reference backend, float32 on
+triton under the interpreter) so that a run finishes in seconds on two CPU cores.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -30,6 +32,10 @@ CASES = {
     "full-B1-Hk1-G2-L3": ("full", 1, 1, 2, 3, "reference"),
     "causal_document-B2-Hk1-G2-L3": ("causal_document", 2, 1, 2, 3, "reference"),
     "causal_document-B1-Hk1-G2-L2-flex": ("causal_document", 1, 1, 2, 2, "flex"),
+    "causal-B1-Hk1-G2-L3-triton": ("causal", 1, 1, 2, 3, "triton"),
+    "causal_document_chunk_aligned-B1-Hk1-G2-L2-triton": ("causal_document_chunk_aligned", 1, 1, 2, 2, "triton"),
+    "causal-B1-Hk1-G2-L3-split": ("causal", 1, 1, 2, 3, "split"),
+    "depth_window-B1-Hk2-G2-L3-split": ("depth_window", 1, 2, 2, 3, "split"),
     "full_document_per_row-B2-Hk2-G1-L0": ("full_document_per_row", 2, 2, 1, 0, "reference"),
     "depth_window-B1-Hk1-G2-L3": ("depth_window", 1, 1, 2, 3, "reference"),
     "depth_only-B1-Hk1-G1-L3": ("depth_only", 1, 1, 1, 3, "reference"),
@@ -51,31 +57,49 @@ BAD_INPUTS = {
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
 )
+KERNEL_BACKENDS = ("triton", "split")  # Triton kernels: under TRITON_INTERPRET=1 on CPU, float32
+
+
+def _backend_missing(backend: str) -> bool:
+    """A kernel backend this install cannot run: no triton package, or a backend name not registered."""
+    from moda_flex import backends
+
+    return backend in KERNEL_BACKENDS and (importlib.util.find_spec("triton") is None or backend not in backends.NAMES)
 
 
 # -- the workers ----------------------------------------------------------------
 
 
 def _variant(kind: str, batch: int, seq_len: int):
-    """A variant over the global sequence; documents cross chunk borders, some taller than wide."""
+    """A variant over the global sequence; documents cross chunk borders, some taller than wide.
+
+    ``causal_document_chunk_aligned`` has none taller than wide (CHUNK = 4):
+    every block has a structure, so triton runs them all.
+    """
     import moda_flex
 
     ids = torch.tensor([0] * 5 + [1] * 9 + [2] * (seq_len - 14))
     per_row = torch.stack([ids, torch.tensor([0] * 2 + [1] * 3 + [2] * (seq_len - 5))])[:batch]
+    aligned = torch.tensor([0] * 6 + [1] * 2 + [2] * (seq_len - 8))
     return {
         "causal": lambda: "causal",
         "full": lambda: "full",
         "causal_document": lambda: moda_flex.causal() & moda_flex.document(ids),
+        "causal_document_chunk_aligned": lambda: moda_flex.causal() & moda_flex.document(aligned),
         "full_document_per_row": lambda: moda_flex.full() & moda_flex.document(per_row),
         "depth_window": lambda: moda_flex.depth_window(2),
         "depth_only": moda_flex.depth_only,
     }[kind]()
 
 
-def _check_case(kind, batch, kv_heads, groups, slots, backend) -> None:
+def _check_case(kind, batch, kv_heads, groups, slots, backend) -> list[int]:
     """Context-parallel MoDA against the one-process reference: out, lse, five gradients.
 
-    FlexAttention has no backward on CPU: with ``backend="flex"`` only out and lse.
+    float64 inputs (float32 on the kernel backends, which have no float64). FlexAttention
+    has no backward on CPU: with ``backend="flex"`` only out and lse.
+
+    Returns:
+        [block forwards during the ring's forward, block forwards during its backward].
     """
     from moda_flex import moda_attention
     from moda_flex.context_parallel import context_parallel_moda_attention, gather_sequence, shard_sequence
@@ -86,26 +110,66 @@ def _check_case(kind, batch, kv_heads, groups, slots, backend) -> None:
     shapes = {"q": (B, Hq, T, D), "k": (B, Hk, T, D), "v": (B, Hk, T, D),
               "depth_k": (B, Hk, T, slots, D), "depth_v": (B, Hk, T, slots, D)}  # fmt: skip
     grads = backend != "flex"
+    dtype = torch.float32 if backend in KERNEL_BACKENDS else torch.float64
     inputs = {name: torch.randn(shape, dtype=torch.float64, requires_grad=grads) for name, shape in shapes.items()}
     grad_out = torch.randn(B, Hq, T, D, dtype=torch.float64)
     grad_lse = torch.randn(B, Hq, T, dtype=torch.float64)
     variant = _variant(kind, batch, T)
 
     out, lse = moda_attention(**inputs, variant=variant, backend="reference", return_lse=True)
-    local = {name: shard_sequence(t.detach()).requires_grad_(grads) for name, t in inputs.items()}
-    out_cp, lse_cp = context_parallel_moda_attention(**local, variant=variant, backend=backend, return_lse=True)
+    local = {name: shard_sequence(t.detach()).to(dtype).requires_grad_(grads) for name, t in inputs.items()}
+    with _counting_block_forwards() as calls:
+        out_cp, lse_cp = context_parallel_moda_attention(**local, variant=variant, backend=backend, return_lse=True)
+        counts = [len(calls)]
+        if grads:
+            torch.autograd.backward(
+                [out_cp, lse_cp], [shard_sequence(grad_out).to(dtype), shard_sequence(grad_lse).float()]
+            )
+        counts.append(len(calls) - counts[0])
 
     # The lse crosses the ring in float32 (what moda_attention returns): float32-sized errors.
-    close = dict(rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(out_cp, shard_sequence(out), **close)
+    close = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out_cp, shard_sequence(out).to(dtype), **close)
     torch.testing.assert_close(lse_cp, shard_sequence(lse), **close)
-    torch.testing.assert_close(gather_sequence(out_cp.detach()), out, **close)
+    torch.testing.assert_close(gather_sequence(out_cp.detach()), out.to(dtype), **close)
     if not grads:
-        return
+        return counts
     torch.autograd.backward([out, lse], [grad_out, grad_lse.float()])
-    torch.autograd.backward([out_cp, lse_cp], [shard_sequence(grad_out), shard_sequence(grad_lse).float()])
     for name, t in inputs.items():
-        torch.testing.assert_close(local[name].grad, shard_sequence(t.grad), msg=lambda m: f"grad {name}: {m}", **close)
+        expected = shard_sequence(t.grad).to(dtype)
+        torch.testing.assert_close(local[name].grad, expected, msg=lambda m: f"grad {name}: {m}", **close)
+    return counts
+
+
+@contextlib.contextmanager
+def _counting_block_forwards():
+    """Count the forwards of attention blocks on reference, triton and split while inside: yields the calls."""
+    from moda_flex.backends import reference
+
+    calls = []
+    targets = [(reference, "_attention")]  # the reference's forward, under reference_attention
+    if not _backend_missing("triton"):
+        from moda_flex.backends.split import ops
+        from moda_flex.backends.triton import function
+
+        targets.append((function, "_run_forward"))  # the forward kernel's launch, eager or compiled
+        targets.append((ops, "_forward"))  # the split path's vendor call and depth kernel
+
+    def counted(name, original):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return original(*args, **kwargs)
+
+        return call
+
+    originals = [(module, name, getattr(module, name)) for module, name in targets]
+    for module, name, original in originals:
+        setattr(module, name, counted(name, original))
+    try:
+        yield calls
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)
 
 
 def _check_gather() -> None:
@@ -155,10 +219,12 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     """Run every case on this rank and write {case: None or the error} to out_dir/rank{rank}.json."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    results = {"cases": {}, "bad_inputs": {}}
+    results = {"cases": {}, "block_forwards": {}, "bad_inputs": {}}
     for case, args in CASES.items():
+        if _backend_missing(args[-1]):
+            continue
         try:
-            _check_case(*args)
+            results["block_forwards"][case] = _check_case(*args)
             results["cases"][case] = None
         except Exception:
             results["cases"][case] = traceback.format_exc()
@@ -218,10 +284,27 @@ def ranks(request, tmp_path_factory):
     return run_workers(__file__, world, tmp_path_factory.mktemp(f"context_parallel_world{world}"))
 
 
+def _needs_backend(case: str) -> None:
+    if _backend_missing(CASES[case][-1]):
+        pytest.skip(f"backend {CASES[case][-1]!r} needs the triton package and its registration")
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_matches_one_process_reference(ranks, case):
+    _needs_backend(case)
     for rank, seen in enumerate(ranks):
         assert seen["cases"][case] is None, f"rank {rank}:\n{seen['cases'][case]}"
+
+
+@pytest.mark.parametrize("case", [case for case, args in CASES.items() if args[-1] != "flex"])
+def test_backward_runs_no_block_forward(ranks, case):
+    """The backward differentiates each block from the merged (out, lse): it runs no block's forward again."""
+    _needs_backend(case)
+    for rank, seen in enumerate(ranks):
+        assert seen["cases"][case] is None, f"rank {rank}:\n{seen['cases'][case]}"
+        forward, backward = seen["block_forwards"][case]
+        assert forward > 0, f"rank {rank}: the counter saw none of the ring's block forwards"
+        assert backward == 0, f"rank {rank}: the backward ran {backward} block forwards (the forward ran {forward})"
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)
@@ -241,6 +324,52 @@ def test_gather_sequence_inverts_shard_sequence(ranks):
 def test_group_still_works_after_rejected_calls(ranks):
     for rank, seen in enumerate(ranks):
         assert seen["after_errors"] is None, f"rank {rank}:\n{seen['after_errors']}"
+
+
+@pytest.mark.parametrize("method", ["merged_lse", "recomputed"])
+def test_block_backwards_sum_to_the_one_call_gradients(method):
+    """In one process: a call split into two key blocks, each differentiated alone, gives the call's gradients.
+
+    ``merged_lse`` is the backward of blocks on reference (and the algebra of
+    triton's); ``recomputed`` the one for blocks on flex, here run on reference
+    because FlexAttention has no backward on CPU.
+    """
+    import moda_flex
+    from moda_flex import context_parallel as cp
+
+    torch.manual_seed(0)
+    C, L = CHUNK, 3
+    q = torch.randn(1, 2, C, HEAD_DIM, dtype=torch.float64)  # queries at positions C .. 2C - 1
+    k, v = (torch.randn(1, 1, 2 * C, HEAD_DIM, dtype=torch.float64) for _ in range(2))
+    depth_k, depth_v = (torch.randn(1, 1, C, L, HEAD_DIM, dtype=torch.float64) for _ in range(2))
+    grad_out, grad_lse = torch.randn_like(q), torch.randn(1, 2, C, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, depth_k, depth_v)]
+    out, lse = moda_flex.moda_attention(*leaves, backend="reference", return_lse=True)
+    torch.autograd.backward([out, lse], [grad_out, grad_lse.float()])
+
+    out, lse = out.detach(), lse.detach().double()
+    delta = (grad_out * out).sum(-1) - grad_lse  # (1, 2, C)
+    rows = cp._Rows(out, lse, grad_out, grad_lse, delta, torch.float64, ("cpu", False, torch.bfloat16))
+    ring = cp._Ring(group=None, rank=0, world=1, steps=[], scale=HEAD_DIM**-0.5, backend="reference")
+    rows_all = slice(0, C)
+    blocks = [cp._Block(cp._ALL, rows_all, slice(0, C), cp._FULL, depth=False),  # keys before the queries
+              cp._Block(cp._ALL, rows_all, slice(C, 2 * C), moda_flex.causal(), depth=True)]  # fmt: skip
+    kv = torch.stack([k, v])
+    grads = [torch.zeros_like(t) for t in (q, kv, depth_k, depth_v)]
+    for block in blocks:
+        inputs = cp._block_inputs(block, q, kv, depth_k, depth_v)
+        if method == "merged_lse":
+            block_grads = cp._reference_block_backward(block, inputs, rows, ring.scale)
+        else:
+            block_grads = cp._recomputed_block_backward(block, inputs, rows, ring)
+        grads[0] += block_grads[0]
+        grads[1][:, :, :, block.cols] += torch.stack(block_grads[1:3])
+        if block.depth:
+            grads[2] += block_grads[3]
+            grads[3] += block_grads[4]
+    expected = [leaves[0].grad, torch.stack([leaves[1].grad, leaves[2].grad]), leaves[3].grad, leaves[4].grad]
+    for name, actual, want in zip(["q", "k and v", "depth_k", "depth_v"], grads, expected):
+        torch.testing.assert_close(actual, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"grad {name}: {m}")
 
 
 def test_zigzag_positions_balance_causal_work():
