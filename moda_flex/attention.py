@@ -59,6 +59,10 @@ def moda_attention(
         scale: logit scale, a finite real number > 0; default ``1 / sqrt(D)``.
         backend: ``"auto"`` | ``"reference"`` | ``"flex"`` | ``"triton"``;
             ``"auto"`` follows the policy of :mod:`moda_flex.backends`.
+            Second derivatives (through gradients taken with
+            ``create_graph=True``) need ``"reference"``: the others compute
+            first derivatives only, as does PyTorch's SDPA, which ``"auto"``
+            runs a plain call without depth on.
         return_lse: also return the log-sum-exp.
 
     Returns:
@@ -73,7 +77,8 @@ def moda_attention(
     Raises:
         ValueError: for shapes, dtypes, devices or a scale that break the contract.
         TypeError: for a scale that is not a real number.
-        NotImplementedError: when the named backend cannot run the call.
+        NotImplementedError: when the named backend cannot run the call; in a
+            backward with ``create_graph=True`` through ``"flex"`` or ``"triton"``.
     """
     variant = resolve(variant)
     if score is not None:

@@ -24,6 +24,7 @@ from moda_flex.testing import (  # noqa: E402
     variants,
 )
 from moda_flex.backends.triton import triton_attention, unsupported_reason  # noqa: E402
+from moda_flex.backends.triton.function import Options  # noqa: E402
 
 from budget import examples  # noqa: E402
 from fused import FUSED_KINDS  # noqa: E402
@@ -99,6 +100,37 @@ def test_lse_gradient():
     for name, a, b in zip(names, ours, ref):
         expected = torch.zeros_like(b) if b.grad is None else b.grad  # lse does not depend on v
         assert relative_error(a.grad, expected) < tolerance(torch.float32, DEVICE), name
+
+
+@pytest.mark.parametrize("path", ["eager", "op"])
+def test_a_second_derivative_is_refused(path):
+    """The kernels' gradients have no graph: a backward under create_graph=True raises, first order still runs.
+
+    ``eager`` is a direct call; ``op`` is the torch.library op that torch.compile traces, with its registered autograd.
+    """
+    inputs = _inputs(MoDAShape(1, 2, 1, 1, 5, 2, 16))
+    leaves = list(inputs.values())
+
+    def loss():
+        if path == "eager":
+            out = moda_attention(*leaves, variant=v.depth_window(1), backend="triton")
+        else:
+            q, k, vv, depth_k, depth_v = leaves
+            # depth_window(1) of L = 2 slots: the first visible slot is 1.
+            opts = Options(
+                scale=0.25, causal=True, window=0, depth_first=1, sequence=True, softcap=0.0, bias_first=False
+            )
+            out, _ = torch.ops.moda_flex.triton_forward(q, k, vv, [depth_k], [depth_v], None, None, *opts)
+        return out.pow(2).sum()
+
+    with pytest.raises(NotImplementedError, match=r"backend 'triton'.*create_graph=True.*backend='reference'"):
+        torch.autograd.grad(loss(), leaves, create_graph=True)
+    grads = torch.autograd.grad(loss(), leaves)
+    expected = torch.autograd.grad(
+        moda_attention(*leaves, variant=v.depth_window(1), backend="reference").pow(2).sum(), leaves
+    )
+    for name, mine, theirs in zip(inputs, grads, expected):
+        assert relative_error(mine, theirs) < tolerance(torch.float32, DEVICE), name
 
 
 def test_backward_is_deterministic():
