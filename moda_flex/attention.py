@@ -78,7 +78,8 @@ def moda_attention(
         ValueError: for shapes, dtypes, devices or a scale that break the contract.
         TypeError: for a scale that is not a real number.
         NotImplementedError: when the named backend cannot run the call; in a
-            backward with ``create_graph=True`` through ``"flex"`` or ``"triton"``.
+            backward with ``create_graph=True`` through ``"flex"``, ``"triton"``
+            or ``"split"``.
     """
     variant = resolve(variant)
     if score is not None:
