@@ -4,7 +4,8 @@ Forward and forward + backward of ``context_parallel_moda_attention`` at T
 tokens over all ranks (T / world per GPU, the zigzag split), and of
 ``moda_attention`` on rank 0 alone at each ``--single-seq-len``. B=1, causal,
 random inputs; median of repeats after warm-up; a context-parallel time is the
-slowest rank's. ``tokens/s/GPU`` counts forward + backward.
+slowest rank's. ``tokens/s/GPU`` counts forward + backward; the last column
+divides each forward + backward time by the one-GPU run at ``T / world``.
 
 Usage::
 
@@ -163,6 +164,12 @@ def main(argv=None) -> None:
         print(f"# {name} x {world}, torch {torch.__version__}; B=1, Hk={args.kv_heads}, G={args.groups}, "
               f"L={args.slots}, D={args.head_dim}, {args.variant}, {str(dtype).replace('torch.', '')}, "
               f"backend {args.backend}; median ms (context parallel: slowest rank)")  # fmt: skip
+        # The target's ratio: context parallel at T against one GPU at T / world (ideal: 2 for causal at 2x the
+        # tokens, world = 2).
+        same_share = [row for row in rows[1:] if row["T"] == rows[0]["T/GPU"]]
+        for row in rows:
+            ratio = float(row["fwd+bwd ms"]) / float(same_share[0]["fwd+bwd ms"]) if same_share else None
+            row["fwd+bwd vs one GPU at T/GPU"] = "-" if ratio is None else f"{ratio:.2f}"
         columns = list(rows[0])
         print("| " + " | ".join(columns) + " |")
         print("|" + "---|" * len(columns))

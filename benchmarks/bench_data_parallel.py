@@ -2,6 +2,8 @@
 
     python benchmarks/bench_data_parallel.py                       # Table 6 model, 1 vs 2 GPUs, DDP and FSDP2
     python benchmarks/bench_data_parallel.py --nproc 4 --steps 100 --out-dir results/dp
+    python benchmarks/bench_data_parallel.py --device cpu --shape tiny --batch-size 4 --steps 4 \
+        --skip-timing 1 --out-dir /tmp/dp                          # gloo on CPU: the whole run, in seconds
 
 Each mode is one run of ``examples/train_gpt.py`` at the paper's Table 6
 shape (24 layers, width 384, 6 query / 2 KV heads, post-norm, T=512, bf16,
@@ -12,11 +14,15 @@ sequences per step (weak scaling: the global batch grows with N), so a mode's
 ``scaling`` is its tokens/s over N times the one-GPU tokens/s. Step times
 leave out the first ``--skip-timing`` steps (compilation). Each run's own
 table stays in ``<out-dir>/<mode>/results.md``; the combined table goes to
-``<out-dir>/results.md``.
+``<out-dir>/results.md``. ``--device cpu`` runs the same commands on CPU
+processes over gloo (float32, not compiled unless ``--compile``), and
+``--shape tiny`` a 2-layer model of width 32: a check that every mode runs
+end to end, not a measurement.
 """
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -27,16 +33,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import cli  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPE = ["--n-layer", "24", "--n-embd", "384", "--n-head", "6", "--n-kv-head", "2", "--norm", "post",
-         "--block-size", "512"]  # fmt: skip
+SHAPES = {
+    "table6": ["--n-layer", "24", "--n-embd", "384", "--n-head", "6", "--n-kv-head", "2", "--norm", "post",
+               "--block-size", "512"],
+    "tiny": ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--n-kv-head", "1", "--norm", "post",
+             "--block-size", "32"],
+}  # fmt: skip
 MODES = ("single", "ddp", "fsdp")
 
 
 def command(mode: str, nproc: int, args, out: Path) -> list[str]:
     """The command line of one mode's training run."""
-    flags = [*SHAPE, "--depth-kv", args.arms, "--steps", str(args.steps), "--skip-timing", str(args.skip_timing),
-             "--sample-tokens", "0", "--eval-iters", "4", "--device", "cuda", "--out-dir", str(out),
-             "--overwrite"]  # fmt: skip
+    flags = [*SHAPES[args.shape], "--depth-kv", args.arms, "--steps", str(args.steps),
+             "--skip-timing", str(args.skip_timing), "--sample-tokens", "0", "--eval-iters", "4",
+             "--device", args.device, "--out-dir", str(out), "--overwrite"]  # fmt: skip
+    if args.compile is not None:
+        flags.append("--compile" if args.compile else "--no-compile")
     script = str(ROOT / "examples" / "train_gpt.py")
     if mode == "single":
         return [sys.executable, script, *flags, "--batch-size", str(args.batch_size)]
@@ -45,20 +57,33 @@ def command(mode: str, nproc: int, args, out: Path) -> list[str]:
 
 
 def read_table(path: Path) -> list[dict]:
-    """The rows of a results.md written by train_gpt.py: name, tokens/s, step ms, peak MiB (found by header)."""
+    """The rows of a results.md written by train_gpt.py: name, tokens/s, step ms, peak MiB (found by header).
+
+    On CPU the table has no peak memory ("n/a" here), and a timing taken while other processes held
+    the CPU carries a "(disturbed)" mark after its number.
+    """
     header, _, *lines = [[cell.strip() for cell in line.strip().strip("|").split("|")]
                          for line in path.read_text().splitlines() if line.startswith("|")]  # fmt: skip
-    column = {name: header.index(name) for name in ("model", "tokens/s", "step (ms)", "peak mem (MiB)")}
+    column = {name: header.index(name) for name in ("model", "tokens/s", "step (ms)")}
+    peak = header.index("peak mem (MiB)") if "peak mem (MiB)" in header else None
+
+    def number(cell: str) -> float:
+        return float(cell.split()[0].replace(",", ""))
+
     return [
-        {"name": cells[column["model"]], "tok_s": float(cells[column["tokens/s"]].replace(",", "")),
-         "step_ms": float(cells[column["step (ms)"]]), "peak_mib": cells[column["peak mem (MiB)"]]}
+        {"name": cells[column["model"]], "tok_s": number(cells[column["tokens/s"]]),
+         "step_ms": number(cells[column["step (ms)"]]), "peak_mib": "n/a" if peak is None else cells[peak]}
         for cells in lines
     ]  # fmt: skip
 
 
 def main(argv=None) -> None:
     p = cli.parser(__doc__)
-    p.add_argument("--nproc", type=int, default=2, help="GPUs of the ddp and fsdp runs")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cuda: NCCL; cpu: gloo processes")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="table6", help="the model: the paper's, or a tiny one")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the model (default: train_gpt's, on for cuda)")  # fmt: skip
+    p.add_argument("--nproc", type=int, default=2, help="processes (GPUs on cuda) of the ddp and fsdp runs")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {MODES}; single comes first")
     p.add_argument("--arms", default="none,attn+ffn", help="train_gpt's --depth-kv: the models compared")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per GPU per step")
@@ -66,9 +91,10 @@ def main(argv=None) -> None:
     p.add_argument("--skip-timing", type=int, default=20, help="first steps left out of the timings (compilation)")
     p.add_argument("--out-dir", default="results/data_parallel", help="each run's folder and the combined table")
     args = p.parse_args(argv)
-    cli.require_cuda(p, "bench_data_parallel.py")
-    if torch.cuda.device_count() < args.nproc:
-        p.error(f"--nproc {args.nproc}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if args.device == "cuda":
+        cli.require_cuda(p, "bench_data_parallel.py --device cuda")
+        if torch.cuda.device_count() < args.nproc:
+            p.error(f"--nproc {args.nproc}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     modes = args.modes.split(",")
     if not set(modes) <= set(MODES):
         p.error(f"--modes {args.modes!r}: choose from {MODES}")
@@ -82,11 +108,16 @@ def main(argv=None) -> None:
         tables[mode] = read_table(out / mode / "results.md")
 
     single = {row["name"]: row for row in tables.get("single", [])}
+    cuda = args.device == "cuda"
+    device = torch.cuda.get_device_name() if cuda else "CPU (gloo)"
+    block = SHAPES[args.shape][SHAPES[args.shape].index("--block-size") + 1]
+    compiled = "compiled" if (cuda if args.compile is None else args.compile) else "eager"
+    unit = "GPUs" if cuda else "processes"
     lines = [
-        f"{torch.cuda.get_device_name()}, torch {torch.__version__}; Table 6 model, {args.batch_size} x 512 tokens "
-        f"per GPU per step, bf16, compiled, {args.steps} steps ({args.skip_timing} untimed)",
+        f"{device}, torch {torch.__version__}; {args.shape} model, {args.batch_size} x {block} tokens per process "
+        f"per step, {'bf16' if cuda else 'float32'}, {compiled}, {args.steps} steps ({args.skip_timing} untimed)",
         "",
-        "| model | mode | GPUs | tokens/s | step (ms) | peak mem rank 0 (MiB) | scaling |",
+        f"| model | mode | {unit} | tokens/s | step (ms) | peak mem rank 0 (MiB) | scaling |",
         "|---|---|---|---|---|---|---|",
     ]
     for mode, rows in tables.items():
