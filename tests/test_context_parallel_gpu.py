@@ -17,8 +17,12 @@ import torch.distributed as dist
 WORLD = 2
 B, HK, G, CHUNK, L, D = 1, 2, 4, 256, 8, 64  # T = 2 * WORLD * CHUNK = 1024
 
-# case id -> variant kind
-CASES = ["causal", "full", "causal_document", "depth_window"]
+# case id -> (variant kind, backend): auto takes the split path where it runs the blocks, triton the fused kernel
+CASES = {
+    f"{kind}-{backend}": (kind, backend)
+    for kind in ("causal", "full", "causal_document", "depth_window")
+    for backend in ("auto", "triton")
+}
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.device_count() >= WORLD and dist.is_nccl_available()),
@@ -39,7 +43,7 @@ def _variant(kind: str, seq_len: int, device):
     }[kind]()
 
 
-def _check_case(kind: str, device) -> None:
+def _check_case(kind: str, backend: str, device) -> None:
     """Output, lse and five gradients within the bf16 tolerance of the float32 one-process reference."""
     from moda_flex import moda_attention
     from moda_flex.context_parallel import context_parallel_moda_attention, shard_sequence
@@ -57,7 +61,7 @@ def _check_case(kind: str, device) -> None:
     out, lse = moda_attention(**reference, variant=variant, backend="reference", return_lse=True)
     out.backward(grad_out)
     local = {n: shard_sequence(t).requires_grad_() for n, t in inputs.items()}
-    out_cp, lse_cp = context_parallel_moda_attention(**local, variant=variant, return_lse=True)
+    out_cp, lse_cp = context_parallel_moda_attention(**local, variant=variant, backend=backend, return_lse=True)
     out_cp.backward(shard_sequence(grad_out).to(out_cp.dtype))
 
     pairs = {"out": (out_cp, out), "lse": (lse_cp, lse)}
@@ -72,9 +76,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world, device_id=device)
     results = {"cases": {}}
-    for case in CASES:
+    for case, args in CASES.items():
         try:
-            _check_case(case, device)
+            _check_case(*args, device)
             results["cases"][case] = None
         except Exception:
             results["cases"][case] = traceback.format_exc()
