@@ -34,8 +34,15 @@ def is_entries(depth: DepthKV) -> bool:
     return not isinstance(depth, Tensor)
 
 
+def as_list(depth: DepthKV) -> list[Tensor]:
+    """The kernel ops' form of depth K/V (``Tensor[]``): ``[(B, Hk, Tq, L, D)]``, or the L entries (B, Hk, Tq, D)."""
+    return [depth] if isinstance(depth, Tensor) else list(depth)
+
+
 def slot_count(depth: DepthKV) -> int:
-    """L, the depth entries per token, of either form."""
+    """L, the depth entries per token, of either form, or of the ops' list form."""
+    if is_entries(depth) and len(depth) == 1 and depth[0].dim() == 5:
+        return depth[0].shape[3]
     return len(depth) if is_entries(depth) else depth.shape[3]
 
 
@@ -49,6 +56,8 @@ def as_tensor(depth: DepthKV, empty_like: Tensor) -> Tensor:
     """
     if not is_entries(depth):
         return depth
+    if len(depth) == 1 and depth[0].dim() == 5:  # the ops' list form of one tensor
+        return depth[0]
     if len(depth) == 0:
         return empty_like.new_empty(*empty_like.shape[:3], 0, empty_like.shape[3])
     return torch.stack(tuple(depth), dim=3)  # (B, Hk, Tq, L, D)

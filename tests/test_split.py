@@ -41,12 +41,16 @@ def _split_variants(shape: MoDAShape):
     shape=moda_shapes(max_kv_len=40, max_slots=9, max_kv_heads=2, head_dims=(8, 16)),
     dtype=st.sampled_from(DTYPES),
     strided=st.booleans(),
+    entries=st.booleans(),
     data=st.data(),
 )
-def test_matches_reference(shape, dtype, strided, data):
-    """Output, lse and the five gradients: odd lengths, G of 1..8, L of 0..9, Tq < Tk under full, strided depth."""
+def test_matches_reference(shape, dtype, strided, entries, data):
+    """Output, lse and the five gradients: odd lengths, G of 1..8, L of 0..9, Tq < Tk under full, strided depth.
+
+    With ``entries``, depth is a list of per-layer tensors, each given its own gradient.
+    """
     variant = data.draw(_split_variants(shape))
-    inputs = make_inputs(shape, dtype=dtype, device=DEVICE, strided_depth=strided)
+    inputs = make_inputs(shape, dtype=dtype, device=DEVICE, strided_depth=strided, depth_entries=entries)
     assert split.unsupported_reason(inputs["q"], inputs["k"], variant) is None
     assert_matches_reference(inputs, backend="split", variant=variant)
 
@@ -174,3 +178,21 @@ def test_split_by_name_says_why_not():
     inputs = make_inputs(MoDAShape(1, 2, 1, 3, 5, 2, 8), device=DEVICE, dtype=DTYPES[0])
     with pytest.raises(NotImplementedError, match="backend 'split' cannot run variant 'causal'.*top-left"):
         moda_attention(**inputs, backend="split")
+
+
+def test_traces_under_fullgraph_compile():
+    """The ops' fakes let torch.compile trace a call (depth as entries, as a model passes it) in one graph."""
+    shape = MoDAShape(batch=1, q_heads=4, kv_heads=2, q_len=6, kv_len=6, slots=3, head_dim=8)
+    inputs = make_inputs(shape, dtype=DTYPES[0], device=DEVICE, depth_entries=True)
+
+    def loss(q, k, v, depth_k, depth_v):
+        out, lse = moda_attention(q, k, v, depth_k, depth_v, backend="split", return_lse=True)
+        return out.float().square().sum() + lse.sum()
+
+    names = list(inputs)
+    leaves = [inputs["q"], inputs["k"], inputs["v"], *inputs["depth_k"], *inputs["depth_v"]]
+    expected = torch.autograd.grad(loss(*inputs.values()), leaves)
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    actual = torch.autograd.grad(compiled(*(inputs[name] for name in names)), leaves)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e)

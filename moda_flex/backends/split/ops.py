@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ...depth import as_list, as_tensor, slot_count
 from ..first_order import refuse_create_graph
 from . import sequence
 
@@ -91,11 +92,22 @@ def _sanitized_kv(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return k0, v0, first
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: Tensor, opts: Options):
+def _slab(depth: list[Tensor], like: Tensor) -> Tensor:
+    """The op's depth list as one (B, Hk, Tq, L, D) tensor: the slab itself, or L entries stacked.
+
+    The stack is a temporary of the launch: the op saves the entries, not it,
+    so a model whose layers read ever more entries holds each entry once.
+    """
+    return _unit_last(depth[0] if len(depth) == 1 and depth[0].dim() == 5 else as_tensor(depth, like))
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], opts: Options):
     """out (B, Hq, Tq, D) and lse in the vendor's layouts (the lse natural-log, float32)."""
     from . import kernels
 
-    q, k, v, depth_k, depth_v = (_unit_last(t) for t in (q, k, v, depth_k, depth_v))
+    q, k, v = (_unit_last(t) for t in (q, k, v))
+    entry = k.new_empty(q.shape[0], k.shape[1], q.shape[2], q.shape[3])  # (B, Hk, Tq, D): the form of L = 0
+    depth_k, depth_v = _slab(depth_k, entry), _slab(depth_v, entry)
     B, Hq, Tq, D = q.shape
     Hk, Tk, L = k.shape[1], k.shape[2], depth_k.shape[3]
     has_sequence = _has_sequence(k, opts)
@@ -171,7 +183,9 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     """
     from . import kernels
 
-    q, k, v, depth_k, depth_v = (_unit_last(t) for t in (q, k, v, depth_k, depth_v))
+    q, k, v = (_unit_last(t) for t in (q, k, v))
+    entry = k.new_empty(q.shape[0], k.shape[1], q.shape[2], q.shape[3])
+    depth_k, depth_v = _slab(depth_k, entry), _slab(depth_v, entry)
     B, Hq, Tq, D = q.shape
     Hk, Tk, L = k.shape[1], k.shape[2], depth_k.shape[3]
     grad_out = torch.zeros_like(out) if grad_out is None else grad_out
@@ -217,11 +231,11 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
 _OPTIONS = "float scale, bool causal, bool sequence, int depth_first"
 torch.library.define(
     "moda_flex::split_forward",
-    f"(Tensor q, Tensor k, Tensor v, Tensor depth_k, Tensor depth_v, {_OPTIONS}) -> (Tensor, Tensor)",
+    f"(Tensor q, Tensor k, Tensor v, Tensor[] depth_k, Tensor[] depth_v, {_OPTIONS}) -> (Tensor, Tensor)",
 )
 torch.library.define(
     "moda_flex::split_backward",
-    f"(Tensor? grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor depth_k, Tensor depth_v, "
+    f"(Tensor? grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor[] depth_k, Tensor[] depth_v, "
     f"Tensor out, Tensor lse, {_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 
@@ -251,7 +265,7 @@ def _backward_op(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, *optio
 
 @torch.library.register_fake("moda_flex::split_backward")
 def _backward_fake(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, *options):
-    depth_shape = (k.shape[0], k.shape[1], q.shape[2], depth_k.shape[3], q.shape[3])
+    depth_shape = (k.shape[0], k.shape[1], q.shape[2], slot_count(depth_k), q.shape[3])
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty(depth_shape),
             q.new_empty(depth_shape))  # fmt: skip
 
@@ -259,7 +273,8 @@ def _backward_fake(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, *opt
 def _setup_context(ctx, inputs, output):
     q, k, v, depth_k, depth_v, *options = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, depth_k, depth_v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, *depth_k, *depth_v)
+    ctx.num_depth = len(depth_k)
     ctx.options = tuple(options)
     # An output no loss reached gets None, not zeros: the lse's gradient costs an extra pass only when it exists.
     ctx.set_materialize_grads(False)
@@ -268,11 +283,18 @@ def _setup_context(ctx, inputs, output):
 def _autograd_backward(ctx, grad_out, grad_lse):
     # The kernels' gradients have no graph: refuse a backward that would differentiate them again.
     refuse_create_graph("split")
-    q, k, v, depth_k, depth_v, out, lse = ctx.saved_tensors
+    (q, k, v, out, lse), depth = ctx.saved_tensors[:5], ctx.saved_tensors[5:]
+    depth_k, depth_v = list(depth[: ctx.num_depth]), list(depth[ctx.num_depth :])
     if grad_out is None and grad_lse is None:
         return (None,) * (5 + len(ctx.options))
-    grads = torch.ops.moda_flex.split_backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, *ctx.options)
-    return (*grads, *(None,) * len(ctx.options))
+    dq, dk, dv, ddk, ddv = torch.ops.moda_flex.split_backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse,
+                                                              *ctx.options)  # fmt: skip
+    return (dq, dk, dv, _like(ddk, depth_k), _like(ddv, depth_v), *(None,) * len(ctx.options))
+
+
+def _like(grad: Tensor, depth: list[Tensor]) -> list[Tensor]:
+    """A (B, Hk, Tq, L, D) depth gradient in the form of the op's depth list: itself, or one view per entry."""
+    return [grad] if len(depth) == 1 and depth[0].dim() == 5 else list(grad.unbind(3))
 
 
 torch.library.register_autograd("moda_flex::split_forward", _autograd_backward, setup_context=_setup_context)
@@ -284,7 +306,9 @@ def split_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: T
     Args:
         q: (B, Hq, Tq, D), float16 or bfloat16 (float32 on CPU, under the interpreter).
         k, v: (B, Hk, Tk, D); ``Tq == Tk`` for a causal mask.
-        depth_k, depth_v: (B, Hk, Tq, L, D), any strides (read in place).
+        depth_k, depth_v: (B, Hk, Tq, L, D), any strides (read in place), or a
+            sequence of L (B, Hk, Tq, D) entries (stacked for the launch, saved
+            as they are: each gets its own gradient).
         variant: causal or full, with the default depth mask, a depth window
             or depth-only (:func:`moda_flex.backends.split.unsupported_reason`).
         scale: logit scale.
@@ -294,8 +318,13 @@ def split_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: T
         differentiable. The NaN rule of :mod:`moda_flex.nonfinite` holds.
     """
     s = variant.structure
-    L = depth_k.shape[3]
+    depth_k, depth_v = as_list(depth_k), as_list(depth_v)
+    L = slot_count(depth_k)
     depth_first = 0 if s.depth_window is None else max(0, L - s.depth_window)
     out, lse = torch.ops.moda_flex.split_forward(q, k, v, depth_k, depth_v, float(scale), bool(s.causal),
                                                  bool(s.sequence), depth_first)  # fmt: skip
     return out, sequence.lse_view(lse)
+
+
+# moda_attention hands this backend the per-slot form as it is, without stacking.
+split_attention.reads_depth_entries = True
