@@ -1,0 +1,121 @@
+"""One MoDA call, forward + backward: the split path against the fused kernel and SDPA's sequence-only kernels.
+
+Rows (bf16, causal, random inputs, median ms of ``triton.testing.do_bench``
+after its warm-up, all in one run):
+
+- ``split``: ``backend="auto"``, the sequence part on cuDNN (compute capability 9.x);
+- ``split/flash``: the same with cuDNN switched off (``sdpa_kernel``), the sequence part on FlashAttention;
+- ``triton``: the fused kernel (``backend="triton"``);
+- ``cudnn``, ``flash``: SDPA without depth (``enable_gqa=True``), the attention a user compares against;
+- ``depth``: split minus cudnn, the depth part's cost, against its HBM floor: depth K and V read in the
+  forward and the backward and both gradients written, ``12 * B * Hk * T * L * D`` bytes at the copy bandwidth.
+
+Usage::
+
+    python benchmarks/bench_split.py                   # the shapes of the issue's table
+    python benchmarks/bench_split.py --shapes table6,1k
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from moda_flex import moda_attention
+
+SHAPES = {  # B, Hq, Hk, T, D, L
+    "table6": (32, 6, 2, 512, 64, 47),
+    "1k": (1, 64, 8, 1024, 64, 64),
+    "4k": (1, 64, 8, 4096, 64, 64),
+    "16k": (1, 64, 8, 16384, 64, 64),
+    "64k": (1, 64, 8, 65536, 64, 64),
+}
+
+
+def _bench(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _copy_bandwidth() -> float:
+    x = torch.empty(2**28, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * x.numel() / (_bench(lambda: y.copy_(x)) * 1e-3)
+
+
+def measure(shape: tuple, bandwidth: float) -> dict:
+    B, Hq, Hk, T, D, L = shape
+    torch.manual_seed(0)
+
+    def leaf(*size):
+        return torch.randn(*size, device="cuda", dtype=torch.bfloat16).requires_grad_()
+
+    q, k, v = leaf(B, Hq, T, D), leaf(B, Hk, T, D), leaf(B, Hk, T, D)
+    depth_k, depth_v = leaf(B, Hk, T, L, D), leaf(B, Hk, T, L, D)
+    grad = torch.randn(B, Hq, T, D, device="cuda", dtype=torch.bfloat16)
+    leaves = (q, k, v, depth_k, depth_v)
+
+    def step(run, tensors):
+        def call():
+            out = run(*tensors)
+            torch.autograd.grad(out, tensors, grad)
+
+        return call
+
+    def sdpa(*backend):
+        def run(a, b, c):
+            with sdpa_kernel(list(backend)):
+                return F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True)
+
+        return run
+
+    def flash_split(*tensors):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return moda_attention(*tensors, backend="split")
+
+    rows = {
+        "split": step(lambda *t: moda_attention(*t), leaves),
+        "split/flash": step(flash_split, leaves),
+        "triton": step(lambda *t: moda_attention(*t, backend="triton"), leaves),
+        "cudnn": step(sdpa(SDPBackend.CUDNN_ATTENTION), (q, k, v)),
+        "flash": step(sdpa(SDPBackend.FLASH_ATTENTION), (q, k, v)),
+    }
+    ms = {}
+    for name, call in rows.items():
+        try:
+            ms[name] = _bench(call)
+        except Exception as error:  # a row that cannot run on this card says why, the others still run
+            print(f"  {name}: {type(error).__name__}: {str(error)[:200]}")
+            ms[name] = math.nan
+    ms["depth"] = ms["split"] - ms["cudnn"]
+    ms["depth floor"] = 12 * B * Hk * T * L * D / bandwidth * 1e3
+    return ms
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {', '.join(SHAPES)}")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA device")
+    bandwidth = _copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
+          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; bf16, causal, fwd+bwd, median ms")
+    print("| shape | split | split/flash | triton | cudnn | flash | split / cudnn | triton / split | depth | depth floor "
+          "| depth / floor |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name in args.shapes.split(","):
+        m = measure(SHAPES[name], bandwidth)
+        print(f"| {name} {SHAPES[name]} | {m['split']:.3f} | {m['split/flash']:.3f} | {m['triton']:.3f} | "
+              f"{m['cudnn']:.3f} | {m['flash']:.3f} | {m['split'] / m['cudnn']:.2f} | {m['triton'] / m['split']:.2f} | "
+              f"{m['depth']:.3f} | {m['depth floor']:.3f} | {m['depth'] / m['depth floor']:.2f} |", flush=True)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
