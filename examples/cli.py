@@ -1,20 +1,31 @@
 """What the command lines of the examples and benchmarks share: help that shows defaults, clean device errors.
 
     parser = cli.parser(__doc__)
-    parser.add_argument("--steps", type=int, default=400, help="training steps")
+    parser.add_argument("--steps", type=cli.at_least(1), default=400, help="training steps")
     cli.add_device(parser)
+    cli.add_backend(parser)
     args = parser.parse_args(argv)
     device = cli.check_device(parser, args.device)
+    cli.check_backend(parser, args.backend, device, n_head=4, n_kv_head=2, head_dim=32, slots=8)
 
 ``--help`` then prints the module docstring as written and each option as
-``--steps STEPS   training steps (default: 400)``.
+``--steps STEPS   training steps (default: 400)``. Whatever can be checked
+before the work starts (a number out of range, a device or backend this
+machine cannot run) ends in a one-line usage error and exit status 2, not a
+traceback from deep inside the run.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+from typing import Callable
 
 import torch
+
+from moda_flex import causal
+from moda_flex.backends import NAMES as BACKENDS
+from moda_flex.backends import choose
 
 DEVICE_HELP = "cpu, cuda or cuda:N (default: cuda where there is one, else cpu)"
 
@@ -74,3 +85,69 @@ def require_cuda(parser: argparse.ArgumentParser, what: str) -> None:
     """A usage error (exit 2) unless a CUDA device is present: for scripts that only run on a GPU."""
     if not torch.cuda.is_available():
         parser.error(f"{what} needs a CUDA GPU, and none is available (torch {torch.__version__})")
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``minimum``, else a usage error naming the option."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite number > 0 (a learning rate, a temperature)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated integers (``"1,2,3"``)."""
+    try:
+        return [int(item) for item in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def add_backend(parser: argparse.ArgumentParser) -> None:
+    """The ``--backend`` option: one of moda_flex's backend names, ``auto`` by default."""
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="moda_attention backend; auto picks the fastest exact one")  # fmt: skip
+
+
+def check_backend(
+    parser: argparse.ArgumentParser,
+    name: str,
+    device: torch.device,
+    *,
+    n_head: int,
+    n_kv_head: int,
+    head_dim: int,
+    slots: int,
+    dtype: torch.dtype = torch.float32,
+) -> None:
+    """A usage error (exit 2) when backend ``name`` cannot run a causal model's attention on ``device``.
+
+    Asks the library's own choice (``moda_flex.backends.choose``) about one
+    token of that shape with ``slots`` depth entries, so the message is the
+    one the first call would have raised (a fused backend without CUDA or
+    without the triton package), without a traceback.
+    """
+    q = torch.empty(1, n_head, 1, head_dim, dtype=dtype, device=device)  # (B, Hq, T, D)
+    k = torch.empty(1, n_kv_head, 1, head_dim, dtype=dtype, device=device)  # (B, Hk, T, D)
+    try:
+        choose(name, q, k, slots, causal(), return_lse=False)
+    except NotImplementedError as error:
+        parser.error(f"--backend {name}: {error} (--backend auto picks one that can)")

@@ -545,34 +545,48 @@ def parse_args(argv=None):
     p.add_argument("--report", action="store_true", help="print the tables and write the plots from --results")
     p.add_argument("--arms", default="*-L24", help=f"comma-separated names or patterns; default arms {DEFAULT_ARMS}")
     p.add_argument("--lrs", default="2.5e-4,5e-4,1e-3,2e-3", help="the sweep's grid, log-spaced")
-    p.add_argument("--extend", type=int, default=2, help="rates tried beyond each edge of the grid, at most")
-    p.add_argument("--seeds", default="1,2,3", help="seeds of the final runs")
+    p.add_argument("--extend", type=cli.at_least(0), default=2, help="rates tried beyond each edge of the grid, at most")
+    p.add_argument("--seeds", type=cli.int_list, default="1,2,3", help="seeds of the final runs")
     p.add_argument("--sweep-seed", type=int, default=0, help="seed of the sweep's runs")
-    p.add_argument("--sweep-steps", type=int, default=300, help="steps of a sweep run")
-    p.add_argument("--final-steps", type=int, default=900, help="steps of a final run")
-    p.add_argument("--eval-interval", type=int, default=100, help="steps between points of the validation curve")
-    p.add_argument("--eval-iters", type=int, default=32, help="validation batches per point of the curve")
-    p.add_argument("--batch-size", type=int, default=32, help="sequences per step")
-    p.add_argument("--block-size", type=int, default=512, help="context length in bytes")
-    p.add_argument("--n-embd", type=int, default=384, help="model width")
-    p.add_argument("--n-head", type=int, default=6, help="query heads")
-    p.add_argument("--n-kv-head", type=int, default=2, help="key/value heads")
+    p.add_argument("--sweep-steps", type=cli.at_least(1), default=300, help="steps of a sweep run")
+    p.add_argument("--final-steps", type=cli.at_least(1), default=900, help="steps of a final run")
+    p.add_argument("--eval-interval", type=cli.at_least(1), default=100,
+                   help="steps between points of the validation curve")
+    p.add_argument("--eval-iters", type=cli.at_least(1), default=32, help="validation batches per point of the curve")
+    p.add_argument("--batch-size", type=cli.at_least(1), default=32, help="sequences per step")
+    p.add_argument("--block-size", type=cli.at_least(1), default=512, help="context length in bytes")
+    p.add_argument("--n-embd", type=cli.at_least(1), default=384, help="model width")
+    p.add_argument("--n-head", type=cli.at_least(1), default=6, help="query heads")
+    p.add_argument("--n-kv-head", type=cli.at_least(1), default=2, help="key/value heads")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay of the matrices")
-    p.add_argument("--skip-timing", type=int, default=10, help="first steps of a run left out of its step time")
+    p.add_argument("--skip-timing", type=cli.at_least(0), default=10,
+                   help="first steps of a run left out of its step time")
     p.add_argument("--max-minutes", type=float, default=None, help="stop before a run that would end past this")
     p.add_argument("--results", type=Path, default=RESULTS, help="the study's JSON file (read, extended)")
     p.add_argument("--report-dir", type=Path, default=None, help="study.md and the plots (default: beside --results)")
     p.add_argument("--data", default=None, help="a text file instead of the offline corpus")
-    p.add_argument("--max-bytes", type=int, default=200_000_000, help="the most corpus bytes to use")
+    p.add_argument("--max-bytes", type=cli.at_least(1), default=200_000_000, help="the most corpus bytes to use")
     cli.add_device(p)
-    p.add_argument("--backend", default="auto", help="moda_attention backend")
+    cli.add_backend(p)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile(model, fullgraph=True) (default: on CUDA)")
-    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads for torch")
+    p.add_argument("--threads", type=cli.at_least(1), default=len(os.sched_getaffinity(0)),
+                   help="CPU threads for torch")
     args = p.parse_args(argv)
-    cli.check_device(p, args.device)
-    args.lrs = sorted(lr_key(float(lr)) for lr in args.lrs.split(","))
-    args.seeds = [int(s) for s in args.seeds.split(",")]
+    device = cli.check_device(p, args.device)
+    try:
+        args.lrs = sorted(lr_key(cli.positive_float(lr)) for lr in args.lrs.split(","))
+    except argparse.ArgumentTypeError as error:
+        p.error(f"--lrs {args.lrs}: {error}")
+    if args.data is not None and not Path(args.data).is_file():
+        p.error(f"--data {args.data}: no such file")
+    try:
+        config = GPTConfig(n_embd=args.n_embd, n_head=args.n_head, n_kv_head=args.n_kv_head)
+    except ValueError as error:
+        p.error(str(error))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # what the runs' autocast gives attention
+    cli.check_backend(p, args.backend, device, n_head=config.n_head, n_kv_head=config.n_kv_head,
+                      head_dim=config.n_embd // config.n_head, slots=1, dtype=dtype)  # fmt: skip
     if args.compile is None:
         args.compile = args.device.startswith("cuda")
     if args.report_dir is None:

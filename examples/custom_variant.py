@@ -85,7 +85,7 @@ def train_bias(steps: int = 30) -> torch.Tensor:
 
 def main(argv=None) -> None:
     parser = cli.parser(__doc__)
-    parser.add_argument("--examples", type=int, default=20, help="hypothesis examples to check")
+    parser.add_argument("--examples", type=cli.at_least(1), default=20, help="hypothesis examples to check")
     args = parser.parse_args(argv)
     print(MaskView(attention_slots_only(), q_len=5, kv_len=8, slots=6).text())
     check_against_reference(args.examples)

@@ -145,10 +145,15 @@ class GPT(nn.Module):
         return idx
 
 
-def load_checkpoint(path: str, device="cpu") -> GPT:
-    """A GPT in eval mode from a checkpoint written by train_gpt.py (read with ``weights_only=True``)."""
+def load_checkpoint(path: str, device="cpu", backend: Optional[str] = None) -> GPT:
+    """A GPT in eval mode from a checkpoint written by train_gpt.py (read with ``weights_only=True``).
+
+    ``backend`` replaces the one it was trained with (a model trained on a GPU's
+    ``triton`` runs on a CPU with ``auto``); None keeps it.
+    """
     checkpoint = torch.load(path, map_location=device, weights_only=True)
-    model = GPT(GPTConfig(**checkpoint["config"])).to(device)
+    config = checkpoint["config"] if backend is None else {**checkpoint["config"], "backend": backend}
+    model = GPT(GPTConfig(**config)).to(device)
     model.load_state_dict(checkpoint["model"])
     return model.eval()
 
@@ -174,20 +179,20 @@ def main(argv=None) -> str:
     defaults = GPTConfig()
     p = cli.parser(__doc__)
     p.add_argument("--ckpt", help="a checkpoint written by train_gpt.py (default: a new, untrained model "
-                   "from the shape flags, which a checkpoint overrides)")  # fmt: skip
-    p.add_argument("--n-layer", type=int, default=defaults.n_layer, help="blocks")
-    p.add_argument("--n-embd", type=int, default=defaults.n_embd, help="model width C")
-    p.add_argument("--n-head", type=int, default=defaults.n_head, help="query heads")
-    p.add_argument("--n-kv-head", type=int, default=defaults.n_kv_head, help="key/value heads (GQA)")
+                   "from the shape flags, which a checkpoint overrides; --backend applies to both)")  # fmt: skip
+    p.add_argument("--n-layer", type=cli.at_least(1), default=defaults.n_layer, help="blocks")
+    p.add_argument("--n-embd", type=cli.at_least(1), default=defaults.n_embd, help="model width C")
+    p.add_argument("--n-head", type=cli.at_least(1), default=defaults.n_head, help="query heads")
+    p.add_argument("--n-kv-head", type=cli.at_least(1), default=defaults.n_kv_head, help="key/value heads (GQA)")
     p.add_argument("--depth-kv", choices=DEPTH_KV, default=defaults.depth_kv,
                    help="which layers write depth K/V: none (the baseline), attn, attn+ffn")  # fmt: skip
     p.add_argument("--norm", choices=NORMS, default=defaults.norm, help="pre- or post-norm blocks")
-    p.add_argument("--block-size", type=int, default=defaults.block_size, help="context length in bytes")
-    p.add_argument("--backend", default=defaults.backend, help="moda_attention backend")
+    p.add_argument("--block-size", type=cli.at_least(1), default=defaults.block_size, help="context length in bytes")
+    cli.add_backend(p)
     p.add_argument("--prompt", default="The ", help="text the sample continues")
-    p.add_argument("--tokens", type=int, default=120, help="bytes to sample (0: none)")
-    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
-    p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest bytes")
+    p.add_argument("--tokens", type=cli.at_least(0), default=120, help="bytes to sample (0: none)")
+    p.add_argument("--temperature", type=cli.positive_float, default=0.8, help="sampling temperature")
+    p.add_argument("--top-k", type=cli.at_least(1), default=50, help="sample among the k likeliest bytes")
     p.add_argument("--seed", type=int, default=1337, help="seed of the initial weights and the sampling")
     cli.add_device(p)
     args = p.parse_args(argv)
@@ -198,7 +203,7 @@ def main(argv=None) -> str:
     if args.ckpt is not None:
         if not Path(args.ckpt).is_file():
             p.error(f"--ckpt {args.ckpt}: no such file")
-        model = load_checkpoint(args.ckpt, device)
+        model = load_checkpoint(args.ckpt, device, args.backend)
     else:
         try:
             config = GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, n_kv_head=args.n_kv_head,
@@ -207,7 +212,13 @@ def main(argv=None) -> str:
         except ValueError as error:
             p.error(str(error))
         model = GPT(config).to(device).eval()
-    print(describe(model) + ("" if args.ckpt else ", untrained"))
+    c = model.config
+    cli.check_backend(p, c.backend, device, n_head=c.n_head, n_kv_head=c.n_kv_head, head_dim=c.n_embd // c.n_head,
+                      slots=c.depth_slots)  # fmt: skip
+    print(describe(model))
+    if args.ckpt is None:
+        print("untrained: the weights are random, so the sample is noise (mostly the prompt's last byte again, "
+              "shown in quotes); --ckpt loads a model trained by examples/train_gpt.py")  # fmt: skip
     if args.tokens <= 0:
         return ""
     prompt = torch.tensor([list(args.prompt.encode("utf-8"))], device=device)  # (1, T)
@@ -216,7 +227,7 @@ def main(argv=None) -> str:
                 f"{model.config.block_size}")  # fmt: skip
     out = model.generate(prompt, args.tokens, temperature=args.temperature, top_k=args.top_k)
     sample = printable(bytes(out[0].tolist()))
-    print(sample)
+    print(sample if args.ckpt else repr(sample))
     return sample
 
 

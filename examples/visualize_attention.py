@@ -136,18 +136,22 @@ def main(argv=None) -> list[Path]:
     p = cli.parser(__doc__)
     p.add_argument("--ckpt", required=True, help="a checkpoint written by train_gpt.py")
     p.add_argument("--data", default=None, help="text to take the tokens from (default: pydoc topics)")
-    p.add_argument("--tokens", type=int, default=48, help="query tokens shown")
-    p.add_argument("--layers", type=int, default=4, help="layers sampled uniformly")
-    p.add_argument("--heads", type=int, default=3, help="heads shown per layer")
-    p.add_argument("--mask-tokens", type=int, default=8, help="tokens in the element-mask picture")
-    p.add_argument("--block-tokens", type=int, default=512, help="tokens in the BlockMask picture")
+    p.add_argument("--tokens", type=cli.at_least(1), default=48, help="query tokens shown")
+    p.add_argument("--layers", type=cli.at_least(1), default=4, help="layers sampled uniformly")
+    p.add_argument("--heads", type=cli.at_least(1), default=3, help="heads shown per layer")
+    p.add_argument("--mask-tokens", type=cli.at_least(1), default=8, help="tokens in the element-mask picture")
+    p.add_argument("--block-tokens", type=cli.at_least(1), default=512, help="tokens in the BlockMask picture")
     p.add_argument("--out-dir", help="where the PNGs go (default: the checkpoint's folder)")
     args = p.parse_args(argv)
     if not Path(args.ckpt).is_file():
         p.error(f"--ckpt {args.ckpt}: no such file")
+    if args.data is not None and not Path(args.data).is_file():
+        p.error(f"--data {args.data}: no such file")
 
     _pyplot()  # fail early, before any work, if matplotlib is missing
     model = load_checkpoint(args.ckpt)
+    if args.tokens > model.config.block_size:
+        p.error(f"--tokens {args.tokens}: the model was trained on {model.config.block_size} tokens at most")
     out_dir = Path(args.out_dir) if args.out_dir is not None else Path(args.ckpt).parent
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = Path(args.ckpt).stem

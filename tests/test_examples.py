@@ -1,10 +1,12 @@
 """The examples and benchmarks: the GPT's cached decoding, a tiny training run, the heatmaps from its
-checkpoint, a custom variant, every command line's help and device errors, progress output, the kernel ablation."""
+checkpoint, a custom variant, every command line's help and usage errors, timings that other processes disturbed,
+progress output, the kernel ablation."""
 
 import importlib
 import io
 import runpy
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,6 +72,7 @@ def test_train_compare_checkpoint_and_heatmaps(tmp_path, capsys):
     table = (tmp_path / "out" / "results.md").read_text()
     out = capsys.readouterr().out
     assert "| moda-post |" in table and table in out
+    assert f"data: {data}, one token per byte" in out and "val loss (nats/byte)" in table
     assert "\r" not in out  # not a terminal: plain progress lines
     assert out.count("  train 7/7 100%") == 3 and out.count("  estimate: ") == 3
     assert "for the 2 run(s) after it" in out
@@ -233,6 +236,7 @@ def test_durations_read_like_a_clock(seconds, text):
 
 def test_runs_write_to_a_folder_of_their_shape_and_never_overwrite(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "input.txt").write_text("x" * 2000)
     assert train_gpt.parse_args([]).out_dir == str(Path("out") / "pydoc-4x128")
     assert train_gpt.parse_args(["--n-layer", "8"]).out_dir == str(Path("out") / "pydoc-8x128")
     assert train_gpt.parse_args(["--data", "input.txt"]).out_dir == str(Path("out") / "input-4x128")
@@ -253,3 +257,99 @@ def test_ablation_rows_compute_moda(capsys):
         assert ms > 0 and error < tolerance, (row, error)
     table = capsys.readouterr().out
     assert "| (4) | + group-aware (moda_attention triton) |" in table and "| 1.460 |" in table
+
+
+def _row(name, step_ms, share):
+    return {"name": name, "norm": "pre", "params_m": 1.0, "val_loss": 1.5, "tok_s": 1000.0, "step_ms": step_ms,
+            "peak_mb": None, "cpu_share": share, "threads": 2}  # fmt: skip
+
+
+def test_disturbed_timings_are_flagged_not_reported():
+    quiet = [_row("baseline-pre", 80.0, 0.97), _row("moda-pre", 120.0, 0.95)]
+    table = train_gpt.format_table(quiet)
+    assert "| moda-pre | 1.00 | 1.5000 | 1,000 | 120.0 | 1.50x | 95% of 2 |" in table
+    assert "disturbed" not in table and train_gpt.timing_note(quiet) is None
+
+    shaken = [_row("baseline-pre", 80.0, 0.97), _row("moda-pre", 400.0, 0.45)]
+    table = train_gpt.format_table(shaken)
+    assert "| moda-pre | 1.00 | 1.5000 | 1,000 (disturbed) | 400.0 (disturbed) | (disturbed) | 45% of 2 |" in table
+    assert "x |" not in table.splitlines()[-1]  # no ratio for a disturbed row
+    assert "while moda-pre trained" in train_gpt.timing_note(shaken)
+
+
+def test_cpu_clock_tells_waiting_from_working(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    waiting = train_gpt.CPUClock(torch.device("cpu"))
+    waiting.start()
+    time.sleep(0.2)  # wall time passes, as when other processes hold the cores
+    waiting.stop()
+    assert waiting.share < 0.2 and waiting.disturbed
+
+    working = train_gpt.CPUClock(torch.device("cpu"))
+    working.start()
+    end = time.process_time() + 0.2
+    while time.process_time() < end:
+        pass
+    working.stop()
+    # The share itself depends on this machine's load; what the clock counted does not.
+    assert working.cpu >= 0.2 > waiting.cpu and working.steps == 1
+    assert working.share == pytest.approx(working.cpu / working.wall)
+    assert train_gpt.CPUClock(torch.device("cuda")).share is None  # the host waits for a GPU: no measure there
+
+
+def test_a_run_too_short_to_time_reports_no_timing(tmp_path, capsys):
+    rows = train_gpt.main(["--steps", "2", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--n-kv-head", "1",
+                           "--block-size", "16", "--batch-size", "2", "--eval-iters", "1", "--sample-tokens", "0",
+                           "--threads", "1", "--out-dir", str(tmp_path)])  # fmt: skip
+    assert [r["step_ms"] for r in rows] == [None, None]
+    table = (tmp_path / "results.md").read_text()
+    assert table.splitlines()[0] == "| model | params (M) | val loss (nats/byte) |"
+    assert "tok/s" not in capsys.readouterr().out
+
+
+# What each script can check before it starts ends in one line and exit status 2, never a traceback.
+USAGE_ERRORS = [
+    ("examples/gpt.py", ["--backend", "bogus"], "argument --backend: invalid choice: 'bogus'"),
+    ("examples/gpt.py", ["--n-embd", "100", "--n-head", "3"], "need n_embd % n_head == 0"),
+    ("examples/gpt.py", ["--temperature", "0"], "argument --temperature: must be a finite number > 0, got 0"),
+    ("examples/train_gpt.py", ["--backend", "bogus"], "argument --backend: invalid choice: 'bogus'"),
+    ("examples/train_gpt.py", ["--steps", "0"], "argument --steps: must be >= 1, got 0"),
+    ("examples/train_gpt.py", ["--lr", "0"], "argument --lr: must be a finite number > 0, got 0"),
+    ("examples/train_gpt.py", ["--seeds", "1,two"], "argument --seeds: '1,two' is not a comma-separated list"),
+    ("examples/train_gpt.py", ["--n-embd", "100", "--n-head", "3"], "need n_embd % n_head == 0"),
+    ("examples/train_gpt.py", ["--data", "no-such-file.txt"], "--data no-such-file.txt: no such file"),
+    ("examples/compare_models.py", ["--lrs", "1e-3,fast"], "--lrs 1e-3,fast: 'fast' is not a number"),
+    ("examples/visualize_attention.py", ["--ckpt", "x.pt", "--tokens", "0"], "argument --tokens: must be >= 1"),
+    ("examples/custom_variant.py", ["--examples", "0"], "argument --examples: must be >= 1, got 0"),
+]  # fmt: skip
+
+
+def _one_line_usage_error(script, args, monkeypatch, capsys) -> str:
+    assert _run_cli(script, args, monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.splitlines()[-1]
+    assert last.startswith(f"{Path(script).name}: error: ")
+    return last
+
+
+@pytest.mark.parametrize("script, args, message", USAGE_ERRORS, ids=[f"{s}-{a[0]}" for s, a, _ in USAGE_ERRORS])
+def test_options_out_of_range_are_usage_errors(script, args, message, monkeypatch, capsys):
+    assert message in _one_line_usage_error(script, args, monkeypatch, capsys)
+
+
+def test_data_too_short_for_a_block_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    data = tmp_path / "short.txt"
+    data.write_text("x" * 1000)  # 100 validation bytes
+    last = _one_line_usage_error("examples/train_gpt.py", ["--data", str(data)], monkeypatch, capsys)
+    assert "1,000 bytes is too short for --block-size 128" in last
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+@pytest.mark.parametrize("backend", ["triton", "split"])
+@pytest.mark.parametrize("script", ["examples/gpt.py", "examples/train_gpt.py", "examples/compare_models.py"])
+def test_a_fused_backend_without_cuda_is_a_usage_error(script, backend, monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the tests' interpreter would run the kernels on CPU
+    last = _one_line_usage_error(script, ["--backend", backend], monkeypatch, capsys)
+    assert f"--backend {backend}: " in last and "needs CUDA" in last
+    assert last.endswith("(--backend auto picks one that can)")
