@@ -49,7 +49,7 @@ import torch.distributed as dist
 # Run from a checkout: the model file beside this one, the package above it.
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 import cli  # noqa: E402
-from gpt import GPT, GPTConfig  # noqa: E402
+from gpt import GPT, GPTConfig, printable  # noqa: E402
 from progress import Progress, format_duration  # noqa: E402
 from seed_stats import format_mean_std, mean_std, paired_difference  # noqa: E402
 
@@ -57,6 +57,12 @@ from moda_flex.nn import DEPTH_KV, NORMS  # noqa: E402
 
 PARALLEL = ("none", "ddp", "fsdp")
 ESTIMATE_AFTER = 5  # timed steps before the run's length is estimated
+# Below this share of its threads' time on the CPU, a run's step times measure the other processes on the machine,
+# not the model: an idle machine gives the training loop nearly all of its threads' time, one busy process beside it
+# takes a core's worth away from two threads (a share near 0.5).
+UNDISTURBED_SHARE = 0.8
+PYDOC = "the standard library's pydoc_data.topics (Python's help text)"
+VAL_FRACTION = 0.1  # the last tenth of the bytes is the validation text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +104,8 @@ def load_text(path: str | None) -> bytes:
     return "\n\n".join(topics[key] for key in sorted(topics)).encode("utf-8")
 
 
-def split(data: bytes, val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Byte tokens (N,) int64 as a train and a validation tensor."""
+def split(data: bytes, val_fraction: float = VAL_FRACTION) -> tuple[torch.Tensor, torch.Tensor]:
+    """Byte tokens (N,) int64 as a train and a validation tensor (the last ``val_fraction`` of the bytes)."""
     tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
     n_val = int(len(tokens) * val_fraction)
     return tokens[:-n_val], tokens[-n_val:]
@@ -195,12 +201,61 @@ def full_state_dict(model: GPT, ranks: Ranks) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def announce_estimate(progress: Progress, name: str, step_s: float, steps_left: int, args, later_runs: int) -> None:
+class CPUClock:
+    """Wall time and this process's CPU time over the timed steps, and what share of its threads' time it got.
+
+    On a CPU, a step's wall time is a measurement of the model only while the
+    process's threads run: when other processes hold the cores, the threads
+    wait, the wall time grows and the CPU time does not. The share, CPU time
+    over wall time times threads, says so (on CUDA the host waits for the GPU,
+    so there it says nothing and is None).
+    """
+
+    def __init__(self, device: torch.device):
+        # Threads beyond the cores this process may use wait for each other, not for other processes.
+        self.threads = min(torch.get_num_threads(), len(os.sched_getaffinity(0))) if device.type == "cpu" else None
+        self.wall = self.cpu = 0.0
+        self.steps = 0
+
+    def start(self) -> None:
+        self._started = (time.perf_counter(), time.process_time())
+
+    def stop(self) -> None:
+        """One timed step has ended."""
+        wall, cpu = self._started
+        self.wall += time.perf_counter() - wall
+        self.cpu += time.process_time() - cpu
+        self.steps += 1
+
+    @property
+    def share(self) -> float | None:
+        """CPU time / (wall time * threads) so far; None on CUDA or before a timed step."""
+        if self.threads is None or not self.wall:
+            return None
+        return self.cpu / (self.wall * self.threads)
+
+    @property
+    def disturbed(self) -> bool:
+        share = self.share
+        return share is not None and share < UNDISTURBED_SHARE
+
+
+def share_text(share: float, threads: int) -> str:
+    """``"CPU 97% of 2 threads"``, or ``"CPU 45% of 2 threads, disturbed by other processes"``."""
+    text = f"CPU {100 * share:.0f}% of {threads} thread{'s' if threads > 1 else ''}"
+    return text + (", disturbed by other processes" if share < UNDISTURBED_SHARE else "")
+
+
+def announce_estimate(progress: Progress, name: str, clock: CPUClock, steps_left: int, args, later_runs: int) -> None:
     """One line, after the first timed steps: how long this model and the runs after it will take."""
+    step_s = clock.wall / clock.steps
     line = f"  estimate: {format_duration(step_s * steps_left)} more for {name}"
     if later_runs:
         line += f", about {format_duration(step_s * args.steps * later_runs)} for the {later_runs} run(s) after it"
-    progress.note(line + f" ({1000 * step_s:.0f} ms/step so far)")
+    line += f" ({1000 * step_s:.0f} ms/step so far"
+    if clock.share is not None:
+        line += "; " + share_text(clock.share, clock.threads)
+    progress.note(line + ")")
 
 
 def train_one(
@@ -236,12 +291,11 @@ def train_one(
     progress = Progress(args.steps, label="  train", every=args.log_interval,
                         stream=sys.stdout if ranks.main else io.StringIO())  # fmt: skip
     tokens_per_step = args.batch_size * args.block_size
-    train_time = 0.0
-    timed_steps = 0
+    clock = CPUClock(device)
     curve = []  # validation points: tokens seen, val loss, mean train loss since the last point
     train_sum, train_count = 0.0, 0
     for step in range(args.steps):
-        t0 = time.perf_counter()
+        clock.start()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args)
         x, y = ranks.shard(*get_batch(train, args.batch_size, args.block_size, generator, device))
@@ -253,24 +307,29 @@ def train_one(
         optimizer.zero_grad(set_to_none=True)
         loss_value = ranks.mean(loss)  # synchronizes, so the step time below is real
         if step >= args.skip_timing:  # leave out warm-up steps (allocator, kernel autotuning)
-            train_time += time.perf_counter() - t0
-            timed_steps += 1
-            if timed_steps == ESTIMATE_AFTER and step + 1 < args.steps:
-                announce_estimate(progress, name, train_time / timed_steps, args.steps - step - 1, args, later_runs)
+            clock.stop()
+            if clock.steps == ESTIMATE_AFTER and step + 1 < args.steps:
+                announce_estimate(progress, name, clock, args.steps - step - 1, args, later_runs)
         train_sum, train_count = train_sum + loss_value, train_count + 1
         if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
             val_now = evaluate(run, val, args, device, autocast, ranks)
             curve.append({"tokens": tokens_per_step * (step + 1), "val_loss": val_now,
                           "train_loss": train_sum / train_count})  # fmt: skip
             train_sum, train_count = 0.0, 0
-        tok_s = tokens_per_step * timed_steps / train_time if train_time else 0.0
-        progress.update(step + 1, f"loss {loss_value:.4f}", f"{tok_s:,.0f} tok/s")
+        speed = [f"{tokens_per_step * clock.steps / clock.wall:,.0f} tok/s"] if clock.steps else []
+        progress.update(step + 1, f"loss {loss_value:.4f}", *speed)
     progress.close()
     val_loss = curve[-1]["val_loss"]
-    peak_mb = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
-    step_ms = 1000 * train_time / timed_steps
-    peak = f" | peak {peak_mb:,.0f} MiB" if device.type == "cuda" else ""
-    ranks.say(f"  val loss {val_loss:.4f} | {step_ms:.1f} ms/step{peak}")
+    peak_mb = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    step_ms = 1000 * clock.wall / clock.steps if clock.steps else None
+    line = f"  val loss {val_loss:.4f} nats/byte"
+    if step_ms is not None:
+        line += f" | {step_ms:.1f} ms/step"
+    if peak_mb is not None:
+        line += f" | peak {peak_mb:,.0f} MiB"
+    if clock.share is not None:
+        line += " | " + share_text(clock.share, clock.threads)
+    ranks.say(line)
 
     state = full_state_dict(model, ranks)
     if ranks.main:
@@ -285,38 +344,66 @@ def train_one(
         model.eval()
         with autocast, torch.compiler.set_stance("force_eager"):
             out = model.generate(prompt, args.sample_tokens, temperature=0.8, top_k=50)
-        text = bytes(out[0, prompt.shape[1] :].tolist()).decode("utf-8", errors="replace")
+        text = printable(bytes(out[0, prompt.shape[1] :].tolist()))
         ranks.say("  sample: " + text.replace("\n", "\n          "))
     return {
         "name": name,
         "norm": config.norm,
         "params_m": num_params / 1e6,
         "val_loss": val_loss,
-        "tok_s": tokens_per_step * timed_steps / train_time,
+        "tok_s": tokens_per_step * clock.steps / clock.wall if clock.steps else None,
         "step_ms": step_ms,
         "peak_mb": peak_mb,
+        "cpu_share": clock.share,
+        "threads": clock.threads,
         "seed": args.seed,
         "curve": curve,
     }
 
 
+def disturbed(row: dict) -> bool:
+    return row["cpu_share"] is not None and row["cpu_share"] < UNDISTURBED_SHARE
+
+
 def format_table(rows: list[dict]) -> str:
-    """A Markdown table of the runs; step time and memory relative to the baseline of the same norm."""
-    lines = [
-        "| model | params (M) | val loss | tokens/s | step (ms) | peak mem (MiB) | step vs baseline | mem vs baseline |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    """A Markdown table of the runs; step time and memory relative to the baseline of the same norm.
+
+    The columns are those the runs measured: step times unless no step was
+    timed, the CPU share on a CPU, memory on CUDA. A step time that other
+    processes disturbed reads "(disturbed)", and so does its ratio.
+    """
+    timed = all(r["step_ms"] is not None for r in rows)
+    on_cpu = all(r["cpu_share"] is not None for r in rows)
+    on_cuda = all(r["peak_mb"] is not None for r in rows)
+    header = ["model", "params (M)", "val loss (nats/byte)"]
+    header += ["tokens/s", "step (ms)", "step vs baseline"] if timed else []
+    header += ["CPU share"] if on_cpu else []
+    header += ["peak mem (MiB)", "mem vs baseline"] if on_cuda else []
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     baselines = {r["norm"]: r for r in rows if r["name"].startswith("baseline")}
     for r in rows:
         first = baselines.get(r["norm"], rows[0])
-        has_mem = not math.isnan(r["peak_mb"])
-        mem = f"{r['peak_mb']:.0f}" if has_mem else "-"
-        mem_ratio = f"{r['peak_mb'] / first['peak_mb']:.2f}x" if has_mem else "-"
-        lines.append(
-            f"| {r['name']} | {r['params_m']:.2f} | {r['val_loss']:.4f} | {r['tok_s']:,.0f} | {r['step_ms']:.1f} | "
-            f"{mem} | {r['step_ms'] / first['step_ms']:.2f}x | {mem_ratio} |"
-        )
+        cells = [r["name"], f"{r['params_m']:.2f}", f"{r['val_loss']:.4f}"]
+        if timed:
+            mark = " (disturbed)" if disturbed(r) else ""
+            ratio = "(disturbed)" if disturbed(r) or disturbed(first) else f"{r['step_ms'] / first['step_ms']:.2f}x"
+            cells += [f"{r['tok_s']:,.0f}{mark}", f"{r['step_ms']:.1f}{mark}", ratio]
+        if on_cpu:
+            cells.append(f"{100 * r['cpu_share']:.0f}% of {r['threads']}")
+        if on_cuda:
+            cells += [f"{r['peak_mb']:.0f}", f"{r['peak_mb'] / first['peak_mb']:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def timing_note(rows: list[dict]) -> str | None:
+    """What the table's step times are worth: a warning when other processes disturbed them, else nothing."""
+    shaken = [r["name"] for r in rows if disturbed(r)]
+    if not shaken:
+        return None
+    return (f"Other processes took CPU time while {', '.join(shaken)} trained (CPU share under "
+            f"{100 * UNDISTURBED_SHARE:.0f}%): those step times measure the load on this machine, not the model. "
+            "Run again when the machine is idle to compare speed; the losses do not depend on it.")
 
 
 # The arguments that change what a run computes; results recorded under other values describe another experiment.
@@ -331,9 +418,14 @@ def loss_config(args) -> dict:
 
 
 def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model and the cores this process may use: ``"2-core CPU (Intel(R) Xeon(R) ...)"``."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{len(os.sched_getaffinity(0))}-core CPU"
+    name = f"{len(os.sched_getaffinity(0))}-core CPU"
+    cpuinfo = Path("/proc/cpuinfo")
+    models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+              if line.startswith("model name")] if cpuinfo.exists() else []  # fmt: skip
+    return f"{name} ({models[0]})" if models else name
 
 
 def seed_table(rows: list[dict]) -> str:
@@ -399,34 +491,36 @@ def parse_args(argv=None):
     p.add_argument("--depth-kv", default="none,attn+ffn",
                    help=f"comma-separated, from {DEPTH_KV}: none is the baseline, attn+ffn the paper's MoDA")
     p.add_argument("--norm", default="pre", help=f"comma-separated, from {NORMS}")
-    p.add_argument("--n-layer", type=int, default=4, help="blocks")
-    p.add_argument("--n-embd", type=int, default=128, help="model width")
-    p.add_argument("--n-head", type=int, default=4, help="query heads")
-    p.add_argument("--n-kv-head", type=int, default=2, help="key/value heads (GQA)")
-    p.add_argument("--block-size", type=int, default=128, help="context length in bytes")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per step, over all processes")
-    p.add_argument("--steps", type=int, default=400, help="training steps per model")
-    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
-    p.add_argument("--warmup", type=int, default=30, help="steps of linear warmup before the cosine decay")
+    p.add_argument("--n-layer", type=cli.at_least(1), default=4, help="blocks")
+    p.add_argument("--n-embd", type=cli.at_least(1), default=128, help="model width")
+    p.add_argument("--n-head", type=cli.at_least(1), default=4, help="query heads")
+    p.add_argument("--n-kv-head", type=cli.at_least(1), default=2, help="key/value heads (GQA)")
+    p.add_argument("--block-size", type=cli.at_least(1), default=128, help="context length in bytes")
+    p.add_argument("--batch-size", type=cli.at_least(1), default=16, help="sequences per step, over all processes")
+    p.add_argument("--steps", type=cli.at_least(1), default=400, help="training steps per model")
+    p.add_argument("--lr", type=cli.positive_float, default=2e-3, help="peak learning rate (AdamW)")
+    p.add_argument("--warmup", type=cli.at_least(0), default=30, help="steps of linear warmup before the cosine decay")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay of the matrices")
-    p.add_argument("--eval-iters", type=int, default=20, help="validation batches for the final loss")
-    p.add_argument("--log-interval", type=int, default=None,
+    p.add_argument("--eval-iters", type=cli.at_least(1), default=20, help="validation batches for the final loss")
+    p.add_argument("--log-interval", type=cli.at_least(1), default=None,
                    help="steps between progress lines in a log (default: a tenth of --steps; a terminal gets a bar)")
-    p.add_argument("--skip-timing", type=int, default=3, help="first steps left out of the timings")
-    p.add_argument("--sample-tokens", type=int, default=120, help="bytes to sample after training (0: none)")
+    p.add_argument("--skip-timing", type=cli.at_least(0), default=3,
+                   help="first steps left out of the timings (a run of no more steps reports no timing)")
+    p.add_argument("--sample-tokens", type=cli.at_least(0), default=120, help="bytes to sample after training (0: none)")
     p.add_argument("--seed", type=int, default=1337, help="seed of the weights and the batches")
-    p.add_argument("--seeds", default=None,
+    p.add_argument("--seeds", type=cli.int_list, default=None,
                    help="comma-separated seeds: train every model once per seed, report mean ± std (default: --seed)")
-    p.add_argument("--eval-interval", type=int, default=100, help="steps between points of the validation curve")
+    p.add_argument("--eval-interval", type=cli.at_least(1), default=100,
+                   help="steps between points of the validation curve")
     cli.add_device(p, "; under torchrun: cuda")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="bf16 runs under autocast (default: bfloat16 on CUDA, float32 on CPU)")  # fmt: skip
-    p.add_argument("--backend", default="auto", help="moda_attention backend")
+    cli.add_backend(p)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile(model, fullgraph=True) for training (default: on CUDA; --no-compile to opt out)")
     p.add_argument("--parallel", choices=PARALLEL, default="none",
                    help="data parallelism under torchrun: DDP, or FSDP2's fully_shard")  # fmt: skip
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=cli.at_least(1), default=None,
                    help="CPU threads for torch (default: the cores this process may use, shared among local ranks)")
     p.add_argument("--out-dir", default=None,
                    help="checkpoints and results.md (default: out/<data>-<n_layer>x<n_embd>, e.g. out/pydoc-4x128)")
@@ -434,18 +528,25 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.depth_kv = args.depth_kv.split(",")
     args.norm = args.norm.split(",")
-    args.seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [args.seed]
+    args.seeds = args.seeds or [args.seed]
     for flag, values, allowed in (("--depth-kv", args.depth_kv, DEPTH_KV), ("--norm", args.norm, NORMS)):
         for value in values:
             if value not in allowed:
                 p.error(f"{flag}: {value!r} is not one of {allowed}")
-    cli.check_device(p, args.device)
+    device = cli.check_device(p, args.device)
+    try:
+        configs = [model_config(args, depth_kv, norm) for norm in args.norm for depth_kv in args.depth_kv]
+    except ValueError as error:  # the shape flags do not make a model (--n-embd 100 --n-head 3)
+        p.error(str(error))
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    for config in configs:
+        cli.check_backend(p, args.backend, device, n_head=config.n_head, n_kv_head=config.n_kv_head,
+                          head_dim=config.n_embd // config.n_head, slots=config.depth_slots,
+                          dtype=getattr(torch, args.dtype))  # fmt: skip
+    check_data(p, args)
     if args.compile is None:
         args.compile = args.device.startswith("cuda")
-    if args.steps <= args.skip_timing:
-        p.error(f"--steps ({args.steps}) must exceed --skip-timing ({args.skip_timing})")
     if args.out_dir is None:
         data = Path(args.data).stem if args.data is not None else "pydoc"
         args.out_dir = str(Path("out") / f"{data}-{args.n_layer}x{args.n_embd}")
@@ -456,6 +557,19 @@ def parse_args(argv=None):
                 f"--out-dir for another folder")  # fmt: skip
     check_parallel(p, args)
     return args
+
+
+def check_data(p: argparse.ArgumentParser, args) -> None:
+    """Usage errors of ``--data``: a file that is missing, or too short to give windows of ``--block-size``."""
+    if args.data is None:
+        return
+    path = Path(args.data)
+    if not path.is_file():
+        p.error(f"--data {args.data}: no such file")
+    size = path.stat().st_size
+    if int(size * VAL_FRACTION) < args.block_size + 2:
+        p.error(f"--data {args.data}: {size:,} bytes is too short for --block-size {args.block_size}: the last "
+                f"{VAL_FRACTION:.0%}, held out for validation, must be longer than a block")  # fmt: skip
 
 
 def output_paths(args) -> list[Path]:
@@ -508,7 +622,10 @@ def main(argv=None) -> list[dict]:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", str(ranks.world)))
         torch.set_num_threads(args.threads or max(1, len(os.sched_getaffinity(0)) // local))
     train, val = split(load_text(args.data))
-    ranks.say(f"data: {len(train):,} train and {len(val):,} validation bytes; writing to {args.out_dir}")
+    threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
+    ranks.say(f"data: {args.data or PYDOC}, one token per byte: {len(train):,} train and {len(val):,} validation "
+              f"bytes; losses in nats per byte")  # fmt: skip
+    ranks.say(f"device: {device_name(device)}{threads}, torch {torch.__version__}; writing to {args.out_dir}")
     configs = [(norm, depth_kv) for norm in args.norm for depth_kv in args.depth_kv]
     rows = []
     runs = [(seed, norm, depth_kv) for seed in args.seeds for norm, depth_kv in configs]
@@ -520,6 +637,9 @@ def main(argv=None) -> list[dict]:
                         later_runs=len(runs) - i - 1)  # fmt: skip
         rows.append({**row, "model": model})
     table = format_table(rows)
+    note = timing_note(rows)
+    if note is not None:
+        table += "\n\n" + note
     ranks.say()
     ranks.say(table)
     if len(args.seeds) > 1:
