@@ -1,31 +1,70 @@
-"""The README's runnable code blocks run as printed."""
+"""Every Python block of the README runs as printed, in a fresh namespace, and prints what its comments say.
 
+A line ``print(...)  # text`` promises that the block prints ``text``. A block
+whose first line reads ``# name.py: torchrun ...`` runs as that file under
+torchrun, with two processes.
+"""
+
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
 
 
-def _blocks(heading: str) -> list[str]:
-    """The ```python blocks of the section under ``heading`` (up to the next heading)."""
-    section = README.split(heading + "\n", 1)[1]
-    section = re.split(r"^#{2,3} ", section, maxsplit=1, flags=re.M)[0]
-    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+def _blocks() -> list[tuple[str, str]]:
+    """(the heading above it, the code) of every ```python block, in order."""
+    blocks, heading, code = [], None, None
+    for line in README.splitlines(keepends=True):
+        if code is not None:
+            if line.startswith("```"):
+                blocks.append((heading, "".join(code)))
+                code = None
+            else:
+                code.append(line)
+        elif line.startswith("```python"):
+            code = []
+        elif line.startswith("#"):
+            heading = line.strip("# \n")
+    return blocks
 
 
-@pytest.mark.parametrize("heading", ["## In a nanoGPT model", "### Beside SDPA: depth K/V in your own model"])
-def test_model_snippets_run(heading, capsys):
-    [code] = _blocks(heading)
-    exec(compile(code, heading, "exec"), {})
-    printed = capsys.readouterr().out
-    expected = [line.split("# ")[-1] for line in code.splitlines() if line.startswith("print(")]
-    assert printed.splitlines() == expected
+BLOCKS = _blocks()
 
 
-def test_variant_testing_snippet_runs():
-    [code] = _blocks("### Testing your own variant")
-    namespace = {}
-    exec(compile(code, "Testing your own variant", "exec"), namespace)
-    namespace["test_my_variant"]()
+def _promised(code: str) -> list[str]:
+    """What the block's ``print(...)  # text`` lines promise, in order."""
+    return [line.split("# ", 1)[1] for line in code.splitlines() if line.strip().startswith("print(") and "# " in line]
+
+
+def test_the_readme_has_its_python_blocks():
+    assert len(BLOCKS) == len(re.findall(r"^```python$", README, flags=re.M)) >= 5
+
+
+@pytest.mark.parametrize("heading, code", BLOCKS, ids=[f"{i}-{h}" for i, (h, _) in enumerate(BLOCKS)])
+def test_block_runs_as_printed(heading, code, tmp_path, capsys):
+    torchrun = re.match(r"# (\w+\.py): torchrun --nproc-per-node (\d+) \1\n", code)
+    if torchrun:
+        script = tmp_path / torchrun.group(1)
+        script.write_text(code)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        run = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", torchrun.group(2),
+             str(script)],
+            capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        printed = run.stdout.splitlines()
+    else:
+        namespace = {"__name__": "readme"}
+        exec(compile(code, heading, "exec"), namespace)
+        for name, value in namespace.items():  # a block that defines a test: run it, as pytest would
+            if name.startswith("test_") and callable(value):
+                value()
+        printed = capsys.readouterr().out.splitlines()
+    assert printed == _promised(code)
