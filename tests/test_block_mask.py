@@ -1,12 +1,15 @@
 """The flex backend's BlockMask: built from the structure, it equals FlexAttention's dense build; its cache."""
 
+import warnings
+
+import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from torch.nn.attention.flex_attention import create_block_mask
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import moda_flex
-from moda_flex.backends.flex.block_mask import BLOCK, mask_mod, moda_block_mask, padded_kv_len
+from moda_flex.backends.flex.block_mask import BLOCK, PARTS, Layout, mask_mod, moda_block_mask
 from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs, variants
 
 from budget import examples
@@ -30,23 +33,26 @@ def _block_grids(block_mask, q_blocks, kv_blocks):
 
 
 @settings(max_examples=examples(60))
-@given(kv_len=st.integers(1, 700), data=st.data(), groups=st.integers(1, 8), slots=st.integers(0, 9))
-def test_structural_block_mask_equals_dense_evaluation(kv_len, data, groups, slots):
-    """Same partial and full blocks as create_block_mask, and a consistent transpose."""
+@given(
+    kv_len=st.integers(1, 700),
+    data=st.data(),
+    groups=st.integers(1, 8),
+    slots=st.integers(0, 9),
+    part=st.sampled_from(PARTS),
+)
+def test_structural_block_mask_equals_dense_evaluation(kv_len, data, groups, slots, part):
+    """Same partial and full blocks as create_block_mask, and a consistent transpose, for every part of a call."""
+    assume(part != "depth" or slots > 0)  # without depth there is no depth part
     q_len = data.draw(st.integers(1, kv_len))
     shape = MoDAShape(batch=1, q_heads=groups, kv_heads=1, q_len=q_len, kv_len=kv_len, slots=slots, head_dim=8)
     variant = data.draw(variants(shape, structured=True))
     mine = moda_block_mask(
-        variant, batch=1, kv_heads=1, q_len=q_len, kv_len=kv_len, groups=groups, slots=slots, device="cpu"
+        variant, batch=1, kv_heads=1, q_len=q_len, kv_len=kv_len, groups=groups, slots=slots, device="cpu", part=part
     )
+    layout = Layout.of(part, q_len, kv_len, groups, slots)
+    assert mine.seq_lengths == (layout.rows, layout.columns)
     dense = create_block_mask(
-        mask_mod(variant, q_len, kv_len, groups, slots),
-        1,
-        1,
-        mine.seq_lengths[0],
-        mine.seq_lengths[1],
-        device="cpu",
-        BLOCK_SIZE=BLOCK,
+        mask_mod(variant, layout), 1, 1, layout.rows, layout.columns, device="cpu", BLOCK_SIZE=BLOCK
     )
     q_blocks, kv_blocks = dense.kv_num_blocks.shape[-1], dense.q_num_blocks.shape[-1]
     partial, full = _block_grids(mine, q_blocks, kv_blocks)
@@ -55,10 +61,9 @@ def test_structural_block_mask_equals_dense_evaluation(kv_len, data, groups, slo
     # are, depth blocks are always treated as partial (a chunk_depth block can
     # be wholly visible; the mask is then merely evaluated there).
     assert (partial | full).equal(dense_partial | dense_full)
-    depth_cols = slice(padded_kv_len(kv_len) // BLOCK, None)
-    assert not full[..., depth_cols].any()
-    sequence_cols = slice(0, padded_kv_len(kv_len) // BLOCK)
-    assert full[..., sequence_cols].equal(dense_full[..., sequence_cols])
+    seq_blocks = -(-layout.seq_cols // BLOCK)
+    assert not full[..., seq_blocks:].any()
+    assert full[..., :seq_blocks].equal(dense_full[..., :seq_blocks])
     # The KV-block -> row-block lists are the transpose of the row-block lists.
     q_partial = _dense_blocks(mine.q_num_blocks, mine.q_indices, q_blocks).transpose(1, 2)
     q_full = _dense_blocks(mine.full_q_num_blocks, mine.full_q_indices, q_blocks).transpose(1, 2)
@@ -97,3 +102,30 @@ def test_document_masks_are_cached_by_their_ids():
     args = dict(batch=1, kv_heads=1, q_len=200, kv_len=200, groups=2, slots=1, device="cpu")
     assert moda_block_mask(first, **args) is moda_block_mask(first, **args)
     assert moda_block_mask(first, **args) is not moda_block_mask(moda_flex.document(ids), **args)
+
+
+@pytest.mark.parametrize("part", PARTS)
+@pytest.mark.parametrize(
+    "variant, q_len, kv_len, groups, slots",
+    [
+        (moda_flex.sliding_window(37) & moda_flex.depth_window(2), 200, 261, 8, 4),
+        (moda_flex.chunk_depth(50), 180, 190, 2, 3),
+    ],
+    ids=["window", "chunk"],
+)
+def test_compiled_flex_attention_skips_only_masked_blocks(variant, q_len, kv_len, groups, slots, part):
+    """Compiled FlexAttention honours the block lists of every part, as the eager one that evaluates every element."""
+    layout = Layout.of(part, q_len, kv_len, groups, slots)
+    heads = 2 * groups if part == "sequence" else 2  # the sequence part's rows are the query heads
+    block_mask = moda_block_mask(
+        variant, batch=1, kv_heads=heads, q_len=q_len, kv_len=kv_len, groups=groups, slots=slots, device="cpu",
+        part=part,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(1, heads, layout.rows, 16, generator=generator)
+    keys, values = (torch.randn(1, 2, layout.columns, 16, generator=generator) for _ in range(2))
+    compiled = torch.compile(flex_attention)(rows, keys, values, block_mask=block_mask, enable_gqa=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # eager FlexAttention materializes the scores
+        eager = flex_attention(rows, keys, values, block_mask=block_mask, enable_gqa=True)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from moda_flex import moda_attention
+from moda_flex.backends.flex import DESIGNS, function
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -12,8 +13,10 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+@pytest.mark.parametrize("design", DESIGNS)
 @pytest.mark.parametrize("variant", ["causal", "full"])
-def test_flex_bf16_matches_fp32_reference_at_paper_shape(variant):
+def test_flex_bf16_matches_fp32_reference_at_paper_shape(variant, design, monkeypatch):
+    monkeypatch.setattr(function, "DESIGN", design)
     torch.manual_seed(0)
     B, Hq, Hk, T, L, D = 1, 64, 8, 4096, 64, 64
     dev = "cuda"
@@ -35,7 +38,7 @@ def test_flex_bf16_matches_fp32_reference_at_paper_shape(variant):
     assert not out.isnan().any()
     errors = {"out": _rel(out, ref_out), "lse (max abs)": (lse - ref_lse).abs().max().item()}
     errors.update({f"grad {n}": _rel(g, rg) for n, g, rg in zip(("q", "k", "v", "depth_k", "depth_v"), grads, ref_grads)})
-    print(f"\nflex bf16 vs fp32 reference, {variant}, T={T} G={Hq // Hk} L={L} D={D}:",
+    print(f"\nflex ({design}) bf16 vs fp32 reference, {variant}, T={T} G={Hq // Hk} L={L} D={D}:",
           ", ".join(f"{name} {err:.2e}" for name, err in errors.items()))
     assert errors.pop("out") < 2e-2
     assert errors.pop("lse (max abs)") < 5e-2

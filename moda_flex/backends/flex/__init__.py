@@ -1,6 +1,10 @@
-"""The flex backend: MoDA as one FlexAttention call over ``[sequence | chunk-packed depth]``.
+"""The flex backend: MoDA through FlexAttention.
 
-Layout (per batch and KV head)::
+Two designs (:mod:`.function`): ``"split"``, the default, runs the sequence
+part as FlexAttention itself is called and the depth part on its own, merged
+through the log-sum-exps; ``"concat"`` is one call over ``[sequence |
+chunk-packed depth]``, the expression the paper draws. Its layout (per batch
+and KV head)::
 
     rows     r = t * G + g          query token t, query head kv_head * G + g
     columns  [ k_0 ... k_{Tk-1} pad | depth(t=0, l=0..L-1) depth(t=1, ...) ... ]
@@ -9,13 +13,15 @@ Layout (per batch and KV head)::
 The G query heads of a group are folded into rows, so a block of rows covers
 a few consecutive tokens and reads one contiguous span of depth columns (the
 chunk-packed layout). The sequence part is padded to whole KV blocks so that
-no block mixes sequence keys and depth entries.
+no block mixes sequence keys and depth entries. The split design's depth
+call, for variants that read other tokens' depth, uses the same rows and the
+depth columns alone.
 
-- ``function.py``: the call: folding, the score, NaN handling, eager or compiled FlexAttention;
-- ``block_mask.py``: the element mask and the BlockMask built from the variant's structure.
+- ``function.py``: the call: the designs, folding, the score, NaN handling, eager or compiled;
+- ``block_mask.py``: each call's layout, its element mask and the BlockMask built from the variant's structure.
 """
 
 from .block_mask import BLOCK, moda_block_mask
-from .function import flex_attention_backend, flex_moda
+from .function import DESIGN, DESIGNS, flex_attention_backend, flex_moda
 
-__all__ = ["BLOCK", "flex_attention_backend", "flex_moda", "moda_block_mask"]
+__all__ = ["BLOCK", "DESIGN", "DESIGNS", "flex_attention_backend", "flex_moda", "moda_block_mask"]

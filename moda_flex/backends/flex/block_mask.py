@@ -1,4 +1,9 @@
-"""Which entries a folded row sees: the element mask and the BlockMask built from the variant's structure.
+"""Which entries a row sees: the element mask and the BlockMask built from the variant's structure.
+
+One :class:`Layout` describes the rows and columns of a FlexAttention call:
+the concatenated ``[sequence | chunk-packed depth]`` call over folded rows,
+the sequence part alone (one row per query, the call's heads the query
+heads) or the depth part alone (folded rows, depth columns only).
 
 The BlockMask comes from the variant's :class:`~moda_flex.variants.Structure`:
 every token's visible keys form an interval ``[lo(p), hi(p)]`` whose ends
@@ -23,6 +28,7 @@ document ids, else 1).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -39,6 +45,46 @@ def padded_kv_len(kv_len: int) -> int:
     return _ceil_div(kv_len, BLOCK) * BLOCK
 
 
+PARTS = ("concat", "sequence", "depth")
+
+
+class Layout(NamedTuple):
+    """The rows and columns of one FlexAttention call.
+
+    Rows: ``q_len * groups``; row ``r`` is query token ``r // groups`` and, of
+    the call's head ``h``, query head ``h * groups + r % groups`` (``groups``
+    1: the call's heads are the query heads). Columns: ``seq_cols`` sequence
+    columns (keys ``0 .. kv_len - 1``, then padding), then ``q_len * slots``
+    depth columns, token after token.
+    """
+
+    q_len: int
+    kv_len: int
+    groups: int
+    slots: int
+    seq_cols: int
+
+    @classmethod
+    def of(cls, part: str, q_len: int, kv_len: int, groups: int, slots: int) -> "Layout":
+        """The layout of ``part``, one of :data:`PARTS`, for a call with Tq, Tk, G and L."""
+        if part == "concat":
+            # Padding keeps keys and depth out of one block; without depth none is needed.
+            return cls(q_len, kv_len, groups, slots, padded_kv_len(kv_len) if slots else kv_len)
+        if part == "sequence":
+            return cls(q_len, kv_len, 1, 0, kv_len)
+        if part == "depth":
+            return cls(q_len, kv_len, groups, slots, 0)
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+
+    @property
+    def rows(self) -> int:
+        return self.q_len * self.groups
+
+    @property
+    def columns(self) -> int:
+        return self.seq_cols + self.q_len * self.slots
+
+
 def moda_block_mask(
     variant: Variant,
     *,
@@ -49,28 +95,28 @@ def moda_block_mask(
     groups: int,
     slots: int,
     device,
+    part: str = "concat",
 ) -> BlockMask:
-    """The BlockMask of ``variant`` over folded rows and ``[sequence | depth]`` columns.
+    """The BlockMask of ``variant`` for one part of a call (:meth:`Layout.of`), by default ``[sequence | depth]``.
 
-    Rows: ``q_len * groups``; columns: :func:`padded_kv_len`, then
-    ``q_len * slots`` depth entries. Built structurally (and cached per
-    structure and shape) when every query's keys form one interval, densely
-    otherwise.
+    Built structurally (and cached per structure and layout) when every
+    query's keys form one interval, densely otherwise, for ``batch`` rows and
+    ``kv_heads`` heads: the call's heads, the query heads for the
+    ``"sequence"`` part.
     """
     device = torch.device(device)
+    layout = Layout.of(part, q_len, kv_len, groups, slots)
     structure = variant.structure
     if structure is None or not structure.keys_contiguous:
-        lengths = (q_len * groups, padded_kv_len(kv_len) + q_len * slots)
-        mask = mask_mod(variant, q_len, kv_len, groups, slots, device)
-        return create_block_mask(mask, batch, kv_heads, *lengths, device=device, BLOCK_SIZE=BLOCK)
-    key = (structure, q_len, kv_len, groups, slots, str(device))
+        mask = mask_mod(variant, layout, device)
+        return create_block_mask(mask, batch, kv_heads, layout.rows, layout.columns, device=device, BLOCK_SIZE=BLOCK)
+    key = (structure, layout, str(device))
     block_mask = _BLOCK_MASK_CACHE.pop(key, None)
     if block_mask is None:
         # Cached tensors made under inference_mode would be inference tensors,
         # which a later training call cannot save for backward.
         with torch.inference_mode(False):
-            mask = mask_mod(variant, q_len, kv_len, groups, slots, device)
-            block_mask = structural_block_mask(structure, q_len, kv_len, groups, slots, device, mask)
+            block_mask = structural_block_mask(structure, layout, device, mask_mod(variant, layout, device))
     _BLOCK_MASK_CACHE[key] = block_mask  # most recently used last
     while len(_BLOCK_MASK_CACHE) > _BLOCK_MASK_CACHE_SIZE:
         _BLOCK_MASK_CACHE.pop(next(iter(_BLOCK_MASK_CACHE)))
@@ -78,36 +124,58 @@ def moda_block_mask(
 
 
 # A structure states its masks exactly (documents compare by identity), so
-# the structure and the shape determine the block mask, whatever the
+# the structure and the layout determine the block mask, whatever the
 # variant's name; the entry keeps its documents alive, so no other ids can
 # take their identity.
 _BLOCK_MASK_CACHE: dict = {}
-_BLOCK_MASK_CACHE_SIZE = 16
+_BLOCK_MASK_CACHE_SIZE = 32
 
 
-def mask_mod(variant: Variant, q_len: int, kv_len: int, groups: int, slots: int, device="cpu"):
-    """The element mask over folded rows and ``[sequence | pad | depth]`` columns, as FlexAttention's mask_mod."""
-    has_depth = slots > 0
+def layout_lengths(layout: Layout, device) -> Tensor:
+    """The lengths the element mask and the score read, ``[Tk - Tq, Tk, Tk - 1, seq_cols, max(L, 1)]`` int64.
+
+    In a tensor, not Python ints, so that a compiled FlexAttention reads them
+    as inputs instead of recompiling for every length (and every layer's L).
+    Cached per layout outside a compiled region (one host-to-device copy per
+    new layout); inside one, the graph makes it.
+    """
+    values = [layout.kv_len - layout.q_len, layout.kv_len, max(layout.kv_len - 1, 0), layout.seq_cols,
+              max(layout.slots, 1)]  # fmt: skip
+    if torch.compiler.is_compiling():
+        return torch.tensor(values, device=device)
+    key = (layout, str(device))
+    lengths = _LENGTHS_CACHE.pop(key, None)
+    if lengths is None:
+        with torch.inference_mode(False):  # see moda_block_mask
+            lengths = torch.tensor(values, device=device)
+    _LENGTHS_CACHE[key] = lengths
+    while len(_LENGTHS_CACHE) > _BLOCK_MASK_CACHE_SIZE:
+        _LENGTHS_CACHE.pop(next(iter(_LENGTHS_CACHE)))
+    return lengths
+
+
+_LENGTHS_CACHE: dict = {}
+
+
+def mask_mod(variant: Variant, layout: Layout, device="cpu"):
+    """The element mask of ``layout``'s rows and columns, as FlexAttention's mask_mod."""
+    groups, has_keys, has_depth = layout.groups, layout.seq_cols > 0, layout.slots > 0
     own_depth = variant.own_depth_only
     sequence = variant.sequence
-    depth = variant.depth_predicate(slots)
-    # Lengths live in tensors, not Python ints, so that a compiled
-    # flex_attention reads them as inputs instead of recompiling for every
-    # length (and every layer's L). G stays an int: it is fixed per model, and
-    # dividing by a constant is cheap.
-    dims = torch.tensor(
-        [kv_len - q_len, kv_len, max(kv_len - 1, 0), padded_kv_len(kv_len), max(slots, 1)], device=device
-    )
+    depth = variant.depth_predicate(layout.slots)
+    # G stays an int: it is fixed per model, and dividing by a constant is cheap.
+    dims = layout_lengths(layout, device)
 
     def moda_mask(b, h, row, col):
-        offset, kv_len, last_key, kv_padded, slots = dims.unbind()
-        token = row // groups
+        offset, kv_len, last_key, seq_cols, slots = dims.unbind()
+        token = row // groups if groups > 1 else row
         q_pos = token + offset  # offset: absolute position of query token 0
-        q_head = h * groups + row % groups
-        key_ok = (col < kv_len) & sequence(b, q_head, q_pos, torch.minimum(col, last_key))
-        if not has_depth:
-            return key_ok
-        depth_col = col - kv_padded
+        q_head = h * groups + row % groups if groups > 1 else h
+        if has_keys:
+            key_ok = (col < kv_len) & sequence(b, q_head, q_pos, torch.minimum(col, last_key))
+            if not has_depth:
+                return key_ok
+        depth_col = col - seq_cols
         if own_depth:
             # The row's own depth span, found without dividing by L.
             slot = depth_col - token * slots
@@ -115,33 +183,34 @@ def mask_mod(variant: Variant, q_len: int, kv_len: int, groups: int, slots: int,
         else:
             depth_col = depth_col.clamp(min=0)
             d_pos = depth_col // slots + offset
-            depth_ok = (col >= kv_padded) & depth(b, q_head, q_pos, d_pos, depth_col % slots)
-        return torch.where(col < kv_padded, key_ok, depth_ok)
+            depth_ok = (col >= seq_cols) & depth(b, q_head, q_pos, d_pos, depth_col % slots)
+        return torch.where(col < seq_cols, key_ok, depth_ok) if has_keys else depth_ok
 
     moda_mask.__name__ = f"moda_{variant.name}"
     return moda_mask
 
 
-def structural_block_mask(
-    structure: Structure, q_len: int, kv_len: int, groups: int, slots: int, device, element_mask
-) -> BlockMask:
-    """The BlockMask of ``structure``, from its key and depth spans, in time proportional to the block grid.
+def structural_block_mask(structure: Structure, layout: Layout, device, element_mask) -> BlockMask:
+    """The BlockMask of ``structure`` over ``layout``, from its key and depth spans, in time proportional to the block grid.
 
     Args:
         structure: exact spans (``structure.keys_contiguous``).
-        q_len, kv_len, groups, slots: Tq, Tk, G, L.
+        layout: the call's rows and columns.
         device: where the block lists live.
         element_mask: the :func:`mask_mod` of the call, applied inside partial blocks.
 
     Returns:
-        a BlockMask of ``Tq * G`` rows and ``padded_kv_len(Tk) + Tq * L``
-        columns whose lists are (Bm, 1, ...): the same blocks for every head.
+        a BlockMask of ``layout.rows`` rows and ``layout.columns`` columns
+        whose lists are (Bm, 1, ...): the same blocks for every head.
         Sequence blocks are full or partial as the mask is; depth blocks are
         always partial.
     """
-    rows = q_len * groups
+    q_len, kv_len, groups, slots = layout.q_len, layout.kv_len, layout.groups, layout.slots
+    if layout.seq_cols == 0:  # the depth part alone: no key is a column
+        structure = dataclasses.replace(structure, sequence=False)
+    rows = layout.rows
     q_blocks = _ceil_div(rows, BLOCK)
-    seq_blocks = padded_kv_len(kv_len) // BLOCK
+    seq_blocks = _ceil_div(layout.seq_cols, BLOCK)
     depth_blocks = _ceil_div(q_len * slots, BLOCK)
     # A ragged last row block is never called full (as create_block_mask does).
     ragged = rows % BLOCK != 0
@@ -167,7 +236,7 @@ def structural_block_mask(
         return t.unsqueeze(1).to(torch.int32).contiguous()
 
     return BlockMask(
-        seq_lengths=(rows, padded_kv_len(kv_len) + q_len * slots),
+        seq_lengths=(rows, layout.columns),
         kv_num_blocks=heads(kv_num),
         kv_indices=heads(kv_idx),
         full_kv_num_blocks=heads(full_kv_num),

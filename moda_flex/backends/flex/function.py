@@ -1,14 +1,28 @@
-"""The flex backend's call: MoDA through one ``flex_attention`` over folded rows and ``[sequence | depth]`` columns.
+"""The flex backend's call: MoDA through FlexAttention, in one of two designs.
 
-The layout is the package's (:mod:`moda_flex.backends.flex`); the masks are
-:mod:`.block_mask`'s.
+- ``"split"`` (the default): the sequence part through one ``flex_attention``
+  over the plain (B, Hq, Tq, D) queries with the variant's sequence predicate
+  and ``enable_gqa``, as FlexAttention itself is called; the depth part on
+  its own, merged through the two log-sum-exps (:func:`_merge`). A variant
+  whose queries read only their own token's depth (every built-in but
+  ``chunk_depth``) gets its depth logits as batched (G, D) x (D, L) products
+  per token; any other, a second ``flex_attention`` over folded rows and the
+  chunk-packed depth columns with the depth predicate.
+- ``"concat"``: one ``flex_attention`` over folded rows and
+  ``[sequence | chunk-packed depth]`` columns, the expression the paper draws
+  (:mod:`moda_flex.backends.flex`).
+
+Either way a variant is its two predicates (the masks are
+:mod:`.block_mask`'s), a score applies to sequence and depth alike, and on
+CUDA the whole call is one compiled graph whose lengths are inputs, so one
+compiled kernel serves every length.
 
 A variant's score function (:mod:`moda_flex.scores`) becomes FlexAttention's
-``score_mod`` over the same layout: a row is read back as (query head, token)
-and a column as a key position or a (token, slot) depth entry, as the mask
-does; the tensors the score reads (learned biases) go in as FlexAttention's
-score buffers, so their gradients come back on the eager path too. The
-BlockMask is the variant's, unchanged.
+``score_mod`` over each call's layout: a row is read back as (query head,
+token) and a column as a key position or a (token, slot) depth entry, as the
+mask does; the tensors the score reads (learned biases) go in as
+FlexAttention's score buffers, so their gradients come back on the eager path
+too. The depth products apply it to their logits directly.
 
 FlexAttention multiplies the masked entries of a visited block by a zero
 weight, and ``0 * NaN = NaN``; so the inputs go in with their NaN and Inf
@@ -20,22 +34,25 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from ... import nonfinite
 from ...variants import Variant
 from ..reference import visible_entries
-from .block_mask import moda_block_mask, padded_kv_len
+from .block_mask import Layout, layout_lengths, moda_block_mask
+
+DESIGNS = ("split", "concat")
+DESIGN = "split"  # what backend="flex" runs
 
 
 def flex_attention_backend(
     q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: Tensor, variant: Variant, scale: float
 ) -> tuple[Tensor, Tensor]:
-    """MoDA through one ``flex_attention`` call; compiled on CUDA, eager elsewhere.
+    """MoDA through FlexAttention; compiled on CUDA, eager elsewhere.
 
     Args and returns as :func:`moda_flex.backends.reference.reference_attention`.
     Supports first derivatives only.
@@ -57,6 +74,23 @@ def _eager_flex_moda(q, k, v, depth_k, depth_v, variant, scale):
     return flex_moda(q, k, v, depth_k, depth_v, variant, scale, compiled=False)
 
 
+class _Plan(NamedTuple):
+    """What a call runs, settled before its tensors are touched (the compiled graph reads it as constants).
+
+    ``parts``: the :data:`~.block_mask.PARTS` computed by FlexAttention, in
+    the order of the call's block masks, and ``"products"`` for the depth by
+    batched products; ``score_mods``: one per FlexAttention part (None
+    without a score); ``copies``: how many stacked copies of each score
+    tensor the FlexAttention parts read (:func:`_spread`).
+    """
+
+    parts: tuple
+    score_mods: tuple
+    copies: tuple
+    return_lse: bool
+    kernel_options: Optional[dict]
+
+
 def flex_moda(
     q: Tensor,
     k: Tensor,
@@ -66,16 +100,22 @@ def flex_moda(
     variant: Variant,
     scale: float,
     *,
-    compiled: bool,
+    compiled: Union[bool, str],
     return_lse: bool = True,
     spread_grads: Optional[bool] = None,
+    design: Optional[str] = None,
 ):
-    """Like :func:`flex_attention_backend`, choosing eager or compiled FlexAttention.
+    """Like :func:`flex_attention_backend`, choosing the design and eager or compiled FlexAttention.
 
-    Compiled FlexAttention on CPU runs inference only, without the lse: call it
-    with ``return_lse=False`` there. ``spread_grads`` (default: ``compiled``)
+    ``compiled``: False runs eagerly; True compiles the call with inductor (a
+    call inside a compiled model is traced into the model's graph instead);
+    a string compiles with that ``torch.compile`` backend (``"aot_eager"``
+    in tests). Compiled FlexAttention on CPU runs inference only, without
+    the lse: there, call the ``"concat"`` design (or a call without depth)
+    with ``return_lse=False``. ``spread_grads`` (default: whether compiled)
     reads a score's learning tensors through stacked copies (see
-    :func:`_spread`).
+    :func:`_spread`). ``design``: one of :data:`DESIGNS`, default
+    :data:`DESIGN`.
 
     Args:
         q: (B, Hq, Tq, D); k, v: (B, Hk, Tk, D); depth_k, depth_v: (B, Hk, Tq, L, D).
@@ -83,9 +123,74 @@ def flex_moda(
     Returns:
         out (B, Hq, Tq, D), and lse (B, Hq, Tq) float32 if ``return_lse``.
     """
+    design = DESIGN if design is None else design
+    if design not in DESIGNS:
+        raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
     B, Hq, Tq, D = q.shape
     Hk, Tk, L = k.shape[1], k.shape[2], depth_k.shape[3]
     G = Hq // Hk
+    if design == "concat":
+        parts = ("concat",)
+    elif L == 0:
+        parts = ("sequence",)
+    else:
+        parts = ("sequence", "products" if variant.own_depth_only else "depth")
+    flex_parts = [part for part in parts if part != "products"]
+    masks = tuple(
+        moda_block_mask(variant, batch=B, kv_heads=Hq if part == "sequence" else Hk, q_len=Tq, kv_len=Tk,
+                        groups=G, slots=L, device=q.device, part=part)
+        for part in flex_parts
+    )  # fmt: skip
+
+    params, copies, score_mods = (), (), (None,) * len(flex_parts)
+    if variant.score is not None:
+        # Check the params against this call, and the function on a grid of logits,
+        # here: inside FlexAttention's tracing an error would lose its message.
+        _probe_score(variant.score.bind(Hq, L), q.device)
+        params = variant.score.params
+        spread = bool(compiled) if spread_grads is None else spread_grads
+        copies = tuple(_copies(p) if spread else 1 for p in params)
+        if max(copies, default=1) > 1 and not _reads_by_index(variant, Hq, L):
+            copies = (1,) * len(params)
+        score_mods = tuple(
+            _score_mod(variant, Layout.of(part, Tq, Tk, G, L), q_heads=Hq, slots=L, copies=copies, device=q.device)
+            for part in flex_parts
+        )
+    learns = any(p.requires_grad for p in params) and torch.is_grad_enabled()
+    plan = _Plan(
+        parts=parts,
+        score_mods=score_mods,
+        copies=copies,
+        return_lse=return_lse,
+        kernel_options=dict(LEARNED_SCORE_KERNEL_OPTIONS) if learns and q.is_cuda and compiled else None,
+    )
+    core = _moda_core
+    if compiled and not torch.compiler.is_compiling():  # inside a compiled model the model's graph holds it
+        core = _compiled_core("inductor" if compiled is True else compiled)
+    out, lse = core(q, k, v, depth_k, depth_v, tuple(params), masks, variant, scale, plan)
+    return (out, lse) if return_lse else out
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_core(backend: str):
+    # Compiled once per backend, on first use, never at import time. Dynamic
+    # shapes (after the first new length) and tensor-held lengths in the masks
+    # keep one compiled graph for many lengths instead of one per length.
+    return torch.compile(_moda_core, backend=backend)
+
+
+def _moda_core(q, k, v, depth_k, depth_v, params: tuple, masks: tuple, variant: Variant, scale: float, plan: _Plan):
+    """The call on its tensors: zero the non-finite entries, run the plan's parts, mark the rows that saw one.
+
+    Args:
+        q: (B, Hq, Tq, D); k, v: (B, Hk, Tk, D); depth_k, depth_v: (B, Hk, Tq, L, D).
+        params: the score's tensors; masks: one BlockMask per FlexAttention part.
+
+    Returns:
+        out (B, Hq, Tq, D), and lse (B, Hq, Tq) float32, or None unless ``plan.return_lse``.
+    """
+    B, Hq, Tq, D = q.shape
+    Hk = k.shape[1]
     # A visited block multiplies its masked entries by zero, and 0 * NaN = NaN:
     # run on zeroed copies, then mark NaN the rows that see a non-finite entry.
     q, q_bad = nonfinite.zero_nonfinite(q)  # (B, Hq, Tq, D), (B, Hq, Tq)
@@ -93,41 +198,133 @@ def flex_moda(
     v, v_bad = nonfinite.zero_nonfinite(v)
     depth_k, depth_k_bad = nonfinite.zero_nonfinite(depth_k)  # (B, Hk, Tq, L, D), (B, Hk, Tq, L)
     depth_v, depth_v_bad = nonfinite.zero_nonfinite(depth_v)
-    block_mask = moda_block_mask(variant, batch=B, kv_heads=Hk, q_len=Tq, kv_len=Tk, groups=G, slots=L, device=q.device)
-    kv_pad = block_mask.seq_lengths[1] - Tq * L - Tk
-
-    # Fold the G query heads of each group into rows: row r = t * G + g.
-    rows = q.view(B, Hk, G, Tq, D).transpose(2, 3).reshape(B, Hk, Tq * G, D)  # (B, Hk, Tq*G, D)
-    pad = k.new_zeros(B, Hk, kv_pad, D)
-    keys = torch.cat([k, pad, depth_k.reshape(B, Hk, Tq * L, D)], dim=2)  # (B, Hk, Tk_pad + Tq*L, D)
-    values = torch.cat([v, pad, depth_v.reshape(B, Hk, Tq * L, D)], dim=2)
-
-    score_mod, params = None, ()
-    if variant.score is not None:
-        # Check the params against this call, and the function on a grid of logits,
-        # here: inside FlexAttention's tracing an error would lose its message.
-        _probe_score(variant.score.bind(Hq, L), q.device)
-        params = variant.score.params
-    rows, keys, values, *params = _FirstOrderOnly.apply(rows, keys, values, *params)
+    q, k, v, depth_k, depth_v, *params = _FirstOrderOnly.apply(q, k, v, depth_k, depth_v, *params)
     # An empty tensor (a depth bias when L = 0) has no gradient to compute, and
     # the eager op fails on a buffer that requires grad yet is never read.
     params = [p.detach() if p.numel() == 0 else p for p in params]
-    spread = compiled if spread_grads is None else spread_grads
-    copies = [_copies(p) if spread else 1 for p in params]
-    if max(copies, default=1) > 1 and not _reads_by_index(variant, Hq, L):
-        copies = [1] * len(params)
-    params = [_spread(p, n) for p, n in zip(params, copies)]
-    if variant.score is not None:
-        score_mod = _score_mod(
-            variant, q_heads=Hq, q_len=Tq, kv_len=Tk, groups=G, slots=L, copies=copies, device=q.device
-        )
-    out, lse = _run_flex(rows, keys, values, block_mask, scale, compiled, return_lse, score_mod, tuple(params))
-    out = out.view(B, Hk, Tq, G, D).transpose(2, 3).reshape(B, Hq, Tq, D)  # (B, Hq, Tq, D)
-    if return_lse:
-        lse = lse.view(B, Hk, Tq, G).transpose(2, 3).reshape(B, Hq, Tq).float()  # (B, Hq, Tq)
+    buffers = tuple(_spread(p, n) for p, n in zip(params, plan.copies))
+
+    def run(part, i, query, key, value, need_lse):
+        return _run_flex(query, key, value, masks[i], scale, plan.score_mods[i], buffers, need_lse=need_lse,
+                         enable_gqa=part == "sequence", kernel_options=plan.kernel_options)  # fmt: skip
+
+    if plan.parts == ("concat",):
+        rows = _fold(q, Hk)  # (B, Hk, Tq*G, D)
+        pad = masks[0].seq_lengths[1] - depth_k.shape[2] * depth_k.shape[3] - k.shape[2]
+        keys = _concat(k, pad, depth_k)  # (B, Hk, seq_cols + Tq*L, D)
+        values = _concat(v, pad, depth_v)
+        out, lse = run("concat", 0, rows, keys, values, plan.return_lse)
+        out, lse = _unfold(out, lse, Hq)
+    else:
+        need_lse = plan.return_lse or len(plan.parts) > 1
+        out, lse = run("sequence", 0, q, k, v, need_lse)  # (B, Hq, Tq, D), (B, Hq, Tq)
+        if "products" in plan.parts:
+            score = None if variant.score is None else variant.score.bind(Hq, depth_k.shape[3], params)
+            out_d, lse_d = _depth_by_products(q, depth_k, depth_v, variant, scale, k.shape[2], score)
+            out, lse = _merge(out, lse, out_d, lse_d)
+        elif "depth" in plan.parts:
+            keys, values = (t.reshape(B, Hk, -1, D) for t in (depth_k, depth_v))  # (B, Hk, Tq*L, D)
+            out_d, lse_d = _unfold(*run("depth", 1, _fold(q, Hk), keys, values, True), Hq)
+            out, lse = _merge(out, lse, out_d, lse_d)
+    lse = None if lse is None else lse.float()
     seen = _rows_seeing_nonfinite(variant, q_bad, k_bad | v_bad, depth_k_bad | depth_v_bad)  # (B, Hq, Tq)
-    out, lse = nonfinite.mark_rows(out, lse, seen)
-    return (out, lse) if return_lse else out
+    return nonfinite.mark_rows(out, lse, seen)
+
+
+def _fold(q: Tensor, kv_heads: int) -> Tensor:
+    """(B, Hq, Tq, D) -> (B, Hk, Tq*G, D): the G query heads of each group folded into rows, row r = t * G + g."""
+    B, Hq, Tq, D = q.shape
+    G = Hq // kv_heads
+    return q.view(B, kv_heads, G, Tq, D).transpose(2, 3).reshape(B, kv_heads, Tq * G, D)
+
+
+def _unfold(out: Tensor, lse: Optional[Tensor], q_heads: int):
+    """Folded (B, Hk, Tq*G, D) and (B, Hk, Tq*G) back to (B, Hq, Tq, D) and (B, Hq, Tq); lse may be None."""
+    B, Hk, rows, D = out.shape
+    G = q_heads // Hk
+    Tq = rows // G
+    out = out.view(B, Hk, Tq, G, D).transpose(2, 3).reshape(B, q_heads, Tq, D)
+    if lse is not None:
+        lse = lse.view(B, Hk, Tq, G).transpose(2, 3).reshape(B, q_heads, Tq)
+    return out, lse
+
+
+def _concat(seq: Tensor, pad: int, depth: Tensor) -> Tensor:
+    """``[seq | pad zeros | depth]`` columns: (B, Hk, Tk, D), ``pad``, (B, Hk, Tq, L, D) -> (B, Hk, Tk + pad + Tq*L, D)."""
+    B, Hk, Tq, L, D = depth.shape
+    return torch.cat([seq, seq.new_zeros(B, Hk, pad, D), depth.reshape(B, Hk, Tq * L, D)], dim=2)
+
+
+def _depth_by_products(
+    q: Tensor, depth_k: Tensor, depth_v: Tensor, variant: Variant, scale: float, kv_len: int, score
+) -> tuple[Tensor, Tensor]:
+    """Each query over its own token's L depth slots: batched (G, D) x (D, L) products per (batch, KV head, token).
+
+    For variants whose queries read only their own token's depth. Computed in
+    float32 (float64 for float64 inputs), the logits of a depth slot as
+    FlexAttention computes them; the score sees them as the reference does,
+    with (B, Hk, Tq, G, L)-broadcastable indices.
+
+    Args:
+        q: (B, Hq, Tq, D); depth_k, depth_v: (B, Hk, Tq, L, D), L >= 1.
+        kv_len: Tk, which places query token 0 at position ``Tk - Tq``.
+        score: the variant's score function bound to this call, or None.
+
+    Returns:
+        out (B, Hq, Tq, D) and lse (B, Hq, Tq), in the compute dtype; a row
+        that sees no slot gives zeros and ``lse = -inf``.
+    """
+    B, Hq, Tq, D = q.shape
+    Hk, L = depth_k.shape[1], depth_k.shape[3]
+    G = Hq // Hk
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rows = q.view(B, Hk, G, Tq, D).transpose(2, 3).to(dtype)  # (B, Hk, Tq, G, D)
+    logits = scale * (rows @ depth_k.to(dtype).transpose(-1, -2))  # (B, Hk, Tq, G, L)
+    device = q.device
+    b = torch.arange(B, device=device).view(B, 1, 1, 1, 1)
+    h = (torch.arange(Hk, device=device).view(1, Hk, 1, 1, 1) * G + torch.arange(G, device=device).view(1, 1, 1, G, 1))
+    q_pos = (kv_len - Tq + torch.arange(Tq, device=device)).view(1, 1, Tq, 1, 1)
+    slot = torch.arange(L, device=device).view(1, 1, 1, 1, L)
+    if score is not None:
+        logits = score(logits, b, h, q_pos, q_pos, slot, torch.ones_like(slot, dtype=torch.bool))
+    visible = variant.depth_predicate(L)(b, h, q_pos, q_pos, slot)
+    logits = logits.masked_fill(~visible, float("-inf"))
+    # Softmax that gives zeros (not NaN) for a row with no visible slot, in
+    # value and gradient: shift by a detached finite max, divide by a safe sum.
+    row_max = logits.amax(dim=-1, keepdim=True).detach()
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(logits - row_max)  # (B, Hk, Tq, G, L)
+    total = weights.sum(dim=-1, keepdim=True)
+    probs = weights / torch.where(total > 0, total, torch.ones_like(total))
+    out = probs @ depth_v.to(dtype)  # (B, Hk, Tq, G, D)
+    lse = (row_max + torch.log(total)).squeeze(-1)  # (B, Hk, Tq, G); log(0) = -inf
+    return out.transpose(2, 3).reshape(B, Hq, Tq, D), lse.transpose(2, 3).reshape(B, Hq, Tq)
+
+
+def _merge(out_s: Tensor, lse_s: Tensor, out_d: Tensor, lse_d: Tensor) -> tuple[Tensor, Tensor]:
+    """One softmax over both parts from each part's own: ``lse = logaddexp(lse_s, lse_d)``, outputs weighted.
+
+    ``out = out_s * exp(lse_s - lse) + out_d * exp(lse_d - lse)``, computed
+    in the depth part's dtype; gradients flow through both lse's. A row that
+    sees nothing in either part gives zeros and ``-inf`` (no NaN, in value or
+    gradient).
+
+    Args:
+        out_s, out_d: (B, Hq, Tq, D); lse_s, lse_d: (B, Hq, Tq).
+
+    Returns:
+        out (B, Hq, Tq, D) in ``out_s``'s dtype and lse (B, Hq, Tq) in ``out_d``'s.
+    """
+    dtype = out_d.dtype
+    lse_s = lse_s.to(dtype)
+    shift = torch.maximum(lse_s, lse_d).detach()
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    w_s, w_d = torch.exp(lse_s - shift), torch.exp(lse_d - shift)  # (B, Hq, Tq)
+    total = w_s + w_d
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    out = (out_s.to(dtype) * w_s.unsqueeze(-1) + out_d * w_d.unsqueeze(-1)) / safe.unsqueeze(-1)
+    lse = torch.where(total > 0, shift + torch.log(safe), torch.full_like(safe, float("-inf")))
+    return out.to(out_s.dtype), lse
 
 
 class _FirstOrderOnly(torch.autograd.Function):
@@ -254,58 +451,59 @@ def _probe_score(fn, device) -> Tensor:
               zeros(1, 1, T, N), zeros(1, 1, 1, N), is_depth)  # fmt: skip
 
 
-def _run_flex(rows, keys, values, block_mask, scale, compiled, return_lse, score_mod=None, params=()):
-    """flex_attention over folded rows; returns out and the natural-log lse (None unless asked).
+def _run_flex(query, key, value, block_mask: BlockMask, scale, score_mod=None, params=(), *, need_lse: bool,
+              enable_gqa: bool, kernel_options=None):  # fmt: skip
+    """flex_attention on one part; returns out and the natural-log lse (None unless ``need_lse``).
 
     ``score_mod(score, b, h, row, col, *params)`` or None; the public
     function reads ``params`` from a closure, the eager op as buffers.
+    Inside a compiled graph this is the public function, which the graph
+    compiles.
     """
     closed = None if score_mod is None else (lambda score, b, h, row, col: score_mod(score, b, h, row, col, *params))
-    if compiled:
-        learns = any(p.requires_grad for p in params) and torch.is_grad_enabled()
-        flex = functools.partial(
-            # inside a compiled model the model's graph compiles flex_attention itself
-            flex_attention if torch.compiler.is_compiling() else _compiled_flex(),
-            rows,
-            keys,
-            values,
-            score_mod=closed,
-            block_mask=block_mask,
-            scale=scale,
-            kernel_options=dict(LEARNED_SCORE_KERNEL_OPTIONS) if learns and rows.is_cuda else None,
-        )
-        if not return_lse:
+    flex = functools.partial(
+        flex_attention,
+        query,
+        key,
+        value,
+        score_mod=closed,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        kernel_options=kernel_options,
+    )
+    if torch.compiler.is_compiling():
+        if not need_lse:
             return flex(), None
         out, aux = flex(return_aux=AuxRequest(lse=True))
         return out, aux.lse
-    needs_grad = any(t.requires_grad for t in (rows, keys, values, *params)) and torch.is_grad_enabled()
-    if rows.device.type == "cpu" and needs_grad:
-        return _eager_flex_with_grad(rows, keys, values, block_mask, scale, score_mod, params)
+    needs_grad = any(t.requires_grad for t in (query, key, value, *params)) and torch.is_grad_enabled()
+    if query.device.type == "cpu" and needs_grad:
+        return _eager_flex_with_grad(query, key, value, block_mask, scale, score_mod, params)
     with warnings.catch_warnings():
         # Eager FlexAttention warns that it materializes scores; at test sizes
         # that is the point.
         warnings.simplefilter("ignore", UserWarning)
-        out, aux = flex_attention(
-            rows, keys, values, score_mod=closed, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True)
-        )
+        out, aux = flex(return_aux=AuxRequest(lse=True))
     return out, aux.lse
 
 
-def _eager_flex_with_grad(rows, keys, values, block_mask, scale, score_mod=None, params=()):
+def _eager_flex_with_grad(query, key, value, block_mask, scale, score_mod=None, params=()):
     """FlexAttention's eager operator, differentiable on CPU.
 
     The public ``flex_attention`` refuses CPU inputs that require grad, yet its
-    eager implementation (the higher-order op, plain PyTorch inside) has a
-    working backward. Calling the op directly lets the CPU tests check every
-    gradient of this backend; CUDA always takes the public function.
+    eager implementation (the higher-order op, plain PyTorch inside, which
+    repeats the KV heads for grouped queries) has a working backward. Calling
+    the op directly lets the CPU tests check every gradient of this backend;
+    CUDA always takes the public function.
     """
     from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_op
     from torch.nn.attention.flex_attention import _apply_kernel_options
 
-    kernel_options = _apply_kernel_options(rows, keys, values, True, None)
+    kernel_options = _apply_kernel_options(query, key, value, True, None)
     score_mod = _no_score_mod if score_mod is None else score_mod
     out, lse = flex_attention_op(
-        rows, keys, values, score_mod, block_mask.as_tuple(), scale, kernel_options, tuple(params)
+        query, key, value, score_mod, block_mask.as_tuple(), scale, kernel_options, tuple(params)
     )[:2]
     # The op keeps its statistics in base 2.
     return out, lse * math.log(2.0)
@@ -315,40 +513,38 @@ def _no_score_mod(score, b, h, q_idx, kv_idx):
     return score
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled_flex():
-    # Compiled once, on first use, never at import time. Dynamic shapes (after
-    # the first new length) and tensor-held lengths in the mask keep one
-    # compiled kernel for many lengths instead of one per length.
-    return torch.compile(flex_attention)
+def _score_mod(variant: Variant, layout: Layout, *, q_heads: int, slots: int, copies, device):
+    """The variant's score over ``layout``'s rows and columns, as FlexAttention's score_mod.
 
-
-def _score_mod(
-    variant: Variant, *, q_heads: int, q_len: int, kv_len: int, groups: int, slots: int, copies, device
-):
-    """The variant's score over folded rows and ``[sequence | pad | depth]`` columns, as FlexAttention's score_mod.
-
-    Returns ``moda_score(score, b, h, row, col, *params)``, ``h`` the KV
-    head; ``params`` are the score's tensors (or a backend's copies of them),
-    each stacked ``copies[i]`` times by :func:`_spread` where that is above 1.
+    Returns ``moda_score(score, b, h, row, col, *params)``, ``h`` the call's
+    head (a KV head for folded rows); ``params`` are the score's tensors (or
+    a backend's copies of them), each stacked ``copies[i]`` times by
+    :func:`_spread` where that is above 1. ``slots`` is the call's L, which
+    the score is bound to whatever columns the layout holds.
     """
     score = variant.score
-    # Lengths in a tensor, as for the mask: a compiled kernel reads them as inputs.
-    dims = torch.tensor([kv_len - q_len, max(kv_len - 1, 0), padded_kv_len(kv_len), max(slots, 1)], device=device)
+    groups, has_keys, has_depth = layout.groups, layout.seq_cols > 0, layout.slots > 0
+    dims = layout_lengths(layout, device)  # a compiled kernel reads the lengths as inputs
 
     def moda_score(s, b, h, row, col, *params):
-        offset, last_key, kv_padded, slots_t = dims.unbind()
+        offset, _, last_key, seq_cols, slots_t = dims.unbind()
         # 131 is odd and near a tile's width: a tile's entries hash to many copies.
         params = [p if n == 1 else _Copy(p, (row * 131 + col) % n) for p, n in zip(params, copies)]
         fn = score.bind(q_heads, slots, params)
-        token = row // groups
+        token = row // groups if groups > 1 else row
         q_pos = token + offset  # offset: absolute position of query token 0
-        q_head = h * groups + row % groups
-        is_depth = col >= kv_padded
-        depth_col = (col - kv_padded).clamp(min=0)
-        # Sequence (and pad) columns: the key's position; depth: the entry's token and slot.
-        pos = torch.where(is_depth, depth_col // slots_t + offset, torch.minimum(col, last_key))
-        slot = torch.where(is_depth, depth_col % slots_t, torch.zeros_like(depth_col))
+        q_head = h * groups + row % groups if groups > 1 else h
+        if not has_depth:  # sequence columns (and pad) only: the key's position
+            no_slot = torch.zeros_like(col)
+            return fn(s, b, q_head, q_pos, torch.minimum(col, last_key), no_slot, no_slot != 0)
+        # Depth columns: the entry's token and slot.
+        depth_col = (col - seq_cols).clamp(min=0)
+        d_pos, d_slot = depth_col // slots_t + offset, depth_col % slots_t
+        if not has_keys:
+            return fn(s, b, q_head, q_pos, d_pos, d_slot, d_slot >= 0)
+        is_depth = col >= seq_cols
+        pos = torch.where(is_depth, d_pos, torch.minimum(col, last_key))
+        slot = torch.where(is_depth, d_slot, torch.zeros_like(d_slot))
         return fn(s, b, q_head, q_pos, pos, slot, is_depth)
 
     moda_score.__name__ = f"moda_{score.name}"
