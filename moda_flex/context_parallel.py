@@ -42,13 +42,13 @@ weights over the block's entries are ``P = exp(s - lse)``::
 
 and the blocks' shares sum to the one-process gradients (the depth slots
 of the diagonal block are more columns of the same ``P``). A block on
-triton or on the split path hands ``(out, lse)`` to that backend's
-backward op (the split path's vendor kernel takes a given output and lse
-too); a block on the reference backend computes the lines above in plain
-PyTorch. FlexAttention takes no given lse, so a block on flex (where
-triton cannot describe a document block, see
-:func:`context_parallel_moda_attention`) is run forward again and
-differentiated with its share of the row's gradient.
+triton hands ``(out, lse)`` to the kernel's backward op; a block on the
+reference backend computes the lines above in plain PyTorch. A block on
+flex (where triton cannot describe a document block, see
+:func:`context_parallel_moda_attention`) or on the split path is run
+forward again and differentiated with its share of the row's gradient:
+FlexAttention takes no given lse, and the split path has no public entry
+for a backward from one yet (its vendor kernel takes one).
 
 Memory per rank: the backward keeps, besides the rank's own inputs, the
 merged ``out`` (B, Hq, T_local, D) and ``lse`` (B, Hq, T_local) in float32
@@ -636,12 +636,9 @@ def _block_backward(block: _Block, inputs: list[Tensor], rows: _Rows, ring: _Rin
     run = backends.choose(block.backend or ring.backend, q_rows, kv_cols[0], slots, block.variant, return_lse=True)
     if run is reference_attention:
         return _reference_block_backward(block, inputs, rows, ring.scale)
-    # The kernel backends' packages are imported once a block has run on them.
-    triton, split = (sys.modules.get(f"{backends.__name__}.{name}") for name in ("triton", "split"))
+    triton = sys.modules.get(f"{backends.__name__}.triton")  # imported once a block has run on it
     if triton is not None and run is triton.triton_attention:
         return _triton_block_backward(block, inputs, rows, ring.scale)
-    if split is not None and run is split.split_attention:
-        return _split_block_backward(block, inputs, rows, ring.scale)
     return _recomputed_block_backward(block, inputs, rows, ring)
 
 
@@ -716,32 +713,6 @@ def _triton_block_backward(block: _Block, inputs: list[Tensor], rows: _Rows, sca
     return (dq, dk, dv, d_depth_k, d_depth_v) if block.depth else (dq, dk, dv)
 
 
-def _split_block_backward(block: _Block, inputs: list[Tensor], rows: _Rows, scale: float) -> tuple[Tensor, ...]:
-    """One block through the split path's backward op, given the merged out and lse of its rows.
-
-    The vendor's backward takes the output and lse it is given, so the
-    sequence part's share comes out of it as the depth part's does out of
-    ours. Every tensor is handed over contiguous, in the layout the vendor's
-    forward returns for contiguous inputs.
-    """
-    from .backends.split import sequence
-
-    b, r = block.batch, block.rows
-    q, kv, depth_k, depth_v = (t.contiguous() for t in _kernel_inputs(inputs, rows.compute_dtype))
-    s = block.variant.structure
-    lse = rows.lse[b, :, r].float().contiguous()  # (b, Hq, rows)
-    if sequence.kernel_for(q.device, q.shape[-1]) == "cudnn":
-        lse = lse.unsqueeze(-1)  # cuDNN's layout, (b, Hq, rows, 1)
-    dq, dk, dv, d_depth_k, d_depth_v = torch.ops.moda_flex.split_backward(
-        rows.grad_out[b, :, r].to(rows.compute_dtype).contiguous(),
-        rows.grad_lse[b, :, r].float().contiguous(),
-        q, kv[0], kv[1], depth_k, depth_v,
-        rows.out[b, :, r].to(rows.compute_dtype).contiguous(),
-        lse, scale, bool(s.causal), bool(s.sequence), _depth_first(s, depth_k),
-    )  # fmt: skip
-    return (dq, dk, dv, d_depth_k, d_depth_v) if block.depth else (dq, dk, dv)
-
-
 def _kernel_inputs(inputs: list[Tensor], dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """A block's q rows, (2, ...) K/V columns and depth in ``dtype``; an off-diagonal block gets L = 0 depth."""
     q, kv, *depth = (t.to(dtype) for t in inputs)
@@ -757,7 +728,7 @@ def _depth_first(structure: Structure, depth_k: Tensor) -> int:
 
 
 def _recomputed_block_backward(block: _Block, inputs: list[Tensor], rows: _Rows, ring: _Ring) -> tuple[Tensor, ...]:
-    """Run one block forward again and differentiate it: for backends that take no given lse (flex).
+    """Run one block forward again and differentiate it: for backends that take no given lse (flex, split).
 
     The block's output enters the row's output with weight ``w = exp(lse_block - lse)``,
     so its upstream gradients are ``w * grad_out`` for its output and
