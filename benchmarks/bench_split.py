@@ -14,6 +14,7 @@ Usage::
 
     python benchmarks/bench_split.py                   # the shapes of the issue's table
     python benchmarks/bench_split.py --shapes table6,1k
+    python benchmarks/bench_split.py --shapes table6 --profile   # the split row's kernels (torch.profiler)
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def _copy_bandwidth() -> float:
     return 2 * x.numel() / (_bench(lambda: y.copy_(x)) * 1e-3)
 
 
-def measure(shape: tuple, bandwidth: float) -> dict:
+def measure(shape: tuple, bandwidth: float, profile: bool = False) -> dict:
     B, Hq, Hk, T, D, L = shape
     torch.manual_seed(0)
 
@@ -85,6 +86,13 @@ def measure(shape: tuple, bandwidth: float) -> dict:
         "cudnn": step(sdpa(SDPBackend.CUDNN_ATTENTION), (q, k, v)),
         "flash": step(sdpa(SDPBackend.FLASH_ATTENTION), (q, k, v)),
     }
+    if profile:
+        rows["split"]()
+        with torch.profiler.profile() as prof:
+            for _ in range(3):
+                rows["split"]()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
     ms = {}
     for name, call in rows.items():
         try:
@@ -100,6 +108,7 @@ def measure(shape: tuple, bandwidth: float) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {', '.join(SHAPES)}")
+    p.add_argument("--profile", action="store_true", help="print the split row's top kernels over 3 calls")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA device")
@@ -110,7 +119,7 @@ def main(argv=None) -> None:
           "| depth / floor |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.shapes.split(","):
-        m = measure(SHAPES[name], bandwidth)
+        m = measure(SHAPES[name], bandwidth, args.profile)
         print(f"| {name} {SHAPES[name]} | {m['split']:.3f} | {m['split/flash']:.3f} | {m['triton']:.3f} | "
               f"{m['cudnn']:.3f} | {m['flash']:.3f} | {m['split'] / m['cudnn']:.2f} | {m['triton'] / m['split']:.2f} | "
               f"{m['depth']:.3f} | {m['depth floor']:.3f} | {m['depth'] / m['depth floor']:.2f} |", flush=True)

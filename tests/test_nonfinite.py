@@ -57,15 +57,15 @@ def _run(inputs, backend, variant, grad_out):
     return out.detach(), lse.detach(), grads
 
 
-def _assert_reaches_only_its_rows(backend, shape, variant, name, index, value, device="cpu"):
-    inputs = make_inputs(shape, requires_grad=False, seed=1, device=device)
+def _assert_reaches_only_its_rows(backend, shape, variant, name, index, value, device="cpu", dtype=torch.float32):
+    inputs = make_inputs(shape, requires_grad=False, seed=1, device=device, dtype=dtype)
     clean = {n: t.clone() for n, t in inputs.items()}
     clean[name][index + (0,)] = 0.0
     poisoned = {n: t.clone() for n, t in inputs.items()}
     poisoned[name][index + (0,)] = value  # one component of one vector
 
     seen = _rows_that_see(name, index, shape, variant).to(device)  # (B, Hq, Tq)
-    grad_out = torch.randn(shape.batch, shape.q_heads, shape.q_len, shape.head_dim, device=device)
+    grad_out = torch.randn(shape.batch, shape.q_heads, shape.q_len, shape.head_dim, device=device, dtype=dtype)
     grad_out[seen] = 0.0  # a NaN row sends no gradient: compare what the others send
     out, lse, grads = _run(poisoned, backend, variant, grad_out)
     ref_out, ref_lse, ref_grads = _run(clean, backend, variant, grad_out)

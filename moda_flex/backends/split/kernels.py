@@ -27,8 +27,8 @@ gradient, in the vendor's backward as in the depth kernel's.
 import triton
 import triton.language as tl
 
-_LOG2E: tl.constexpr = 1.4426950408889634
-_LN2: tl.constexpr = 0.6931471805599453
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit

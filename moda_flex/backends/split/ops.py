@@ -56,11 +56,13 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _layout(q: Tensor, kv_heads: int, slots: int) -> dict:
-    """The depth kernels' constants: G heads per KV head padded to GP, BLOCK_T tokens a program, slot chunk, lanes."""
+    """The depth kernels' constants and launch options: G heads per KV head padded to GP, BLOCK_T tokens a
+    program, the slot chunk, the head dim's lanes; two warps for the 16-row tiles of G >= 8 at D <= 64, else four
+    (chosen on an H100 at T=16384), one stage (each token's slots are read once)."""
     G, D = q.shape[1] // kv_heads, q.shape[-1]
-    GP = _next_pow2(G)
+    GP, DP = _next_pow2(G), max(16, _next_pow2(D))
     return dict(G=G, GP=GP, BLOCK_T=max(1, _MIN_DOT_ROWS // GP), BLOCK_L=min(64, max(16, _next_pow2(slots))),
-                D=D, DP=max(16, _next_pow2(D)))  # fmt: skip
+                D=D, DP=DP, num_warps=2 if GP >= 8 and DP <= 64 else 4, num_stages=1)  # fmt: skip
 
 
 def _unit_last(t: Tensor) -> Tensor:
@@ -113,7 +115,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
     has_sequence = _has_sequence(k, opts)
     if has_sequence:
         k0, v0, first = _sanitized_kv(k, v)
-        out_s, lse_s = sequence.forward(sequence.kernel_for(q.device, D), q, k0, v0, opts.causal, opts.scale)
+        kernel = sequence.kernel_for(q.device, D, Tq == Tk)
+        out_s, lse_s = sequence.forward(kernel, q, k0, v0, opts.causal, opts.scale)
         out, lse = torch.empty_like(out_s), torch.empty_like(lse_s)
     else:  # nothing of the sequence is read
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
@@ -171,7 +174,7 @@ def _sequence_backward_with_lse(q, k, v, out, grad_out, lse, grad_lse, opts: Opt
     out = torch.cat([out, extra_out, out.new_zeros(*out.shape[:3], pad - 2)], dim=-1)
     extra_grad = torch.ones_like(extra_out)
     grad_out = torch.cat([grad_out, extra_grad, grad_out.new_zeros(*grad_out.shape[:3], pad - 2)], dim=-1)
-    kernel = sequence.kernel_for(q.device, D + pad)
+    kernel = sequence.kernel_for(q.device, D + pad, q.shape[2] == k.shape[2])  # D + pad: FlashAttention
     dq, dk, dv = sequence.backward(kernel, grad_out, q, k, v, out, lse, opts.causal, opts.scale)
     return dq[..., :D], dk[..., :D], dv[..., :D]
 
@@ -200,7 +203,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     if has_sequence:
         k0, v0, _ = _sanitized_kv(k, v)
         if grad_lse is None:
-            kernel = sequence.kernel_for(q.device, D)
+            kernel = sequence.kernel_for(q.device, D, Tq == Tk)
             dq, dk, dv = sequence.backward(kernel, grad_c, q_c, k0, v0, out_c, lse_c, opts.causal, opts.scale)
         else:
             dq, dk, dv = _sequence_backward_with_lse(q_c, k0, v0, out_c, grad_c, lse_c, grad_lse, opts)
@@ -251,7 +254,7 @@ def _forward_fake(q, k, v, depth_k, depth_v, scale, causal, sequence_keys, depth
     B, Hq, Tq, D = q.shape
     if not (sequence_keys and k.shape[2] > 0):
         return q.new_empty(q.shape), q.new_empty((B, Hq, Tq), dtype=torch.float32)
-    kernel = sequence.kernel_for(q.device, D)
+    kernel = sequence.kernel_for(q.device, D, q.shape[2] == k.shape[2])
     if kernel == "cudnn":  # cuDNN: out in q's layout, lse (B, H, T, 1)
         return torch.empty_like(q), q.new_empty((B, Hq, Tq, 1), dtype=torch.float32)
     return torch.empty_like(q), q.new_empty((B, Hq, Tq), dtype=torch.float32)

@@ -33,18 +33,24 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+# cuDNN's head dims where it was measured faster than FlashAttention and checked (H100, BENCHMARKS.md); its
+# backward crashed the process on an H100 at a small head dim, so the others take FlashAttention.
+CUDNN_HEAD_DIMS = (64, 128)
+
+
 @torch.compiler.assume_constant_result
-def kernel_for(device: torch.device, head_dim: int) -> str:
+def kernel_for(device: torch.device, head_dim: int, square: bool) -> str:
     """The vendor kernel for a call on ``device`` with head dim ``head_dim`` (16-bit floats, ``D % 8 == 0``).
 
-    cuDNN on compute capability 9.x and 10.x up to D=128, where it is the
-    faster of the two (BENCHMARKS.md), FlashAttention elsewhere; the CPU op
-    on CPU. SDPA's switches (``torch.nn.attention.sdpa_kernel``) are honoured:
-    a disabled cuDNN falls back to FlashAttention.
+    cuDNN on compute capability 9.x at the head dims of :data:`CUDNN_HEAD_DIMS`
+    and ``square`` calls (``Tq == Tk``, the ones measured),
+    FlashAttention elsewhere; the CPU op on CPU. SDPA's switches
+    (``torch.nn.attention.sdpa_kernel``) are honoured: a disabled cuDNN falls
+    back to FlashAttention.
     """
     if device.type == "cpu":
         return "cpu"
-    cudnn = torch.backends.cuda.cudnn_sdp_enabled() and _capability(device)[0] in (9, 10) and head_dim <= 128
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled() and _capability(device)[0] == 9 and head_dim in CUDNN_HEAD_DIMS and square
     return "cudnn" if cudnn else "flash"
 
 
