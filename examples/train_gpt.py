@@ -1,6 +1,6 @@
 """Train byte-level GPTs with and without MoDA on the same data, and compare them.
 
-    python examples/train_gpt.py                     # baseline vs MoDA, ~2 minutes on 2 CPU cores
+    python examples/train_gpt.py                     # baseline vs MoDA, about a minute on 2 CPU cores
     python examples/train_gpt.py --depth-kv attn+ffn --norm pre,post --steps 2000
     python examples/train_gpt.py --data input.txt --n-layer 12 --n-embd 256 --device cuda
     torchrun --nproc-per-node 2 examples/train_gpt.py --parallel ddp --device cuda    # or --parallel fsdp
@@ -366,7 +366,7 @@ def disturbed(row: dict) -> bool:
 
 
 def format_table(rows: list[dict]) -> str:
-    """A Markdown table of the runs; step time and memory relative to the baseline of the same norm.
+    """A Markdown table of the runs; step time and memory relative to the baseline of the same norm and seed.
 
     The columns are those the runs measured: step times unless no step was
     timed, the CPU share on a CPU, memory on CUDA. A step time that other
@@ -380,9 +380,9 @@ def format_table(rows: list[dict]) -> str:
     header += ["CPU share"] if on_cpu else []
     header += ["peak mem (MiB)", "mem vs baseline"] if on_cuda else []
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    baselines = {r["norm"]: r for r in rows if r["name"].startswith("baseline")}
+    baselines = {(r["norm"], r["seed"]): r for r in rows if r["name"].startswith("baseline")}
     for r in rows:
-        first = baselines.get(r["norm"], rows[0])
+        first = baselines.get((r["norm"], r["seed"]), rows[0])
         cells = [r["name"], f"{r['params_m']:.2f}", f"{r['val_loss']:.4f}"]
         if timed:
             mark = " (disturbed)" if disturbed(r) else ""
@@ -496,7 +496,7 @@ def parse_args(argv=None):
     p.add_argument("--n-head", type=cli.at_least(1), default=4, help="query heads")
     p.add_argument("--n-kv-head", type=cli.at_least(1), default=2, help="key/value heads (GQA)")
     p.add_argument("--block-size", type=cli.at_least(1), default=128, help="context length in bytes")
-    p.add_argument("--batch-size", type=cli.at_least(1), default=16, help="sequences per step, over all processes")
+    p.add_argument("--batch-size", type=cli.at_least(1), default=8, help="sequences per step, over all processes")
     p.add_argument("--steps", type=cli.at_least(1), default=400, help="training steps per model")
     p.add_argument("--lr", type=cli.positive_float, default=2e-3, help="peak learning rate (AdamW)")
     p.add_argument("--warmup", type=cli.at_least(0), default=30, help="steps of linear warmup before the cosine decay")
@@ -622,7 +622,8 @@ def main(argv=None) -> list[dict]:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", str(ranks.world)))
         torch.set_num_threads(args.threads or max(1, len(os.sched_getaffinity(0)) // local))
     train, val = split(load_text(args.data))
-    threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
+    n = torch.get_num_threads()
+    threads = f", {n} thread{'s' if n > 1 else ''}" if device.type == "cpu" else ""
     ranks.say(f"data: {args.data or PYDOC}, one token per byte: {len(train):,} train and {len(val):,} validation "
               f"bytes; losses in nats per byte")  # fmt: skip
     ranks.say(f"device: {device_name(device)}{threads}, torch {torch.__version__}; writing to {args.out_dir}")

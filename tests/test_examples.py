@@ -259,9 +259,9 @@ def test_ablation_rows_compute_moda(capsys):
     assert "| (4) | + group-aware (moda_attention triton) |" in table and "| 1.460 |" in table
 
 
-def _row(name, step_ms, share):
-    return {"name": name, "norm": "pre", "params_m": 1.0, "val_loss": 1.5, "tok_s": 1000.0, "step_ms": step_ms,
-            "peak_mb": None, "cpu_share": share, "threads": 2}  # fmt: skip
+def _row(name, step_ms, share, seed=1):
+    return {"name": name, "norm": "pre", "seed": seed, "params_m": 1.0, "val_loss": 1.5, "tok_s": 1000.0,
+            "step_ms": step_ms, "peak_mb": None, "cpu_share": share, "threads": 2}  # fmt: skip
 
 
 def test_disturbed_timings_are_flagged_not_reported():
@@ -275,6 +275,11 @@ def test_disturbed_timings_are_flagged_not_reported():
     assert "| moda-pre | 1.00 | 1.5000 | 1,000 (disturbed) | 400.0 (disturbed) | (disturbed) | 45% of 2 |" in table
     assert "x |" not in table.splitlines()[-1]  # no ratio for a disturbed row
     assert "while moda-pre trained" in train_gpt.timing_note(shaken)
+
+    seeds = [_row("baseline-pre-seed1", 80.0, 0.97), _row("moda-pre-seed1", 120.0, 0.95),
+             _row("baseline-pre-seed2", 100.0, 0.97, seed=2), _row("moda-pre-seed2", 120.0, 0.95, seed=2)]  # fmt: skip
+    assert [line.split(" | ")[5] for line in train_gpt.format_table(seeds).splitlines()[2:]] == [
+        "1.00x", "1.50x", "1.00x", "1.20x"]  # each model against the baseline of its own seed
 
 
 def test_cpu_clock_tells_waiting_from_working(monkeypatch):
