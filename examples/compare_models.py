@@ -545,7 +545,8 @@ def parse_args(argv=None):
     p.add_argument("--report", action="store_true", help="print the tables and write the plots from --results")
     p.add_argument("--arms", default="*-L24", help=f"comma-separated names or patterns; default arms {DEFAULT_ARMS}")
     p.add_argument("--lrs", default="2.5e-4,5e-4,1e-3,2e-3", help="the sweep's grid, log-spaced")
-    p.add_argument("--extend", type=cli.at_least(0), default=2, help="rates tried beyond each edge of the grid, at most")
+    p.add_argument("--extend", type=cli.at_least(0), default=2,
+                   help="rates tried beyond each edge of the grid, at most")
     p.add_argument("--seeds", type=cli.int_list, default="1,2,3", help="seeds of the final runs")
     p.add_argument("--sweep-seed", type=int, default=0, help="seed of the sweep's runs")
     p.add_argument("--sweep-steps", type=cli.at_least(1), default=300, help="steps of a sweep run")

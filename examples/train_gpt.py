@@ -418,7 +418,7 @@ def loss_config(args) -> dict:
 
 
 def device_name(device: torch.device) -> str:
-    """The GPU's name, or the CPU's model and the cores this process may use: ``"2-core CPU (Intel(R) Xeon(R) ...)"``."""
+    """The GPU's name, or the cores this process may use and the CPU's model: ``"2-core CPU (Intel(R) ...)"``."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     name = f"{len(os.sched_getaffinity(0))}-core CPU"
@@ -506,7 +506,8 @@ def parse_args(argv=None):
                    help="steps between progress lines in a log (default: a tenth of --steps; a terminal gets a bar)")
     p.add_argument("--skip-timing", type=cli.at_least(0), default=3,
                    help="first steps left out of the timings (a run of no more steps reports no timing)")
-    p.add_argument("--sample-tokens", type=cli.at_least(0), default=120, help="bytes to sample after training (0: none)")
+    p.add_argument("--sample-tokens", type=cli.at_least(0), default=120,
+                   help="bytes to sample after training (0: none)")
     p.add_argument("--seed", type=int, default=1337, help="seed of the weights and the batches")
     p.add_argument("--seeds", type=cli.int_list, default=None,
                    help="comma-separated seeds: train every model once per seed, report mean ± std (default: --seed)")
