@@ -76,7 +76,7 @@ def test_a_call_with_no_output_element_runs_on_the_reference(name):
 
 
 def test_an_unknown_name_is_refused():
-    names = r"\('auto', 'reference', 'flex', 'triton'\)"
+    names = r"\('auto', 'reference', 'flex', 'triton', 'split'\)"
     with pytest.raises(ValueError, match=rf"backend must be one of {names}, got 'cuda'"):
         _choose("cuda")
 
@@ -178,13 +178,15 @@ assert "moda_flex.backends.triton" not in sys.modules
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-def test_triton_is_a_linux_only_requirement():
+def test_triton_is_a_linux_only_extra():
+    """The CPU install is torch and numpy; triton comes with the ``triton`` and ``test`` extras, on Linux only."""
     tomllib = pytest.importorskip("tomllib")
     with open(ROOT / "pyproject.toml", "rb") as file:
-        dependencies = tomllib.load(file)["project"]["dependencies"]
-    triton = [d for d in dependencies if d.split(";")[0].strip() == "triton"]
-    assert len(triton) == 1 and triton[0].split(";")[1].strip().replace('"', "'") == "platform_system == 'Linux'"
-    assert "torch>=2.11" in dependencies
+        project = tomllib.load(file)["project"]
+    assert project["dependencies"] == ["torch>=2.11", "numpy"]
+    for extra in ("triton", "test"):
+        triton = [d for d in project["optional-dependencies"][extra] if d.split(";")[0].strip() == "triton"]
+        assert len(triton) == 1 and triton[0].split(";")[1].strip().replace('"', "'") == "platform_system == 'Linux'"
 
 
 # --- every built-in on every backend against the reference --------------------------

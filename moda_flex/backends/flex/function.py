@@ -1,6 +1,6 @@
 """The flex backend's call: MoDA through FlexAttention, in one of two designs.
 
-- ``"split"`` (the default): the sequence part through one ``flex_attention``
+- ``"split"``: the sequence part through one ``flex_attention``
   over the plain (B, Hq, Tq, D) queries with the variant's sequence predicate
   and ``enable_gqa``, as FlexAttention itself is called; the depth part on
   its own, merged through the two log-sum-exps (:func:`_merge`). A variant
@@ -8,7 +8,7 @@
   ``chunk_depth``) gets its depth logits as batched (G, D) x (D, L) products
   per token; any other, a second ``flex_attention`` over folded rows and the
   chunk-packed depth columns with the depth predicate.
-- ``"concat"``: one ``flex_attention`` over folded rows and
+- ``"concat"`` (the default, :data:`DESIGN`): one ``flex_attention`` over folded rows and
   ``[sequence | chunk-packed depth]`` columns, the expression the paper draws
   (:mod:`moda_flex.backends.flex`).
 
@@ -46,7 +46,10 @@ from ..reference import visible_entries
 from .block_mask import Layout, layout_lengths, moda_block_mask
 
 DESIGNS = ("split", "concat")
-DESIGN = "split"  # what backend="flex" runs
+# What backend="flex" runs. On an H100 (BENCHMARKS.md, "The flex path") "concat" took 0.80x the time of "split"
+# at T=1024 and 0.92x at L=0, "split" 0.92-0.94x at L=64 from T=4096; "concat" recompiled for no new length at
+# L=64, "split" once: the one kernel for every length decides.
+DESIGN = "concat"
 
 
 def flex_attention_backend(
