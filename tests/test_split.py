@@ -134,28 +134,32 @@ def test_named_entries(case):
 # ---- auto's choice --------------------------------------------------------------------------------------------
 
 
-def _call(device: str, dtype=torch.bfloat16, q_len=64, kv_len=64, head_dim=64):
+def _call(device: str, dtype=torch.bfloat16, q_len=8192, kv_len=8192, head_dim=64, batch=2):
     """Stand-ins for q and k: the policy reads only their shapes, dtype and device."""
-    q = types.SimpleNamespace(shape=(2, 8, q_len, head_dim), dtype=dtype, device=torch.device(device), numel=lambda: 1)
-    k = types.SimpleNamespace(shape=(2, 2, kv_len, head_dim), dtype=dtype, device=torch.device(device))
+    q = types.SimpleNamespace(shape=(batch, 8, q_len, head_dim), dtype=dtype, device=torch.device(device),
+                              numel=lambda: 1)  # fmt: skip
+    k = types.SimpleNamespace(shape=(batch, 2, kv_len, head_dim), dtype=dtype, device=torch.device(device))
     return q, k
 
 
+T = 8192  # (2, 8, T, 64) queries over T keys: 2^30 logits, a call the split path takes
 CASES = {
     # (variant, slots, q_len, dtype, head_dim, return_lse) -> what auto runs on an sm90 GPU
-    "causal, no depth": ((v.causal(), 0, 64, torch.bfloat16, 64, False), "sdpa_attention"),
-    "causal MoDA": ((v.causal(), 8, 64, torch.bfloat16, 64, False), "split_attention"),
-    "causal MoDA, lse": ((v.causal(), 8, 64, torch.float16, 64, True), "split_attention"),
-    "full MoDA, Tq < Tk": ((v.full(), 8, 5, torch.bfloat16, 128, False), "split_attention"),
-    "depth window": ((v.depth_window(2), 8, 64, torch.bfloat16, 64, False), "split_attention"),
-    "depth only": ((v.depth_only(), 8, 64, torch.bfloat16, 64, False), "split_attention"),
-    "causal MoDA, Tq < Tk": ((v.causal(), 8, 5, torch.bfloat16, 64, False), "triton_attention"),
-    "float32": ((v.causal(), 8, 64, torch.float32, 64, False), "triton_attention"),
-    "head dim 20": ((v.causal(), 8, 64, torch.bfloat16, 20, False), "triton_attention"),
-    "sliding window": ((v.sliding_window(4), 8, 64, torch.bfloat16, 64, False), "triton_attention"),
-    "documents": ((v.causal() & v.document(torch.tensor([[0] * 32 + [1] * 32] * 2)), 8, 64, torch.bfloat16, 64,
-                   False), "triton_attention"),  # fmt: skip
-    "chunk-visible depth": ((v.chunk_depth(4), 8, 64, torch.bfloat16, 64, False), "flex_attention_backend"),
+    "causal, no depth": ((v.causal(), 0, T, torch.bfloat16, 64, False), "sdpa_attention"),
+    "causal MoDA": ((v.causal(), 8, T, torch.bfloat16, 64, False), "split_attention"),
+    "causal MoDA, lse": ((v.causal(), 8, T, torch.float16, 64, True), "split_attention"),
+    "causal MoDA, a small call": ((v.causal(), 8, T, torch.bfloat16, 64, False), "triton_attention"),
+    "full MoDA, Tq < Tk": ((v.full(), 8, T // 2, torch.bfloat16, 128, False), "split_attention"),
+    "depth window": ((v.depth_window(2), 8, T, torch.bfloat16, 64, False), "split_attention"),
+    "depth only": ((v.depth_only(), 8, T, torch.bfloat16, 64, False), "split_attention"),
+    "causal MoDA, Tq < Tk": ((v.causal(), 8, T // 2, torch.bfloat16, 64, False), "triton_attention"),
+    "float32": ((v.causal(), 8, T, torch.float32, 64, False), "triton_attention"),
+    "head dim 20": ((v.causal(), 8, T, torch.bfloat16, 20, False), "triton_attention"),
+    "head dim 512": ((v.causal(), 8, T, torch.bfloat16, 512, False), "flex_attention_backend"),
+    "sliding window": ((v.sliding_window(4), 8, T, torch.bfloat16, 64, False), "triton_attention"),
+    "documents": ((v.causal() & v.document(torch.tensor([[0] * (T // 2) + [1] * (T // 2)] * 2)), 8, T,
+                   torch.bfloat16, 64, False), "triton_attention"),  # fmt: skip
+    "chunk-visible depth": ((v.chunk_depth(4), 8, T, torch.bfloat16, 64, False), "flex_attention_backend"),
 }
 
 
@@ -165,7 +169,10 @@ def test_auto_on_cuda(case, monkeypatch):
     (variant, slots, q_len, dtype, head_dim, return_lse), expected = CASES[case]
     monkeypatch.setattr(split.support, "capability", lambda device: (9, 0))
     monkeypatch.setattr(split.sequence, "capability", lambda device: (9, 0))
-    q, k = _call("cuda", dtype, q_len, 64, head_dim)
+    if case.endswith("a small call"):  # 1 x 8 x 1024 x 1024 logits, below the split path's threshold
+        q, k = _call("cuda", dtype, 1024, 1024, head_dim, batch=1)
+    else:
+        q, k = _call("cuda", dtype, q_len, T, head_dim)
     assert backends.choose("auto", q, k, slots, variant, return_lse=return_lse).__name__ == expected
 
 

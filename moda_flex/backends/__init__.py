@@ -18,8 +18,10 @@ takes the first that applies:
    It gives a masked key a zero weight, and ``0 * NaN = NaN``: a NaN or Inf
    in a later token's key or value reaches the earlier rows here;
 2. on CUDA: ``split`` where the vendor's kernel computes the sequence part
-   exactly (:func:`moda_flex.backends.split.unsupported_reason`), else
-   ``triton`` where it supports the call, else ``flex``;
+   exactly (:func:`moda_flex.backends.split.unsupported_reason`) and the
+   call has at least ``SPLIT_MIN_SCORES`` logits (``B * Hq * Tq * Tk``), else
+   ``triton`` where it supports the call, else ``split`` where it does, else
+   ``flex``;
 3. elsewhere: ``reference`` (on CPU it beats eager FlexAttention).
 
 Whatever the name, a call with no output element (B, Hq or Tq is 0) runs on
@@ -37,6 +39,9 @@ from ..variants import Variant
 from .reference import reference_attention
 
 NAMES = ("auto", "reference", "flex", "triton", "split")
+# Below this many logits the fused kernel is the faster (H100, BENCHMARKS.md "The split path": at T=1024 and the
+# Table 6 model's call, 50-67M logits, it took 0.73-0.81x the split path's time; from T=4096, 1.07G, 1.4-1.5x).
+SPLIT_MIN_SCORES = 1 << 28
 
 Backend = Callable[..., tuple[Tensor, Optional[Tensor]]]
 
@@ -94,10 +99,13 @@ def _auto(q: Tensor, k: Tensor, slots: int, variant: Variant, return_lse: bool) 
     if _has_triton():
         from . import split, triton
 
-        if split.unsupported_reason(q, k, variant) is None:
+        splits = split.unsupported_reason(q, k, variant) is None
+        if splits and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= SPLIT_MIN_SCORES:
             return split.split_attention
         if triton.unsupported_reason(q, variant) is None:
             return triton.triton_attention
+        if splits:
+            return split.split_attention
     return _flex()
 
 

@@ -274,9 +274,24 @@ def _slot_table(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: to
         addresses += [t.data_ptr() for t in depth]
         strides.append(strides_seen.pop() if strides_seen else (0, 0, 0, 0))
         held.append(depth)
-    # From pageable memory, a non-blocking copy is staged at once and never waits for the GPU.
-    table = torch.tensor(addresses or [0], dtype=torch.int64).to(device, non_blocking=True)
-    return table, strides[0], strides[1], held
+    return _device_table(tuple(addresses or [0]), device), strides[0], strides[1], held
+
+
+# Pinned host copies of the slot tables, by device and addresses. A CUDA graph captures a table's copy from
+# its host buffer and replays it, with the addresses the graph's memory keeps: the buffer must outlive the graph
+# and never change, so each set of addresses has one, kept (a model meets few: the allocator reuses addresses).
+_HOST_TABLES: dict = {}
+
+
+def _device_table(addresses: tuple, device: torch.device) -> Tensor:
+    """(len(addresses),) int64 on ``device``, copied without a wait from a pinned buffer cached by its contents."""
+    if device.type != "cuda":
+        return torch.tensor(addresses, dtype=torch.int64)
+    key = (device, addresses)
+    host = _HOST_TABLES.get(key)
+    if host is None:
+        host = _HOST_TABLES[key] = torch.tensor(addresses, dtype=torch.int64).pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def _next_pow2(n: int) -> int:
@@ -421,10 +436,14 @@ def _sm90_config(head_dim: int, which: str, has_depth: bool, few_programs: bool)
     return cfg
 
 
-@functools.lru_cache(maxsize=None)
 def _placeholder(device: torch.device) -> Tensor:
-    """A never-read int32 pointer argument for a launch without documents or bias (made once per device)."""
-    return torch.zeros(1, dtype=torch.int32, device=device)
+    """A never-read int32 pointer argument for a launch without documents or bias.
+
+    Made per launch, not cached: a tensor first made while a CUDA graph is
+    recorded lives in the graph's memory pool, and one kept beyond the graph
+    fails ``torch.compile(mode="reduce-overhead")``.
+    """
+    return torch.empty(1, dtype=torch.int32, device=device)
 
 
 def _strides(prefix: str, strides: Sequence[int], axes: str) -> dict:
