@@ -76,7 +76,8 @@ def moda_attention(
 
     Raises:
         ValueError: for shapes, dtypes, devices or a scale that break the contract.
-        TypeError: for a scale that is not a real number.
+        TypeError: for an argument of the wrong type (a tensor argument that is
+            not a tensor, a scale that is not a real number), as SDPA raises.
         NotImplementedError: when the named backend cannot run the call; in a
             backward with ``create_graph=True`` through ``"flex"``, ``"triton"``
             or ``"split"``.
@@ -138,7 +139,7 @@ def check_inputs(q, k, v, depth_k, depth_v):
     """Validate the contract; return depth tensors with L = 0 filled in when absent."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must have shape (B, H, T, D), got {tuple(t.shape)}")
     if not q.is_floating_point():
@@ -166,7 +167,7 @@ def check_inputs(q, k, v, depth_k, depth_v):
 
     for name, depth in (("depth_k", depth_k), ("depth_v", depth_v)):
         if not (depth is None or isinstance(depth, (Tensor, Sequence))):
-            raise ValueError(
+            raise TypeError(
                 f"{name} must be a (B, Hk, Tq, L, D) tensor, a sequence of L (B, Hk, Tq, D) tensors or None, "
                 f"got {type(depth).__name__}"
             )
@@ -211,7 +212,7 @@ def check_inputs(q, k, v, depth_k, depth_v):
 def _check_depth(name: str, t, slot_axis: bool, q: Tensor, k: Tensor) -> None:
     """One depth tensor: (B, Hk, Tq, L, D) with ``slot_axis``, else one entry (B, Hk, Tq, D), matching q and k."""
     if not isinstance(t, Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     B, Tq, D = q.shape[0], q.shape[2], q.shape[3]
     Hk = k.shape[1]
     dims = 5 if slot_axis else 4

@@ -160,7 +160,12 @@ BAD_INPUTS = {
     "one depth": (_with(depth_v=None), r"depth_k and depth_v must both be given"),
     "dtype": (_with(k=torch.randn(2, 2, 5, 8, dtype=torch.float64)), r"k has dtype torch.float64 but q has torch.float32"),
     "integer q": (_with(q=torch.zeros(2, 4, 3, 8, dtype=torch.long)), r"q must be floating point"),
-    "not a tensor": (_with(v=[[1.0]]), r"v must be a torch.Tensor"),
+}
+
+# A value of the wrong type: TypeError, as SDPA raises for one.
+WRONG_TYPES = {
+    "not a tensor": (_with(v=[[1.0]]), r"v must be a torch.Tensor, got list"),
+    "an entry not a tensor": (_with(depth_k=[3.0], depth_v=[torch.randn(2, 2, 3, 8)]), r"depth_k\[0\] must be a torch.Tensor"),
     "depth a number": (
         _with(depth_k=3, depth_v=3),
         r"depth_k must be a \(B, Hk, Tq, L, D\) tensor, a sequence of L \(B, Hk, Tq, D\) tensors or None, got int",
@@ -173,6 +178,13 @@ BAD_INPUTS = {
 def test_bad_input_raises_value_error_naming_the_problem(case):
     inputs, message = BAD_INPUTS[case]
     with pytest.raises(ValueError, match=message):
+        moda_attention(**inputs)
+
+
+@pytest.mark.parametrize("case", sorted(WRONG_TYPES))
+def test_a_wrong_type_raises_type_error_naming_it(case):
+    inputs, message = WRONG_TYPES[case]
+    with pytest.raises(TypeError, match=message):
         moda_attention(**inputs)
 
 

@@ -30,10 +30,11 @@ def _step(model, idx):
 
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead", "max-autotune"])
 @pytest.mark.parametrize("depth_kv", ["attn", "attn+ffn"])
-def test_compiled_modes_match_eager(depth_kv, mode):
+@pytest.mark.parametrize("backend", ["triton", "split"])  # what auto takes for short and long calls
+def test_compiled_modes_match_eager(backend, depth_kv, mode):
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = GPT(dataclasses.replace(CONFIG, depth_kv=depth_kv)).cuda()
+    model = GPT(dataclasses.replace(CONFIG, depth_kv=depth_kv, backend=backend)).cuda()
     idx = torch.randint(0, CONFIG.vocab_size, (4, 64), device="cuda")
     loss, grads = _step(model, idx)
     compiled = torch.compile(model, mode=None if mode == "default" else mode, fullgraph=True)

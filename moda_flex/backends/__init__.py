@@ -73,8 +73,8 @@ def _named(name: str, q: Tensor, k: Tensor, variant: Variant) -> Backend:
         return _flex()
     if not _has_triton():
         raise NotImplementedError(
-            f"backend {name!r} needs the triton package (installed with moda_flex on Linux); "
-            "use backend='flex' or 'reference'"
+            f"backend {name!r} needs the triton package (pip install 'moda_flex[triton]' on Linux; CUDA builds of "
+            "torch bring it); use backend='flex' or 'reference'"
         )
     if name == "split":
         from . import split
@@ -87,7 +87,9 @@ def _named(name: str, q: Tensor, k: Tensor, variant: Variant) -> Backend:
         reason = triton.unsupported_reason(q, variant)
         run = triton.triton_attention
     if reason is not None:
-        raise NotImplementedError(f"backend {name!r} cannot run variant {variant.name!r}: {reason}")
+        raise NotImplementedError(
+            f"backend {name!r} cannot run this call ({q.dtype} on {q.device}, variant {variant.name!r}): {reason}"
+        )
     return run
 
 
