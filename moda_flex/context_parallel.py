@@ -42,13 +42,13 @@ weights over the block's entries are ``P = exp(s - lse)``::
 
 and the blocks' shares sum to the one-process gradients (the depth slots
 of the diagonal block are more columns of the same ``P``). A block on
-triton hands ``(out, lse)`` to the kernel's backward op; a block on the
-reference backend computes the lines above in plain PyTorch. A block on
-flex (where triton cannot describe a document block, see
-:func:`context_parallel_moda_attention`) or on the split path is run
+triton or on the split path hands ``(out, lse)`` to its backward
+(:func:`moda_flex.backends.split.split_backward`: the vendor kernel's
+backward takes a given lse); a block on the reference backend computes the
+lines above in plain PyTorch. A block on flex (where triton cannot describe
+a document block, see :func:`context_parallel_moda_attention`) is run
 forward again and differentiated with its share of the row's gradient:
-FlexAttention takes no given lse, and the split path has no public entry
-for a backward from one yet (its vendor kernel takes one).
+FlexAttention takes no given lse.
 
 Memory per rank: the backward keeps, besides the rank's own inputs, the
 merged ``out`` (B, Hq, T_local, D) and ``lse`` (B, Hq, T_local) in float32
@@ -639,6 +639,9 @@ def _block_backward(block: _Block, inputs: list[Tensor], rows: _Rows, ring: _Rin
     triton = sys.modules.get(f"{backends.__name__}.triton")  # imported once a block has run on it
     if triton is not None and run is triton.triton_attention:
         return _triton_block_backward(block, inputs, rows, ring.scale)
+    split = sys.modules.get(f"{backends.__name__}.split")
+    if split is not None and run is split.split_attention:
+        return _split_block_backward(block, inputs, rows, ring.scale)
     return _recomputed_block_backward(block, inputs, rows, ring)
 
 
@@ -713,6 +716,19 @@ def _triton_block_backward(block: _Block, inputs: list[Tensor], rows: _Rows, sca
     return (dq, dk, dv, d_depth_k, d_depth_v) if block.depth else (dq, dk, dv)
 
 
+def _split_block_backward(block: _Block, inputs: list[Tensor], rows: _Rows, scale: float) -> tuple[Tensor, ...]:
+    """One block through the split path's backward, given the merged out and lse of its rows."""
+    from .backends.split import split_backward
+
+    b, r = block.batch, block.rows
+    q, kv, depth_k, depth_v = _kernel_inputs(inputs, rows.compute_dtype)
+    dq, dk, dv, d_depth_k, d_depth_v = split_backward(
+        rows.grad_out[b, :, r].to(rows.compute_dtype), rows.grad_lse[b, :, r].float(), q, kv[0], kv[1],
+        depth_k, depth_v, rows.out[b, :, r].to(rows.compute_dtype), rows.lse[b, :, r].float(), block.variant, scale,
+    )  # fmt: skip
+    return (dq, dk, dv, d_depth_k, d_depth_v) if block.depth else (dq, dk, dv)
+
+
 def _kernel_inputs(inputs: list[Tensor], dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """A block's q rows, (2, ...) K/V columns and depth in ``dtype``; an off-diagonal block gets L = 0 depth."""
     q, kv, *depth = (t.to(dtype) for t in inputs)
@@ -728,7 +744,7 @@ def _depth_first(structure: Structure, depth_k: Tensor) -> int:
 
 
 def _recomputed_block_backward(block: _Block, inputs: list[Tensor], rows: _Rows, ring: _Ring) -> tuple[Tensor, ...]:
-    """Run one block forward again and differentiate it: for backends that take no given lse (flex, split).
+    """Run one block forward again and differentiate it: for a backend that takes no given lse (flex).
 
     The block's output enters the row's output with weight ``w = exp(lse_block - lse)``,
     so its upstream gradients are ``w * grad_out`` for its output and

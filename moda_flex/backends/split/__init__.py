@@ -5,7 +5,7 @@ vendor's aten ops) -> ``ops.py`` (launchers, ``torch.library`` ops, autograd,
 :func:`split_attention`) -> ``support.py`` (which calls it computes exactly).
 """
 
-from .ops import split_attention
+from .ops import split_attention, split_backward
 from .support import unsupported_reason
 
-__all__ = ["split_attention", "unsupported_reason"]
+__all__ = ["split_attention", "split_backward", "unsupported_reason"]

@@ -331,3 +331,25 @@ def split_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: T
 
 # moda_attention hands this backend the per-slot form as it is, without stacking.
 split_attention.reads_depth_entries = True
+
+
+def split_backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor,
+                   depth_v: Tensor, out: Tensor, lse: Tensor, variant, scale: float) -> tuple[Tensor, ...]:  # fmt: skip
+    """The split path's gradients of a call from a given ``out`` and ``lse``, as the backward of a call whose
+    softmax had that lse: a block of a longer row whose (out, lse) merges several calls (context parallelism).
+
+    Args:
+        grad_out, out: (B, Hq, Tq, D); grad_lse, lse: (B, Hq, Tq) float32.
+        q, k, v, depth_k, depth_v, variant, scale: as :func:`split_attention`, depth as (B, Hk, Tq, L, D).
+
+    Returns:
+        dq, dk, dv and the depth gradients, (B, Hk, Tq, L, D) each.
+    """
+    s = variant.structure
+    L = depth_k.shape[3]
+    depth_first = 0 if s.depth_window is None else max(0, L - s.depth_window)
+    if sequence.kernel_for(q.device, q.shape[-1], q.shape[2] == k.shape[2]) == "cudnn":
+        lse = lse.unsqueeze(-1)  # cuDNN's layout, (B, Hq, Tq, 1)
+    return torch.ops.moda_flex.split_backward(grad_out, grad_lse, q, k, v, [depth_k], [depth_v], out,
+                                              lse.contiguous(), float(scale), bool(s.causal), bool(s.sequence),
+                                              depth_first)  # fmt: skip
