@@ -174,7 +174,8 @@ def _sequence_backward_with_lse(q, k, v, out, grad_out, lse, grad_lse, opts: Opt
     out = torch.cat([out, extra_out, out.new_zeros(*out.shape[:3], pad - 2)], dim=-1)
     extra_grad = torch.ones_like(extra_out)
     grad_out = torch.cat([grad_out, extra_grad, grad_out.new_zeros(*grad_out.shape[:3], pad - 2)], dim=-1)
-    kernel = sequence.kernel_for(q.device, D + pad, q.shape[2] == k.shape[2])  # D + pad: FlashAttention
+    kernel = sequence.kernel_for(q.device, D + pad, q.shape[2] == k.shape[2])
+    lse = sequence.lse_layout(kernel, lse)  # the forward's kernel may have been another, with another layout
     dq, dk, dv = sequence.backward(kernel, grad_out, q, k, v, out, lse, opts.causal, opts.scale)
     return dq[..., :D], dk[..., :D], dv[..., :D]
 
@@ -348,8 +349,6 @@ def split_backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: 
     s = variant.structure
     L = depth_k.shape[3]
     depth_first = 0 if s.depth_window is None else max(0, L - s.depth_window)
-    if sequence.kernel_for(q.device, q.shape[-1], q.shape[2] == k.shape[2]) == "cudnn":
-        lse = lse.unsqueeze(-1)  # cuDNN's layout, (B, Hq, Tq, 1)
-    return torch.ops.moda_flex.split_backward(grad_out, grad_lse, q, k, v, [depth_k], [depth_v], out,
-                                              lse.contiguous(), float(scale), bool(s.causal), bool(s.sequence),
-                                              depth_first)  # fmt: skip
+    lse = sequence.lse_layout(sequence.kernel_for(q.device, q.shape[-1], q.shape[2] == k.shape[2]), lse.contiguous())
+    return torch.ops.moda_flex.split_backward(grad_out, grad_lse, q, k, v, [depth_k], [depth_v], out, lse,
+                                              float(scale), bool(s.causal), bool(s.sequence), depth_first)  # fmt: skip

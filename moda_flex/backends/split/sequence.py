@@ -59,6 +59,12 @@ def lse_view(lse: Tensor) -> Tensor:
     return lse[..., 0] if lse.dim() == 4 else lse
 
 
+def lse_layout(kernel: str, lse: Tensor) -> Tensor:
+    """A (B, H, T) lse, or one in another op's layout, in ``kernel``'s layout (cuDNN: (B, H, T, 1))."""
+    lse = lse_view(lse)
+    return lse.unsqueeze(-1) if kernel == "cudnn" else lse
+
+
 def forward(kernel: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     """(out, lse) of attention over the sequence: out (B, Hq, Tq, D) in the op's layout, lse in the op's layout.
 
