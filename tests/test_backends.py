@@ -214,3 +214,15 @@ def test_every_builtin_on_triton_matches_reference(kind, shape, data):
     inputs = make_inputs(shape, strided_depth=True)
     assert TRITON.unsupported_reason(inputs["q"], variant) is None, variant.name
     assert_matches_reference(inputs, backend="triton", variant=variant)
+
+
+def test_a_second_derivative_through_sdpa_names_the_backend_that_has_one():
+    """auto runs a call without depth on PyTorch's SDPA, whose fused kernels have no second derivative."""
+    inputs = make_inputs(MoDAShape(batch=1, q_heads=2, kv_heads=1, q_len=6, kv_len=6, slots=0, head_dim=16))
+    out = moda_attention(inputs["q"], inputs["k"], inputs["v"])
+    (grad,) = torch.autograd.grad(out.square().sum(), inputs["q"], create_graph=True)  # first order still works
+    with pytest.raises(NotImplementedError, match="backend 'auto' has no second derivative.*backend='reference'"):
+        grad.square().sum().backward()
+    reference = moda_attention(inputs["q"], inputs["k"], inputs["v"], backend="reference")
+    (grad,) = torch.autograd.grad(reference.square().sum(), inputs["q"], create_graph=True)
+    grad.square().sum().backward()  # the reference has one

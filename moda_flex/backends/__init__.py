@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..variants import Variant
+from .first_order import explain_sdpa
 from .reference import reference_attention
 
 NAMES = ("auto", "reference", "flex", "triton", "split")
@@ -129,6 +130,7 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, depth_k, depth_v, variant: V
         out (B, Hq, Tq, D), and None in place of the lse.
     """
     out = F.scaled_dot_product_attention(q, k, v, is_causal=variant.structure.causal, scale=scale, enable_gqa=True)
+    explain_sdpa(out)
     return out, None
 
 
