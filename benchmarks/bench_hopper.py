@@ -4,7 +4,7 @@
    generic path, bf16, on the output and the five gradients (max abs
    error); a variant fails when its error exceeds twice the generic path's
    plus 2^-8 of the reference's largest value. Also a case with NaN in one
-   key (dead rows) and ragged lengths for the default Hopper variant. A
+   key (dead rows) and ragged lengths for the ``hopper`` variant. A
    variant whose results differ makes the run exit with status 1 after the
    tables; one that does not compile or run is reported and not timed.
 2. Timing (GPU only): B=1, Hq=64, Hk=8, causal, bf16, D in {64, 128},
@@ -20,7 +20,7 @@ depth part of a MoDA row (its time minus the same method at L=0) is shown
 against its HBM floor, ``12 * B * Hk * T * L * D`` bytes at 3.35 TB/s.
 
 Variants are launch configurations given through ``triton_attention``'s
-``config=`` hook (see ``moda_flex/backends/triton/function.py``), the path
+``config=`` hook (see ``moda_flex/backends/triton/configs.py``), the path
 through ``MODA_FLEX_TRITON_PATH``. One that fails to compile or run is
 reported in the table and the run goes on. On a GPU the checks run in
 ``--jobs`` worker processes first, which also compiles every kernel the
@@ -50,13 +50,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import cli  # noqa: E402
 
-PATH_ENV = "MODA_FLEX_TRITON_PATH"  # moda_flex.backends.triton.function.PATH_ENV, readable before triton loads
+PATH_ENV = "MODA_FLEX_TRITON_PATH"  # moda_flex.backends.triton.configs.PATH_ENV, readable before triton loads
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM spec
 HK, G = 8, 8
 
 
 @dataclass(frozen=True)
-class Variant:
+class Launch:
     """A launch configuration: the path, and per-kernel overrides of its default launches.
 
     ``gpu_only``: uses what the interpreter cannot run; ``long``: also timed at T=65536.
@@ -70,20 +70,20 @@ class Variant:
 
 
 VARIANTS = {
-    "generic": Variant("generic", note="today's kernels and tiles", long=True),
-    "sm90-tiles": Variant("hopper", {k: {"TMA": False} for k in ("fwd", "dq", "dkdv")},
+    "generic": Launch("generic", note="today's kernels and tiles", long=True),
+    "sm90-tiles": Launch("hopper", {k: {"TMA": False} for k in ("fwd", "dq", "dkdv")},
                           note="Hopper tiles, pointer loads"),
-    "hopper": Variant("hopper", note="Hopper tiles + TMA (the default on sm90)", long=True),
-    "hopper-fwd-n64": Variant("hopper", {"fwd": {"BLOCK_N": 64, "num_stages": 3, "LOOP_STAGES": 3}},
+    "hopper": Launch("hopper", note="Hopper tiles + TMA (the Hopper path as shipped)", long=True),
+    "hopper-fwd-n64": Launch("hopper", {"fwd": {"BLOCK_N": 64, "num_stages": 3, "LOOP_STAGES": 3}},
                               note="forward BLOCK_N 64"),
     # two stages: the dK/dV kernel's third matmul and the float32 dQ tile spill registers at three (sm_90 compile)
-    "hopper-dq-atomic": Variant("hopper", {"dkdv": {"DQ_ATOMIC": 1, "num_stages": 2, "LOOP_STAGES": 2}},
+    "hopper-dq-atomic": Launch("hopper", {"dkdv": {"DQ_ATOMIC": 1, "num_stages": 2, "LOOP_STAGES": 2}},
                                 note="dQ by element atomics (nondeterministic)"),
-    "hopper-dq-tma": Variant("hopper", {"dkdv": {"DQ_ATOMIC": 2, "num_stages": 2, "LOOP_STAGES": 2}},
+    "hopper-dq-tma": Launch("hopper", {"dkdv": {"DQ_ATOMIC": 2, "num_stages": 2, "LOOP_STAGES": 2}},
                              gpu_only=True, long=True, note="dQ by TMA bulk reductions (nondeterministic)"),
-    "generic-fwd-8w": Variant("generic", {"fwd": {"BLOCK_M": 128, "BLOCK_C": 16, "num_warps": 8}},
+    "generic-fwd-8w": Launch("generic", {"fwd": {"BLOCK_M": 128, "BLOCK_C": 16, "num_warps": 8}},
                               note="generic, forward on 128-row tiles with 8 warps (the Hopper forward's)"),
-    "hopper-ws": Variant("hopper", {"fwd": {"WS": True, "num_warps": 4}}, gpu_only=True,
+    "hopper-ws": Launch("hopper", {"fwd": {"WS": True, "num_warps": 4}}, gpu_only=True,
                          note="warp-specialized forward loop"),
 }
 SDPA = ("sdpa-cudnn", "sdpa-flash")  # cuDNN first: the other rows are divided by it
@@ -105,7 +105,7 @@ def _inputs(B, Hq, Hk, Tq, Tk, L, D, device, seed=0):
     return [t.requires_grad_() for t in (q, k, v, *depth)]
 
 
-def _hook(variant: Variant):
+def _hook(variant: Launch):
     """The ``config=`` hook of a variant: its overrides on each kernel's default launch."""
 
     def config(kernel: str, default: dict) -> dict:
@@ -114,7 +114,7 @@ def _hook(variant: Variant):
     return config
 
 
-def _call(variant: Variant, leaves, grad_out, attention_variant=None):
+def _call(variant: Launch, leaves, grad_out, attention_variant=None):
     """out and the gradients of q, k, v, depth_k, depth_v (leaf order), on the variant's path."""
     from moda_flex import causal
     from moda_flex.backends.triton import triton_attention
@@ -152,7 +152,7 @@ class Case:
 
 def _cases(tiny: bool, variant_name: str) -> list[Case]:
     """The shapes a variant is checked on. On a GPU they compile the same kernels the timing runs
-    (lengths multiples of 256, at least 132 dK/dV programs); the default Hopper variant also gets
+    (lengths multiples of 256, at least 132 dK/dV programs); the ``hopper`` variant also gets
     ragged lengths, G=3, a window with a soft-cap, and dead rows."""
     if tiny:
         cases = [Case(1, 16, 2, 40, 40, L, D) for D in (32, 64) for L in (0, 5)]

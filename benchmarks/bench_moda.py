@@ -23,6 +23,7 @@ Usage::
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -45,10 +46,18 @@ HK, D = 8, 64
 
 
 def depth_utilization(G: int, L: int) -> float:
-    """Useful / computed MACs of the fused depth phase at its CUDA launch configuration."""
-    from moda_flex.backends.triton.function import depth_utilization
+    """Useful / computed MACs of the fused forward's depth phase at its CUDA launch configuration.
 
-    return depth_utilization(torch.empty(0, 1, 1, D, device="cuda"), G, L)
+    A tile of ``R = max(pow2(G), 16)`` rows (``P = R / pow2(G)`` tokens)
+    meets P tokens x BLOCK_S slots; each row keeps its own token's BLOCK_S
+    columns.
+    """
+    from moda_flex.backends.triton.configs import MIN_DOT_ROWS, launch_config, next_pow2
+
+    block_c = launch_config(torch.empty(0, 1, 1, D, device="cuda"), G, "fwd", None)["BLOCK_C"]
+    rows = max(next_pow2(G), MIN_DOT_ROWS)
+    block_s = block_c // (rows // next_pow2(G))
+    return G / rows * L / (block_s * math.ceil(L / block_s))
 
 
 def _bench(fn) -> float:

@@ -25,8 +25,8 @@ them from the arguments of ``build``, never from a closure: the flex backend
 hands them to FlexAttention as buffers, which is how their gradients are
 computed on its eager path.
 
-Backends: ``reference`` and ``flex`` run every score; ``triton`` fuses
-``softcap`` and ``depth_bias`` (alone or joined, in either order), which it
+Backends: ``reference`` and ``flex`` run every score; ``triton`` fuses the
+kinds of :data:`moda_flex.backends.triton.support.FUSED_SCORES`, which it
 recognizes by :attr:`Score.terms`.
 """
 

@@ -149,9 +149,9 @@ def _counting_block_forwards():
     calls = []
     targets = [(reference, "_attention")]  # the reference's forward, under reference_attention
     if not _backend_missing("triton"):
-        from moda_flex.backends.triton import function
+        from moda_flex.backends.triton import ops
 
-        targets.append((function, "_run_forward"))  # the forward kernel's launch, eager or compiled
+        targets.append((ops, "_run_forward"))  # the forward kernel's launch, eager or compiled
 
     def counted(name, original):
         def call(*args, **kwargs):

@@ -162,10 +162,6 @@ def test_custom_score_runs_on_flex():
     assert_matches_reference(make_inputs(shape), backend="flex", variant=causal() & Score("halve_depth", halve_depth))
 
 
-# The variant families and scores the Triton kernels fuse.
-TRITON_SCORES = ("softcap", "depth_bias")
-
-
 @pytest.mark.parametrize("backend", ["reference", "flex", "triton"])
 def test_learned_depth_bias_gets_gradient_on_every_backend(backend):
     if backend == "triton":
@@ -178,7 +174,7 @@ def test_learned_depth_bias_gets_gradient_on_every_backend(backend):
     assert bias.grad is not None and bias.grad.abs().sum() > 0
 
 
-# ---- triton: softcap and depth_bias fused into the kernels, the other scores refused ----------------
+# ---- triton: the scores of support.FUSED_SCORES fused into the kernels, the other scores refused ---
 
 
 def _fused(score: Score) -> bool:
@@ -193,8 +189,10 @@ def _fused(score: Score) -> bool:
 def test_triton_matches_reference_with_scores(shape, data):
     """Output, lse and every gradient, the learned bias's included, for every fused score in either order."""
     pytest.importorskip("triton")
+    from moda_flex.backends.triton.support import FUSED_SCORES
+
     variant = data.draw(variants(shape, kinds=FUSED_KINDS, structured=True))
-    score = data.draw(score_functions(shape, kinds=TRITON_SCORES, device=TRITON_DEVICE).filter(_fused))
+    score = data.draw(score_functions(shape, kinds=FUSED_SCORES, device=TRITON_DEVICE).filter(_fused))
     strided, entries = data.draw(st.booleans()), data.draw(st.booleans())
     inputs = make_inputs(shape, device=TRITON_DEVICE, strided_depth=strided, depth_entries=entries)
     assert_matches_reference(inputs, backend="triton", variant=variant & score)

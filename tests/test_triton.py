@@ -24,7 +24,7 @@ from moda_flex.testing import (  # noqa: E402
     variants,
 )
 from moda_flex.backends.triton import triton_attention, unsupported_reason  # noqa: E402
-from moda_flex.backends.triton.function import Options  # noqa: E402
+from moda_flex.backends.triton.launch import Options  # noqa: E402
 
 from budget import examples  # noqa: E402
 from fused import FUSED_KINDS  # noqa: E402

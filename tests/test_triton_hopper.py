@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("triton")
 
 from moda_flex import variants as v  # noqa: E402
-from moda_flex.backends.triton import function, triton_attention  # noqa: E402
+from moda_flex.backends.triton import configs, triton_attention  # noqa: E402
 from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs  # noqa: E402
 
 from test_nonfinite import MASKED, SHAPE, _assert_reaches_only_its_rows  # noqa: E402
@@ -27,7 +27,7 @@ DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 
 @pytest.fixture
 def hopper(monkeypatch):
-    monkeypatch.setenv(function.PATH_ENV, "hopper")
+    monkeypatch.setenv(configs.PATH_ENV, "hopper")
 
 
 def _recording(seen: list, **overrides):
@@ -85,16 +85,16 @@ def test_dead_rows_on_the_hopper_path(hopper, case):
 
 
 def test_auto_takes_the_hopper_path_on_hopper_for_large_calls_only(monkeypatch):
-    monkeypatch.delenv(function.PATH_ENV, raising=False)
+    monkeypatch.delenv(configs.PATH_ENV, raising=False)
     big = torch.zeros(1, 64, 4096, 64, device=DEVICE, dtype=torch.bfloat16)  # 2^30 scores
-    assert not function._hopper(big, big)  # opt-in: slower than generic with depth
-    monkeypatch.setenv(function.PATH_ENV, "auto")
+    assert not configs.hopper_path(big, big)  # opt-in: slower than generic with depth
+    monkeypatch.setenv(configs.PATH_ENV, "auto")
     small = torch.zeros(1, 2, 8, 64, device=DEVICE, dtype=torch.bfloat16)
     on_hopper = big.is_cuda and torch.cuda.get_device_capability(big.device)[0] == 9
-    assert not function._hopper(small, small)
-    assert function._hopper(big, big) == on_hopper
-    monkeypatch.setenv(function.PATH_ENV, "generic")
-    assert not function._hopper(big, big)
+    assert not configs.hopper_path(small, small)
+    assert configs.hopper_path(big, big) == on_hopper
+    monkeypatch.setenv(configs.PATH_ENV, "generic")
+    assert not configs.hopper_path(big, big)
 
 
 @pytest.mark.parametrize(
@@ -108,10 +108,10 @@ def test_auto_takes_the_hopper_path_on_hopper_for_large_calls_only(monkeypatch):
 )
 def test_hopper_path_declines_what_descriptors_cannot_cover(hopper, make):
     t = make().to(DEVICE)
-    assert not function._hopper(t, t)
+    assert not configs.hopper_path(t, t)
 
 
 def test_unknown_path_is_named(monkeypatch):
-    monkeypatch.setenv(function.PATH_ENV, "sm90")
+    monkeypatch.setenv(configs.PATH_ENV, "sm90")
     with pytest.raises(ValueError, match="MODA_FLEX_TRITON_PATH='sm90'"):
-        function._hopper(torch.zeros(1, 1, 1, 16), torch.zeros(1, 1, 1, 16))
+        configs.hopper_path(torch.zeros(1, 1, 1, 16), torch.zeros(1, 1, 1, 16))

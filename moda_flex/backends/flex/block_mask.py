@@ -36,13 +36,14 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from ...variants import Structure, Variant
+from ..blocks import cdiv
 
 BLOCK = 128  # rows and columns per BlockMask block
 
 
 def padded_kv_len(kv_len: int) -> int:
     """The sequence columns: ``kv_len`` rounded up to whole blocks, so that no block mixes keys and depth."""
-    return _ceil_div(kv_len, BLOCK) * BLOCK
+    return cdiv(kv_len, BLOCK) * BLOCK
 
 
 PARTS = ("concat", "sequence", "depth")
@@ -209,9 +210,9 @@ def structural_block_mask(structure: Structure, layout: Layout, device, element_
     if layout.seq_cols == 0:  # the depth part alone: no key is a column
         structure = dataclasses.replace(structure, sequence=False)
     rows = layout.rows
-    q_blocks = _ceil_div(rows, BLOCK)
-    seq_blocks = _ceil_div(layout.seq_cols, BLOCK)
-    depth_blocks = _ceil_div(q_len * slots, BLOCK)
+    q_blocks = cdiv(rows, BLOCK)
+    seq_blocks = cdiv(layout.seq_cols, BLOCK)
+    depth_blocks = cdiv(q_len * slots, BLOCK)
     # A ragged last row block is never called full (as create_block_mask does).
     ragged = rows % BLOCK != 0
     first, last = _row_block_tokens(q_blocks, rows, groups, device)
@@ -284,7 +285,7 @@ def _key_blocks(structure: Structure, first: Tensor, last: Tensor, q_len: int, k
     union_lo, union_hi = lo.gather(1, first), hi.gather(1, last)  # (Bm, NQ)
     inter_lo, inter_hi = lo.gather(1, last), hi.gather(1, first)
     has_keys = union_lo <= union_hi
-    full_lo = _ceil_div(inter_lo, BLOCK)
+    full_lo = cdiv(inter_lo, BLOCK)
     full_hi = (inter_hi + 1) // BLOCK - 1
     full_count = (full_hi - full_lo + 1).clamp(min=0)
     if ragged:
@@ -400,6 +401,3 @@ def _count_at_most(sorted_values: Tensor, targets: Tensor) -> Tensor:
     """Number of entries <= target in each row of non-decreasing values."""
     return torch.searchsorted(sorted_values.contiguous(), targets, right=True)
 
-
-def _ceil_div(a, b):
-    return -(-a // b)

@@ -1,9 +1,16 @@
 """The fused Triton backend: group-aware MoDA forward and backward kernels.
 
+Files by layer: ``kernels.py`` (``@triton.jit``) -> ``configs.py`` (which
+path, block sizes) -> ``launch.py`` (grids, descriptors, slot tables, the
+launches) -> ``ops.py`` (``torch.library`` ops, autograd,
+:func:`triton_attention`); ``support.py`` says which calls it runs and
+which scores it fuses.
+
 Importing this package needs ``triton``; on CPU the kernels run only under
 ``TRITON_INTERPRET=1`` (set before triton is imported).
 """
 
-from .function import triton_attention, unsupported_reason
+from .ops import triton_attention
+from .support import unsupported_reason
 
 __all__ = ["triton_attention", "unsupported_reason"]

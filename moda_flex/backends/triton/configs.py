@@ -1,0 +1,189 @@
+"""Which path a launch takes, and its launch configuration (block sizes, warps, stages, flags).
+
+Two paths, chosen at launch (:func:`hopper_path`): the generic one (any CUDA
+GPU, and the interpreter) and the Hopper one (compute capability 9.x, calls
+large enough not to be bound by the host), which streams the tiles of the
+unmasked blocks through tensor descriptors (the TMA copy engine) and launches
+with configurations chosen for sm90. Both run the same kernels; the Hopper
+parts sit behind constexpr flags of the launch configuration
+(:func:`launch_config`). On an H100 the Hopper path is a few percent faster
+without depth and slower with it (BENCHMARKS.md), so it is opt-in:
+``MODA_FLEX_TRITON_PATH=auto`` takes it on Hopper GPUs for large calls,
+``=hopper`` wherever the tensors allow descriptors (the interpreter
+included); ``generic``, the default, never.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+# The smallest M of a Tensor Core dot: the depth phase works on tiles of
+# max(pow2(G), 16) rows, the rows of 16 / pow2(G) consecutive tokens when G < 16.
+MIN_DOT_ROWS = 16
+
+PATH_ENV = "MODA_FLEX_TRITON_PATH"
+_PATHS = ("auto", "generic", "hopper")
+# The Hopper path loses to the generic one with depth (H100, BENCHMARKS.md): a call takes it only when asked.
+DEFAULT_PATH = "generic"
+# Below this many scores (B * Hq * Tq * Tk) a call is bound by the host, where building the descriptors
+# costs about 50 us per forward + backward: auto keeps the generic path.
+_HOPPER_MIN_SCORES = 1 << 28
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def padded_head_dim(D: int) -> int:
+    """The kernels' padded head dim: D rounded up to a power of two, at least 16 (the least K of a dot)."""
+    return max(MIN_DOT_ROWS, next_pow2(D))
+
+
+def hopper_path(*tensors: Tensor) -> bool:
+    """Whether a launch over ``tensors`` (q, k, ...) takes the Hopper path.
+
+    ``auto``: on a GPU of compute capability 9.x, for calls of
+    at least ``_HOPPER_MIN_SCORES`` scores. The tensors must suit tensor
+    descriptors either way: 16-bit floats (or any float under the
+    interpreter), a head dim the kernels need not pad (a power of two, 16 to
+    128), unit last stride, 16-byte aligned base and strides.
+    """
+    path = os.environ.get(PATH_ENV, DEFAULT_PATH)
+    if path not in _PATHS:
+        raise ValueError(f"{PATH_ENV}={path!r}: expected one of {', '.join(_PATHS)}")
+    q = tensors[0]
+    if path == "generic":
+        return False
+    if path == "auto":
+        scores = q.shape[0] * q.shape[1] * q.shape[2] * tensors[1].shape[2]
+        if not (q.is_cuda and _capability(q.device)[0] == 9 and scores >= _HOPPER_MIN_SCORES):
+            return False
+    if q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    D = q.shape[-1]
+    return padded_head_dim(D) == D <= 128 and all(_descriptor_ok(t) for t in tensors)
+
+
+def _descriptor_ok(t: Tensor) -> bool:
+    """Whether a tensor descriptor may cover ``t``: unit last stride, 16-byte aligned base and other strides."""
+    size = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in t.stride()[:-1])
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+# A launch hook: ``config(kernel, default) -> config``, with ``kernel`` one of
+# "fwd", "dq", "dkdv" and ``default`` the launch options the launcher would use
+# (block sizes, num_warps, num_stages, and the flags TMA, LOOP_STAGES, WS,
+# DQ_ATOMIC of :func:`launch_config`), a fresh dict. Turning TMA on is the hook's to
+# check: the tensors must allow descriptors (:func:`hopper_path`).
+ConfigHook = Callable[[str, dict], dict]
+
+
+def launch_config(q: Tensor, G: int, which: str, hook: Optional[ConfigHook], has_depth: bool = True,
+                  programs: int = 0, hopper: bool = False) -> dict:  # fmt: skip
+    """Block sizes and launch options for ``which`` in {"fwd", "dkdv", "dq"}, through ``hook`` if given.
+
+    ``programs``: for "dkdv", the number of (key block, batch x KV head)
+    programs at the default BLOCK_N = 128; fewer than the GPU has SMs halves
+    the key blocks. The generic configurations were chosen on an H200 at
+    T=16384, G=8, D=64 (benchmarks/tune_moda.py, benchmarks/NOTES.md).
+
+    ``hopper``: the Hopper path's configuration, the one with ``TMA`` on. The
+    flags: ``TMA`` (tensor descriptors for the tiles of the unmasked blocks),
+    ``LOOP_STAGES`` (the software pipeline's depth on that loop), for "fwd"
+    ``WS`` (warp specialization of that loop, off; Triton 3.6 does not
+    compile it for this kernel on sm_90), and for "dkdv" ``DQ_ATOMIC``: 0 (the
+    default, deterministic), dQ from its own kernel; 1 or 2, the dK/dV kernel
+    adds the sequence part of dQ to float32 sums with atomics (1: per
+    element; 2: by the TMA engine's bulk reductions, with ``TMA``, on a GPU
+    only), which saves two of the backward's seven matrix products but makes
+    dQ's last bits vary between runs.
+    """
+    few = which == "dkdv" and q.device.type == "cuda" and programs < _sm_count(q.device)
+    sm90 = q.is_cuda and _capability(q.device)[0] == 9
+    cfg = _config_for(q.device.type, padded_head_dim(q.shape[-1]), G, which, has_depth, few, hopper, sm90)
+    return cfg if hook is None else hook(which, dict(cfg))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _config_for(device_type: str, head_dim: int, G: int, which: str, has_depth: bool, few_programs: bool,
+                hopper: bool, sm90: bool) -> dict:  # fmt: skip
+    GP = next_pow2(G)
+    if device_type != "cuda":
+        # The interpreter: few, small programs.
+        cfg = dict(BLOCK_M=max(16, GP), BLOCK_N=16, BLOCK_C=16)
+    elif hopper:
+        cfg = _sm90_config(head_dim, which, has_depth, few_programs)
+    else:
+        cfg = _generic_config(head_dim, which, has_depth, few_programs, sm90)
+    cfg["BLOCK_M"] = max(cfg["BLOCK_M"], GP, MIN_DOT_ROWS)
+    cfg.update(TMA=hopper, LOOP_STAGES=cfg.get("num_stages", 1))
+    if which == "fwd":
+        cfg["WS"] = False
+    if which == "dkdv":
+        cfg["DQ_ATOMIC"] = 0
+    return cfg
+
+
+def _generic_config(head_dim: int, which: str, has_depth: bool, few_programs: bool, sm90: bool) -> dict:
+    """Block sizes, warps and stages of the generic path on a GPU (``sm90``: of compute capability 9.x)."""
+    if which == "fwd" and has_depth:
+        cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_C=32, num_warps=4, num_stages=3)
+    elif which == "fwd":
+        cfg = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_C=32, num_warps=8, num_stages=3)
+    elif which == "dkdv":
+        cfg = dict(BLOCK_M=128, BLOCK_N=64 if few_programs else 128, num_warps=8, num_stages=2)
+    else:
+        cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_C=32, num_warps=4, num_stages=3)
+    if head_dim == 128 and which == "fwd" and sm90:
+        # 128-row tiles over 8 warps: 0.50-0.81x the time of the 64-row ones on an H100 (BENCHMARKS.md);
+        # two stages of them need an H100's shared memory.
+        cfg.update(BLOCK_M=128, BLOCK_C=16, num_warps=8, num_stages=2)
+    elif head_dim == 128:
+        cfg["BLOCK_M"] = min(cfg["BLOCK_M"], 64)
+        cfg["num_stages"] = min(cfg["num_stages"], 2)
+    elif head_dim > 128:  # 256: tiles that fit the registers and shared memory
+        cfg.update(BLOCK_M=min(cfg["BLOCK_M"], 64), BLOCK_N=min(cfg["BLOCK_N"], 32), num_stages=1)
+        if "BLOCK_C" in cfg:
+            cfg["BLOCK_C"] = 16
+    return cfg
+
+
+# The Hopper path's launches by (head dim up to 64 / 128, kernel, with depth), before the dK/dV kernel's
+# few-programs rule: the tiles that compile for sm_90 (Triton 3.6) without spilling registers, or with the
+# fewest spills (D=128 with depth); benchmarks/NOTES.md ("Hopper path") has the compile table.
+_SM90 = {
+    (64, "fwd", False): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_C=32, num_warps=8, num_stages=3),
+    (64, "fwd", True): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_C=16, num_warps=8, num_stages=2),
+    (64, "dq", False): dict(BLOCK_M=128, BLOCK_N=64, BLOCK_C=32, num_warps=8, num_stages=3),
+    (64, "dq", True): dict(BLOCK_M=128, BLOCK_N=64, BLOCK_C=16, num_warps=8, num_stages=3),
+    (64, "dkdv", False): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
+    (128, "fwd", False): dict(BLOCK_M=128, BLOCK_N=64, BLOCK_C=16, num_warps=8, num_stages=3),
+    (128, "fwd", True): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_C=16, num_warps=8, num_stages=2),
+    (128, "dq", False): dict(BLOCK_M=128, BLOCK_N=64, BLOCK_C=16, num_warps=8, num_stages=2),
+    (128, "dq", True): dict(BLOCK_M=128, BLOCK_N=64, BLOCK_C=16, num_warps=8, num_stages=2),
+    (128, "dkdv", False): dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2),
+}
+
+
+def _sm90_config(head_dim: int, which: str, has_depth: bool, few_programs: bool) -> dict:
+    """Block sizes, warps and stages of the Hopper path (head_dim a power of two, 16 to 128)."""
+    cfg = dict(_SM90[64 if head_dim <= 64 else 128, which, has_depth and which != "dkdv"])
+    if which == "dkdv" and few_programs:
+        cfg["BLOCK_N"] = 64
+    return cfg
+

@@ -1,0 +1,345 @@
+"""Launchers of the Triton kernels: the call's options, grids, descriptors and every kernel argument by name.
+
+Depth K/V reach the launchers as the ops' list (:func:`moda_flex.depth.as_list`):
+either one (B, Hk, Tq, L, D) tensor, or L per-slot (B, Hk, Tq, D) tensors
+(the entries earlier layers wrote). The kernels read slot ``l`` through a
+table of slot addresses, so neither form is copied. A fused score reaches
+them as the depth bias tensor and the cap (:func:`.support.score_args`).
+
+Block sizes come from :func:`.configs.launch_config`, which a ``config=``
+hook of :func:`moda_flex.backends.triton.triton_attention` may change for
+one eager call (benchmarks/tune_moda.py, benchmarks/bench_hopper.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ...depth import slot_count
+from ..blocks import cdiv
+from .configs import MIN_DOT_ROWS, ConfigHook, hopper_path, launch_config, next_pow2, padded_head_dim
+
+_LOG2E = math.log2(math.e)  # the kernels keep logits in base 2
+
+
+class Options(NamedTuple):
+    """A call's non-tensor arguments, in the order the ops take them."""
+
+    scale: float
+    causal: bool
+    window: int  # 0: unbounded
+    depth_first: int  # the first visible depth slot
+    sequence: bool  # False: no sequence keys (depth-only)
+    softcap: float  # 0.0: no cap
+    bias_first: bool  # the depth bias is added before the cap
+
+
+def _row_descriptor(t: Tensor, G: int, GP: int, block_t: int):
+    """A descriptor over (B, Hq, T, D) queries (or dO) seen as (B, Hk, T, G, D), boxes (1, 1, block_t, GP, D).
+
+    A box holds a block's rows in the kernels' order (token-major, the G heads
+    of a token together); heads past G and tokens past T are out of bounds and
+    read as zeros.
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    B, Hq, T, D = t.shape
+    sb, sh, st, sd = t.stride()
+    return TensorDescriptor(t, [B, Hq // G, T, G, D], [sb, G * sh, st, sh, sd], [1, 1, block_t, GP, D])
+
+
+def _tile_descriptor(t: Tensor, block_n: int):
+    """A descriptor over (B, Hk, Tk, D) keys or values, boxes (1, 1, block_n, D)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_n, t.shape[-1]])
+
+
+
+def is_slab(depth: list[Tensor]) -> bool:
+    """True when the ops' depth list holds one (B, Hk, Tq, L, D) tensor rather than L entries."""
+    return len(depth) == 1 and depth[0].dim() == 5
+
+
+def _slot_table(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device):
+    """Addresses of the L key slots then the L value slots, (2L,) int64 on the device, and each side's strides.
+
+    Returns:
+        table, key strides (b, h, t, d), value strides (b, h, t, d), and the
+        tensors the addresses point into. Entries of one side that disagree on
+        strides are copied to contiguous ones first: the caller must hold the
+        returned tensors until the kernel is launched.
+    """
+    addresses, strides, held = [], [], []
+    for depth in (depth_k, depth_v):
+        if is_slab(depth):
+            t = depth[0]  # (B, Hk, Tq, L, D): slot l sits l slot-strides after slot 0
+            step = t.stride(3) * t.element_size()
+            addresses += range(t.data_ptr(), t.data_ptr() + L * step, step) if step else [t.data_ptr()] * L
+            strides.append((t.stride(0), t.stride(1), t.stride(2), t.stride(4)))
+            continue
+        strides_seen = {t.stride() for t in depth}
+        if len(strides_seen) > 1:
+            depth = [t.contiguous() for t in depth]
+            strides_seen = {t.stride() for t in depth}
+        addresses += [t.data_ptr() for t in depth]
+        strides.append(strides_seen.pop() if strides_seen else (0, 0, 0, 0))
+        held.append(depth)
+    return _device_table(tuple(addresses or [0]), device), strides[0], strides[1], held
+
+
+# Pinned host copies of the slot tables, by device and addresses. A CUDA graph captures a table's copy from
+# its host buffer and replays it, with the addresses the graph's memory keeps: the buffer must outlive the graph
+# and never change, so each set of addresses has one, kept (a model meets few: the allocator reuses addresses).
+_HOST_TABLES: dict = {}
+
+
+def _device_table(addresses: tuple, device: torch.device) -> Tensor:
+    """(len(addresses),) int64 on ``device``, copied without a wait from a pinned buffer cached by its contents."""
+    if device.type != "cuda":
+        return torch.tensor(addresses, dtype=torch.int64)
+    key = (device, addresses)
+    host = _HOST_TABLES.get(key)
+    if host is None:
+        host = _HOST_TABLES[key] = torch.tensor(addresses, dtype=torch.int64).pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+
+def _placeholder(device: torch.device) -> Tensor:
+    """A never-read int32 pointer argument for a launch without documents or bias.
+
+    Made per launch, not cached: a tensor first made while a CUDA graph is
+    recorded lives in the graph's memory pool, and one kept beyond the graph
+    fails ``torch.compile(mode="reduce-overhead")``.
+    """
+    return torch.empty(1, dtype=torch.int32, device=device)
+
+
+def _strides(prefix: str, strides: Sequence[int], axes: str) -> dict:
+    """A tensor's stride arguments by name: ``_strides("sq", q.stride(), "bhtd")`` gives sqb, sqh, sqt, sqd."""
+    return dict(zip(_stride_names(prefix, axes), strides))
+
+
+@functools.lru_cache(maxsize=None)
+def _stride_names(prefix: str, axes: str) -> tuple[str, ...]:
+    return tuple(prefix + axis for axis in axes)
+
+
+def _layout_args(q: Tensor, k: Tensor) -> dict:
+    """The row layout's constants: G query heads per KV head, G rounded up to GP, the padded and real head dim."""
+    G, D = q.shape[1] // k.shape[1], q.shape[-1]
+    return dict(G=G, GP=next_pow2(G), HEAD_DIM=padded_head_dim(D), D_REAL=D)
+
+
+def _mask_args(opts: Options, documents: Optional[Tensor], like: Tensor) -> dict:
+    """The sequence mask's arguments: window, flags, and the (3, Bd, Tk) packed documents with their batch stride."""
+    if documents is None:
+        ids = lo = hi = _placeholder(like.device)
+        sdoc = 0
+    else:
+        ids, lo, hi = documents[0], documents[1], documents[2]
+        sdoc = documents.stride(1) if documents.shape[1] > 1 else 0
+    return dict(DOC_IDS=ids, DOC_LO=lo, DOC_HI=hi, sdoc=sdoc, window=opts.window,
+                CAUSAL=opts.causal, WINDOW=opts.window > 0, DOC=documents is not None)  # fmt: skip
+
+
+def _bias_args(bias: Optional[Tensor], like: Tensor) -> dict:
+    """The depth bias's arguments: a float32 copy on the device and its (head, slot) strides.
+
+    A (L,) bias gets head stride 0: every head reads it. The copy is in the
+    returned dict, which the caller holds until the kernel is launched.
+    """
+    if bias is None:
+        return dict(BIAS=_placeholder(like.device), sbh=0, sbl=0, HAS_BIAS=False)
+    f32 = bias.detach().to(device=like.device, dtype=torch.float32)
+    sbh, sbl = (0, f32.stride(0)) if f32.dim() == 1 else f32.stride()
+    return dict(BIAS=f32, sbh=sbh, sbl=sbl, HAS_BIAS=True)
+
+
+def _depth_args(depth_k: list[Tensor], depth_v: list[Tensor], L: int, like: Tensor):
+    """The depth slots' arguments (address tables and strides), and the tensors to hold until the launch."""
+    table, sdk, sdv, held = _slot_table(depth_k, depth_v, L, like.device)
+    return dict(DK_TAB=table, DV_TAB=table[L:], **_strides("sdk", sdk, "bhtd"), **_strides("sdv", sdv, "bhtd")), held
+
+
+def forward(q, k, v, depth_k, depth_v, documents, bias, opts: Options, config: Optional[ConfigHook] = None):
+    """Launch the forward kernel.
+
+    Args:
+        q: (B, Hq, Tq, D); k, v: (B, Hk, Tk, D).
+        depth_k, depth_v: the op's depth lists (:func:`moda_flex.depth.as_list`).
+        documents: (3, Bd, Tk) int32 packed documents, or None.
+        bias: the (L,) or (Hq, L) depth bias, or None.
+        opts: the call's options; config: the launch hook, or None.
+
+    Returns:
+        out (B, Hq, Tq, D) contiguous and lse (B, Hq, Tq) float32.
+    """
+    from . import kernels
+
+    B, Hq, Tq, _ = q.shape
+    Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((B, Hq, Tq), device=q.device, dtype=torch.float32)
+    if out.numel() == 0:
+        return out, lse.fill_(float("-inf"))
+    layout = _layout_args(q, k)
+    has_depth = L > opts.depth_first
+    cfg = launch_config(q, layout["G"], "fwd", config, has_depth=has_depth, hopper=hopper_path(q, k, v))
+    depth, _held = _depth_args(depth_k, depth_v, L, q)  # _held: alive until launched
+    block_t = cfg["BLOCK_M"] // layout["GP"]
+    grid = (cdiv(Tq, block_t), B * Hk)
+    tiles = dict(QD=None, KD=None, VD=None)
+    if cfg["TMA"]:
+        tiles = dict(QD=_row_descriptor(q, layout["G"], layout["GP"], block_t),
+                     KD=_tile_descriptor(k, cfg["BLOCK_N"]), VD=_tile_descriptor(v, cfg["BLOCK_N"]))  # fmt: skip
+    kernels._fwd_kernel[grid](
+        Q=q, K=k, V=v, O=out, LSE=lse, **tiles, **depth, **_mask_args(opts, documents, q), **_bias_args(bias, q),
+        **_strides("sq", q.stride(), "bhtd"), **_strides("sk", k.stride(), "bhtd"),
+        **_strides("sv", v.stride(), "bhtd"), **_strides("so", out.stride(), "bhtd"),
+        **_strides("sl", lse.stride(), "bht"),
+        Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, qk_scale=opts.scale * _LOG2E, softcap=opts.softcap,
+        **layout, DEPTH_ROWS=max(layout["GP"], MIN_DOT_ROWS),
+        HAS_SEQ=opts.sequence and Tk > 0, HAS_DEPTH=has_depth,
+        HAS_SOFTCAP=opts.softcap > 0, BIAS_FIRST=opts.bias_first,
+        **cfg,
+    )
+    return out, lse
+
+
+def backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, bias_grad: bool,
+              opts: Options, config: Optional[ConfigHook] = None):  # fmt: skip
+    """Launch the backward: the dQ kernel, then the dK/dV kernel.
+
+    Args:
+        grad_out: (B, Hq, Tq, D) contiguous; grad_lse: (B, Hq, Tq) or None.
+        q, k, v, depth_k, depth_v, documents, bias, opts, config: as for :func:`forward`.
+        out, lse: the forward's results.
+        bias_grad: also compute the bias's gradient.
+
+    Returns:
+        dq (B, Hq, Tq, D), dk, dv (B, Hk, Tk, D), the depth gradients as two
+        (B, Hk, Tq, L, D) tensors, and the bias's gradient in its shape and
+        dtype with ``bias_grad`` (else an empty tensor).
+    """
+    B, Hq, Tq, D = q.shape
+    Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    dbias = q.new_zeros(0) if not bias_grad else torch.zeros_like(bias)
+    if q.numel() == 0 or k.numel() == 0:
+        depth_shape = (B, Hk, Tq, L, D)
+        return (torch.zeros_like(q, memory_format=torch.contiguous_format), dk.zero_(), dv.zero_(),
+                q.new_zeros(depth_shape), q.new_zeros(depth_shape), dbias)  # fmt: skip
+    hopper, G = hopper_path(q, k, v, grad_out), Hq // Hk
+    dq_cfg = launch_config(q, G, "dq", config, has_depth=L > opts.depth_first, hopper=hopper)
+    dkdv_cfg = launch_config(q, G, "dkdv", config, programs=cdiv(Tk, 128) * B * Hk, hopper=hopper)
+    sequence = opts.sequence and Tk > 0
+    atomic = sequence and dkdv_cfg["DQ_ATOMIC"]
+    # The dQ kernel runs first: it also writes delta = rowsum(dO * O) - dLSE, which the dK/dV kernel reads,
+    # and for its descriptors, which blocks of rows have a dead one. With DQ_ATOMIC it writes only the depth
+    # part of dQ, as float32 sums to which the dK/dV kernel adds the sequence part.
+    dq, ddk, ddv, delta, gbias, dead = _launch_dq(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse,
+                                                  documents, bias, bias_grad, opts, dq_cfg,
+                                                  dead_flags=dkdv_cfg["TMA"], sums=atomic)  # fmt: skip
+    if sequence:
+        _launch_dkdv(grad_out, q, k, v, lse, delta, dead, documents, dk, dv, dq if atomic else None, opts, dkdv_cfg)
+    else:
+        dk.zero_()
+        dv.zero_()
+    if atomic:
+        dq = dq.to(q.dtype)
+    if gbias is not None:
+        dbias = _reduce_bias_grad(gbias, bias, B, Hk, Hq // Hk)
+    return dq, dk, dv, ddk, ddv, dbias
+
+
+def _launch_dq(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, bias_grad, opts, cfg,
+               dead_flags, sums):  # fmt: skip
+    """The dQ kernel under launch configuration ``cfg``: dq, the depth gradients, delta for the dK/dV kernel, the
+    bias's gradient in parts or None, and with ``dead_flags`` whether each block of rows has a dead one,
+    (B * Hk, blocks) int8, else None. With ``sums``, dq is only the depth part, float32, for the dK/dV kernel
+    to add the sequence part to."""
+    from . import kernels
+
+    B, Hq, Tq, D = q.shape
+    Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
+    layout = _layout_args(q, k)
+    has_depth = L > opts.depth_first
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format, dtype=torch.float32 if sums else q.dtype)
+    alloc = torch.zeros if opts.depth_first > 0 else torch.empty  # masked slots get a zero gradient
+    ddk = alloc((B, Hk, Tq, L, D), device=q.device, dtype=q.dtype)
+    ddv = alloc((B, Hk, Tq, L, D), device=q.device, dtype=q.dtype)
+    delta = torch.empty_like(lse)
+    glse = delta if grad_lse is None else grad_lse.float().contiguous()
+    depth, _held = _depth_args(depth_k, depth_v, L, q)  # _held: alive until launched
+    grid = (cdiv(Tq, cfg["BLOCK_M"] // layout["GP"]), B * Hk)
+    tiles = dict(KD=None, VD=None)
+    if cfg["TMA"]:
+        tiles = dict(KD=_tile_descriptor(k, cfg["BLOCK_N"]), VD=_tile_descriptor(v, cfg["BLOCK_N"]))
+    # Each program's part of the bias gradient, summed over its tokens, (B * Hk, blocks, GP, L).
+    with_bias_grad = bias_grad and has_depth
+    gbias = q.new_zeros((B * Hk, grid[0], layout["GP"], L) if with_bias_grad else (0,), dtype=torch.float32)
+    dead = torch.empty((B * Hk, grid[0]), device=q.device, dtype=torch.int8) if dead_flags else None
+    kernels._bwd_dq_kernel[grid](
+        Q=q, K=k, V=v, O=out, DO=grad_out, LSE=lse, GLSE=glse, DELTA=delta, DEAD=dead, DEAD_FLAGS=dead_flags,
+        DQO=dq, DDKO=ddk, DDVO=ddv, GBIAS=gbias,
+        **tiles, **depth, **_mask_args(opts, documents, q), **_bias_args(bias, q),
+        **_strides("sq", q.stride(), "bhtd"), **_strides("so", out.stride(), "bhtd"),
+        **_strides("sk", k.stride(), "bhtd"), **_strides("sv", v.stride(), "bhtd"),
+        **_strides("sdo", grad_out.stride(), "bhtd"), **_strides("sl", lse.stride(), "bht"),
+        **_strides("sgq", dq.stride(), "bhtd"), **_strides("sgd", ddk.stride(), "bhtld"),
+        Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, scale=opts.scale,
+        qk_scale=opts.scale * _LOG2E, softcap=opts.softcap,
+        **layout, DEPTH_ROWS=max(layout["GP"], MIN_DOT_ROWS),
+        HAS_SEQ=opts.sequence and Tk > 0 and not sums, HAS_DEPTH=has_depth, HAS_GLSE=grad_lse is not None,
+        HAS_SOFTCAP=opts.softcap > 0, BIAS_FIRST=opts.bias_first, BIAS_GRAD=with_bias_grad,
+        **cfg,
+    )
+    return dq, ddk, ddv, delta, gbias if with_bias_grad else None, dead
+
+
+def _launch_dkdv(grad_out, q, k, v, lse, delta, dead, documents, dk, dv, dq_sums, opts, cfg) -> None:
+    """The dK/dV kernel under launch configuration ``cfg``: writes dk, dv (B, Hk, Tk, D), contiguous, from delta
+    and (with ``cfg["TMA"]``) the dead-row flags of the dQ kernel; with ``cfg["DQ_ATOMIC"]`` also adds the
+    sequence part of dQ to ``dq_sums`` (B, Hq, Tq, D) float32."""
+    from . import kernels
+
+    B, Hk, Tk = k.shape[0], k.shape[1], k.shape[2]
+    layout = _layout_args(q, k)
+    grid = (cdiv(Tk, cfg["BLOCK_N"]), B * Hk)
+    tiles = dict(QD=None, DOD=None, DEAD=None, dead_blocks=0)
+    if cfg["TMA"]:
+        block_t = cfg["BLOCK_M"] // layout["GP"]
+        tiles = dict(QD=_row_descriptor(q, layout["G"], layout["GP"], block_t),
+                     DOD=_row_descriptor(grad_out, layout["G"], layout["GP"], block_t),
+                     DEAD=dead, dead_blocks=dead.shape[1])  # fmt: skip
+    sums = dict(DQA=_placeholder(q.device), DQD=None, sab=0, sah=0, sat=0)
+    if dq_sums is not None:
+        sums = dict(DQA=dq_sums, DQD=None, **_strides("sa", dq_sums.stride()[:3], "bht"))
+        if cfg["DQ_ATOMIC"] == 2:
+            sums["DQD"] = _row_descriptor(dq_sums, layout["G"], layout["GP"], cfg["BLOCK_M"] // layout["GP"])
+    kernels._bwd_dkdv_kernel[grid](
+        Q=q, K=k, V=v, DO=grad_out, LSE=lse, DELTA=delta, DKO=dk, DVO=dv, **tiles, **sums,
+        **_mask_args(opts, documents, q),
+        **_strides("sq", q.stride(), "bhtd"), **_strides("sk", k.stride(), "bhtd"),
+        **_strides("sv", v.stride(), "bhtd"), **_strides("sdo", grad_out.stride(), "bhtd"),
+        **_strides("sl", lse.stride(), "bht"), **_strides("sg", dk.stride(), "bhtd"),
+        Hk=Hk, Tq=q.shape[2], Tk=Tk, scale=opts.scale, qk_scale=opts.scale * _LOG2E, softcap=opts.softcap,
+        **layout, HAS_SOFTCAP=opts.softcap > 0,
+        **cfg,
+    )
+
+
+def _reduce_bias_grad(parts: Tensor, bias: Tensor, B: int, Hk: int, G: int) -> Tensor:
+    """The depth bias's gradient in its shape and dtype from the dQ kernel's (B * Hk, blocks, GP, L) parts."""
+    grad = parts.view(B, Hk, -1, *parts.shape[2:]).sum(dim=(0, 2))[:, :G]  # (Hk, G, L)
+    grad = grad.reshape(Hk * G, -1)  # (Hq, L): query head h = hk * G + g
+    return (grad.sum(0) if bias.dim() == 1 else grad).to(device=bias.device, dtype=bias.dtype)
+
