@@ -143,7 +143,7 @@ def _check_case(kind, batch, kv_heads, groups, slots, backend) -> list[int]:
 
 @contextlib.contextmanager
 def _counting_block_forwards():
-    """Count the forwards of attention blocks on reference and triton while inside: yields the calls."""
+    """Count the forwards of attention blocks on reference, triton and split while inside: yields the calls."""
     from moda_flex.backends import reference
 
     calls = []
@@ -152,6 +152,10 @@ def _counting_block_forwards():
         from moda_flex.backends.triton import ops
 
         targets.append((ops, "_run_forward"))  # the forward kernel's launch, eager or compiled
+    if not _backend_missing("split"):
+        from moda_flex.backends.split import ops as split_ops
+
+        targets.append((split_ops, "_forward"))  # the split op's forward, vendor and depth kernels
 
     def counted(name, original):
         def call(*args, **kwargs):
@@ -294,8 +298,8 @@ def test_matches_one_process_reference(ranks, case):
         assert seen["cases"][case] is None, f"rank {rank}:\n{seen['cases'][case]}"
 
 
-# flex and split take no given lse: their blocks run forward again in the backward.
-@pytest.mark.parametrize("case", [case for case, args in CASES.items() if args[-1] in ("reference", "triton")])
+# flex takes no given lse: its blocks run forward again in the backward.
+@pytest.mark.parametrize("case", [case for case, args in CASES.items() if args[-1] in ("reference", "triton", "split")])
 def test_backward_runs_no_block_forward(ranks, case):
     """The backward differentiates each block from the merged (out, lse): it runs no block's forward again."""
     _needs_backend(case)
