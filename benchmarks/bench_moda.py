@@ -52,7 +52,8 @@ def depth_utilization(G: int, L: int) -> float:
     meets P tokens x BLOCK_S slots; each row keeps its own token's BLOCK_S
     columns.
     """
-    from moda_flex.backends.triton.configs import MIN_DOT_ROWS, launch_config, next_pow2
+    from moda_flex.backends.blocks import next_pow2
+    from moda_flex.backends.triton.configs import MIN_DOT_ROWS, launch_config
 
     block_c = launch_config(torch.empty(0, 1, 1, D, device="cuda"), G, "fwd", None)["BLOCK_C"]
     rows = max(next_pow2(G), MIN_DOT_ROWS)

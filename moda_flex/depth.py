@@ -39,9 +39,19 @@ def as_list(depth: DepthKV) -> list[Tensor]:
     return [depth] if isinstance(depth, Tensor) else list(depth)
 
 
+def is_slab(depth: list[Tensor]) -> bool:
+    """True when the ops' list form holds one (B, Hk, Tq, L, D) tensor rather than L entries."""
+    return len(depth) == 1 and depth[0].dim() == 5
+
+
+def grads_like(grad: Tensor, depth: list[Tensor]) -> list[Tensor]:
+    """A (B, Hk, Tq, L, D) depth gradient in the ops' list form of ``depth``: itself, or one view per entry."""
+    return [grad] if is_slab(depth) else list(grad.unbind(3))
+
+
 def slot_count(depth: DepthKV) -> int:
     """L, the depth entries per token, of either form, or of the ops' list form."""
-    if is_entries(depth) and len(depth) == 1 and depth[0].dim() == 5:
+    if is_entries(depth) and is_slab(depth):
         return depth[0].shape[3]
     return len(depth) if is_entries(depth) else depth.shape[3]
 
@@ -56,7 +66,7 @@ def as_tensor(depth: DepthKV, empty_like: Tensor) -> Tensor:
     """
     if not is_entries(depth):
         return depth
-    if len(depth) == 1 and depth[0].dim() == 5:  # the ops' list form of one tensor
+    if is_slab(depth):  # the ops' list form of one tensor
         return depth[0]
     if len(depth) == 0:
         return empty_like.new_empty(*empty_like.shape[:3], 0, empty_like.shape[3])

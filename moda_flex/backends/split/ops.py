@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...depth import as_list, as_tensor, slot_count
+from ...depth import as_list, as_tensor, grads_like, slot_count
+from ..blocks import cdiv, next_pow2
 from ..first_order import refuse_create_graph
 from . import sequence
 
@@ -47,21 +48,13 @@ class Options(NamedTuple):
     depth_first: int  # the first visible depth slot
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _layout(q: Tensor, kv_heads: int, slots: int) -> dict:
     """The depth kernels' constants and launch options: G heads per KV head padded to GP, BLOCK_T tokens a
     program, the slot chunk, the head dim's lanes; two warps for the 16-row tiles of G >= 8 at D <= 64, else four
     (chosen on an H100 at T=16384), one stage (each token's slots are read once)."""
     G, D = q.shape[1] // kv_heads, q.shape[-1]
-    GP, DP = _next_pow2(G), max(16, _next_pow2(D))
-    return dict(G=G, GP=GP, BLOCK_T=max(1, _MIN_DOT_ROWS // GP), BLOCK_L=min(64, max(16, _next_pow2(slots))),
+    GP, DP = next_pow2(G), max(16, next_pow2(D))
+    return dict(G=G, GP=GP, BLOCK_T=max(1, _MIN_DOT_ROWS // GP), BLOCK_L=min(64, max(16, next_pow2(slots))),
                 D=D, DP=DP, num_warps=2 if GP >= 8 and DP <= 64 else 4, num_stages=1)  # fmt: skip
 
 
@@ -86,10 +79,10 @@ def _sanitized_kv(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     k0 = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     v0 = torch.empty_like(k0)
     first = torch.full((B, Hk), Tk, device=k.device, dtype=torch.int32)
-    grid = (_cdiv(Tk, _BLOCK_T_ELEMENTWISE), B * Hk)
+    grid = (cdiv(Tk, _BLOCK_T_ELEMENTWISE), B * Hk)
     kernels._sanitize_kv_kernel[grid](
         k, v, k0, v0, first, *_strides(k, 3), *_strides(v, 3), *_strides(k0, 3), Hk, Tk,
-        D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, _next_pow2(D)),
+        D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, next_pow2(D)),
     )  # fmt: skip
     return k0, v0, first
 
@@ -100,7 +93,7 @@ def _slab(depth: list[Tensor], like: Tensor) -> Tensor:
     The stack is a temporary of the launch: the op saves the entries, not it,
     so a model whose layers read ever more entries holds each entry once.
     """
-    return _unit_last(depth[0] if len(depth) == 1 and depth[0].dim() == 5 else as_tensor(depth, like))
+    return _unit_last(as_tensor(depth, like))
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], opts: Options):
@@ -126,7 +119,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
         return out, lse
     ls, lo = sequence.lse_view(lse_s), sequence.lse_view(lse)
     layout = _layout(q, Hk, L)
-    grid = (_cdiv(Tq, layout["BLOCK_T"]), B * Hk)
+    grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
     kernels._depth_forward_kernel[grid](
         q, depth_k, depth_v, out_s, ls, first, out, lo,
         *_strides(q, 3), *_strides(depth_k, 4), *_strides(depth_v, 4), *_strides(out_s, 3), *_strides(ls, 3),
@@ -145,12 +138,12 @@ def _silenced(q: Tensor, out: Tensor, grad_out: Tensor, lse: Tensor) -> tuple[Te
     q_c = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     out_c, grad_c, lse_c = torch.empty_like(out), torch.empty_like(out), torch.empty_like(lse)
     lv, lcv = sequence.lse_view(lse), sequence.lse_view(lse_c)
-    grid = (_cdiv(Tq, _BLOCK_T_ELEMENTWISE), B * Hq)
+    grid = (cdiv(Tq, _BLOCK_T_ELEMENTWISE), B * Hq)
     kernels._prepare_backward_kernel[grid](
         q, out, grad_out, lv, q_c, out_c, grad_c, lcv,
         *_strides(q, 3), *_strides(out, 3), *_strides(grad_out, 3), *_strides(lv, 3),
         *_strides(q_c, 3), *_strides(out_c, 3), *_strides(grad_c, 3), *_strides(lcv, 3),
-        Hq, Tq, D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, _next_pow2(D)),
+        Hq, Tq, D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, next_pow2(D)),
     )  # fmt: skip
     return q_c, out_c, grad_c, lse_c
 
@@ -216,7 +209,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     lv = sequence.lse_view(lse_c)
     glse = lv if grad_lse is None else sequence.lse_view(grad_lse).float()
     layout = _layout(q, Hk, L)
-    grid = (_cdiv(Tq, layout["BLOCK_T"]), B * Hk)
+    grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
     kernels._depth_backward_kernel[grid](
         q_c, depth_k, depth_v, out_c, grad_c, lv, glse, dq, ddk, ddv,
         *_strides(q_c, 3), *_strides(depth_k, 4), *_strides(depth_v, 4), *_strides(out_c, 3),
@@ -293,12 +286,7 @@ def _autograd_backward(ctx, grad_out, grad_lse):
         return (None,) * (5 + len(ctx.options))
     dq, dk, dv, ddk, ddv = torch.ops.moda_flex.split_backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse,
                                                               *ctx.options)  # fmt: skip
-    return (dq, dk, dv, _like(ddk, depth_k), _like(ddv, depth_v), *(None,) * len(ctx.options))
-
-
-def _like(grad: Tensor, depth: list[Tensor]) -> list[Tensor]:
-    """A (B, Hk, Tq, L, D) depth gradient in the form of the op's depth list: itself, or one view per entry."""
-    return [grad] if len(depth) == 1 and depth[0].dim() == 5 else list(grad.unbind(3))
+    return (dq, dk, dv, grads_like(ddk, depth_k), grads_like(ddv, depth_v), *(None,) * len(ctx.options))
 
 
 torch.library.register_autograd("moda_flex::split_forward", _autograd_backward, setup_context=_setup_context)

@@ -22,6 +22,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from ..blocks import next_pow2
+
 # The smallest M of a Tensor Core dot: the depth phase works on tiles of
 # max(pow2(G), 16) rows, the rows of 16 / pow2(G) consecutive tokens when G < 16.
 MIN_DOT_ROWS = 16
@@ -33,10 +35,6 @@ DEFAULT_PATH = "generic"
 # Below this many scores (B * Hq * Tq * Tk) a call is bound by the host, where building the descriptors
 # costs about 50 us per forward + backward: auto keeps the generic path.
 _HOPPER_MIN_SCORES = 1 << 28
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def padded_head_dim(D: int) -> int:

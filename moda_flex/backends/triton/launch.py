@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ...depth import slot_count
+from ...depth import is_slab, slot_count
 from ..blocks import cdiv
 from .configs import MIN_DOT_ROWS, ConfigHook, hopper_path, launch_config, next_pow2, padded_head_dim
 
@@ -59,11 +59,6 @@ def _tile_descriptor(t: Tensor, block_n: int):
 
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_n, t.shape[-1]])
 
-
-
-def is_slab(depth: list[Tensor]) -> bool:
-    """True when the ops' depth list holds one (B, Hk, Tq, L, D) tensor rather than L entries."""
-    return len(depth) == 1 and depth[0].dim() == 5
 
 
 def _slot_table(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device):

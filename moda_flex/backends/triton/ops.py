@@ -17,11 +17,11 @@ from typing import Optional, get_type_hints
 import torch
 from torch import Tensor
 
-from ...depth import DepthKV, as_list, slot_count
+from ...depth import DepthKV, as_list, grads_like, slot_count
 from ...variants import Variant
 from ..first_order import refuse_create_graph
 from .configs import ConfigHook
-from .launch import Options, backward, forward, is_slab
+from .launch import Options, backward, forward
 from .support import score_args
 
 
@@ -155,13 +155,8 @@ def _autograd_backward(ctx, grad_out, grad_lse, run_backward=None):
         grad_out.contiguous(), grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, ctx.bias_grad,
         *ctx.options,
     )
-    grads = (dq, dk, dv, _depth_grads(ddk, depth_k), _depth_grads(ddv, depth_v), None, dbias if ctx.bias_grad else None)
+    grads = (dq, dk, dv, grads_like(ddk, depth_k), grads_like(ddv, depth_v), None, dbias if ctx.bias_grad else None)
     return grads + (None,) * len(ctx.options)
-
-
-def _depth_grads(grad: Tensor, depth: list[Tensor]) -> list[Tensor]:
-    """(B, Hk, Tq, L, D) depth gradient in the form of the depth input: itself, or one view per entry."""
-    return [grad] if is_slab(depth) else list(grad.unbind(3))
 
 
 torch.library.register_autograd("moda_flex::triton_forward", _autograd_backward, setup_context=_setup_context)
