@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...depth import as_list, as_tensor, grads_like, slot_count
-from ..blocks import cdiv, next_pow2
+from ..blocks import cdiv, next_pow2, stride_args
 from ..first_order import refuse_create_graph
 from . import sequence
 
@@ -63,10 +63,6 @@ def _unit_last(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _strides(t: Tensor, n: int) -> tuple[int, ...]:
-    return tuple(t.stride())[:n]
-
-
 def _has_sequence(k: Tensor, opts: Options) -> bool:
     return opts.sequence and k.shape[2] > 0
 
@@ -81,8 +77,10 @@ def _sanitized_kv(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     first = torch.full((B, Hk), Tk, device=k.device, dtype=torch.int32)
     grid = (cdiv(Tk, _BLOCK_T_ELEMENTWISE), B * Hk)
     kernels._sanitize_kv_kernel[grid](
-        k, v, k0, v0, first, *_strides(k, 3), *_strides(v, 3), *_strides(k0, 3), Hk, Tk,
-        D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, next_pow2(D)),
+        K=k, V=v, KO=k0, VO=v0, FIRST=first,
+        **stride_args("sk", k.stride(), "bht"), **stride_args("sv", v.stride(), "bht"),
+        **stride_args("so", k0.stride(), "bht"),
+        Hk=Hk, Tk=Tk, D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, next_pow2(D)),
     )  # fmt: skip
     return k0, v0, first
 
@@ -121,10 +119,12 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
     layout = _layout(q, Hk, L)
     grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
     kernels._depth_forward_kernel[grid](
-        q, depth_k, depth_v, out_s, ls, first, out, lo,
-        *_strides(q, 3), *_strides(depth_k, 4), *_strides(depth_v, 4), *_strides(out_s, 3), *_strides(ls, 3),
-        *_strides(out, 3), *_strides(lo, 3),
-        Hk, Tq, Tk, L, opts.depth_first, opts.scale * _LOG2E,
+        Q=q, DK=depth_k, DV=depth_v, OS=out_s, LS=ls, FIRST=first, O=out, LO=lo,
+        **stride_args("sq", q.stride(), "bht"), **stride_args("sk", depth_k.stride(), "bhtl"),
+        **stride_args("sv", depth_v.stride(), "bhtl"), **stride_args("sos", out_s.stride(), "bht"),
+        **stride_args("sls", ls.stride(), "bht"), **stride_args("so", out.stride(), "bht"),
+        **stride_args("slo", lo.stride(), "bht"),
+        Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, qk_scale=opts.scale * _LOG2E,
         **layout, HAS_SEQ=has_sequence, CAUSAL=opts.causal,
     )  # fmt: skip
     return out, lse
@@ -140,10 +140,12 @@ def _silenced(q: Tensor, out: Tensor, grad_out: Tensor, lse: Tensor) -> tuple[Te
     lv, lcv = sequence.lse_view(lse), sequence.lse_view(lse_c)
     grid = (cdiv(Tq, _BLOCK_T_ELEMENTWISE), B * Hq)
     kernels._prepare_backward_kernel[grid](
-        q, out, grad_out, lv, q_c, out_c, grad_c, lcv,
-        *_strides(q, 3), *_strides(out, 3), *_strides(grad_out, 3), *_strides(lv, 3),
-        *_strides(q_c, 3), *_strides(out_c, 3), *_strides(grad_c, 3), *_strides(lcv, 3),
-        Hq, Tq, D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, next_pow2(D)),
+        Q=q, O=out, DO=grad_out, LSE=lv, QC=q_c, OC=out_c, DOC=grad_c, LSEC=lcv,
+        **stride_args("sq", q.stride(), "bht"), **stride_args("so", out.stride(), "bht"),
+        **stride_args("sdo", grad_out.stride(), "bht"), **stride_args("sl", lv.stride(), "bht"),
+        **stride_args("sqc", q_c.stride(), "bht"), **stride_args("soc", out_c.stride(), "bht"),
+        **stride_args("sdoc", grad_c.stride(), "bht"), **stride_args("slc", lcv.stride(), "bht"),
+        Hq=Hq, Tq=Tq, D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, next_pow2(D)),
     )  # fmt: skip
     return q_c, out_c, grad_c, lse_c
 
@@ -211,11 +213,13 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     layout = _layout(q, Hk, L)
     grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
     kernels._depth_backward_kernel[grid](
-        q_c, depth_k, depth_v, out_c, grad_c, lv, glse, dq, ddk, ddv,
-        *_strides(q_c, 3), *_strides(depth_k, 4), *_strides(depth_v, 4), *_strides(out_c, 3),
-        *_strides(grad_c, 3), *_strides(lv, 3), *_strides(glse, 3), *_strides(dq, 3),
-        *_strides(ddk, 4), *_strides(ddv, 4),
-        Hk, Tq, L, opts.depth_first, opts.scale, opts.scale * _LOG2E,
+        Q=q_c, DK=depth_k, DV=depth_v, O=out_c, DO=grad_c, LSE=lv, GLSE=glse, DQ=dq, DDK=ddk, DDV=ddv,
+        **stride_args("sq", q_c.stride(), "bht"), **stride_args("sk", depth_k.stride(), "bhtl"),
+        **stride_args("sv", depth_v.stride(), "bhtl"), **stride_args("so", out_c.stride(), "bht"),
+        **stride_args("sdo", grad_c.stride(), "bht"), **stride_args("sl", lv.stride(), "bht"),
+        **stride_args("sgl", glse.stride(), "bht"), **stride_args("sdq", dq.stride(), "bht"),
+        **stride_args("sgk", ddk.stride(), "bhtl"), **stride_args("sgv", ddv.stride(), "bhtl"),
+        Hk=Hk, Tq=Tq, L=L, depth_first=opts.depth_first, scale=opts.scale, qk_scale=opts.scale * _LOG2E,
         **layout, DQ_ADD=has_sequence, HAS_GLSE=grad_lse is not None,
     )  # fmt: skip
     return dq, dk, dv, ddk, ddv

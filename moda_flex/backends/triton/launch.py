@@ -13,15 +13,14 @@ one eager call (benchmarks/tune_moda.py, benchmarks/bench_hopper.py).
 
 from __future__ import annotations
 
-import functools
 import math
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 from ...depth import is_slab, slot_count
-from ..blocks import cdiv
+from ..blocks import cdiv, stride_args
 from .configs import MIN_DOT_ROWS, ConfigHook, hopper_path, launch_config, next_pow2, padded_head_dim
 
 _LOG2E = math.log2(math.e)  # the kernels keep logits in base 2
@@ -116,16 +115,6 @@ def _placeholder(device: torch.device) -> Tensor:
     return torch.empty(1, dtype=torch.int32, device=device)
 
 
-def _strides(prefix: str, strides: Sequence[int], axes: str) -> dict:
-    """A tensor's stride arguments by name: ``_strides("sq", q.stride(), "bhtd")`` gives sqb, sqh, sqt, sqd."""
-    return dict(zip(_stride_names(prefix, axes), strides))
-
-
-@functools.lru_cache(maxsize=None)
-def _stride_names(prefix: str, axes: str) -> tuple[str, ...]:
-    return tuple(prefix + axis for axis in axes)
-
-
 def _layout_args(q: Tensor, k: Tensor) -> dict:
     """The row layout's constants: G query heads per KV head, G rounded up to GP, the padded and real head dim."""
     G, D = q.shape[1] // k.shape[1], q.shape[-1]
@@ -160,7 +149,7 @@ def _bias_args(bias: Optional[Tensor], like: Tensor) -> dict:
 def _depth_args(depth_k: list[Tensor], depth_v: list[Tensor], L: int, like: Tensor):
     """The depth slots' arguments (address tables and strides), and the tensors to hold until the launch."""
     table, sdk, sdv, held = _slot_table(depth_k, depth_v, L, like.device)
-    return dict(DK_TAB=table, DV_TAB=table[L:], **_strides("sdk", sdk, "bhtd"), **_strides("sdv", sdv, "bhtd")), held
+    return dict(DK_TAB=table, DV_TAB=table[L:], **stride_args("sdk", sdk, "bhtd"), **stride_args("sdv", sdv, "bhtd")), held
 
 
 def forward(q, k, v, depth_k, depth_v, documents, bias, opts: Options, config: Optional[ConfigHook] = None):
@@ -196,9 +185,9 @@ def forward(q, k, v, depth_k, depth_v, documents, bias, opts: Options, config: O
                      KD=_tile_descriptor(k, cfg["BLOCK_N"]), VD=_tile_descriptor(v, cfg["BLOCK_N"]))  # fmt: skip
     kernels._fwd_kernel[grid](
         Q=q, K=k, V=v, O=out, LSE=lse, **tiles, **depth, **_mask_args(opts, documents, q), **_bias_args(bias, q),
-        **_strides("sq", q.stride(), "bhtd"), **_strides("sk", k.stride(), "bhtd"),
-        **_strides("sv", v.stride(), "bhtd"), **_strides("so", out.stride(), "bhtd"),
-        **_strides("sl", lse.stride(), "bht"),
+        **stride_args("sq", q.stride(), "bhtd"), **stride_args("sk", k.stride(), "bhtd"),
+        **stride_args("sv", v.stride(), "bhtd"), **stride_args("so", out.stride(), "bhtd"),
+        **stride_args("sl", lse.stride(), "bht"),
         Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, qk_scale=opts.scale * _LOG2E, softcap=opts.softcap,
         **layout, DEPTH_ROWS=max(layout["GP"], MIN_DOT_ROWS),
         HAS_SEQ=opts.sequence and Tk > 0, HAS_DEPTH=has_depth,
@@ -286,10 +275,10 @@ def _launch_dq(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, document
         Q=q, K=k, V=v, O=out, DO=grad_out, LSE=lse, GLSE=glse, DELTA=delta, DEAD=dead, DEAD_FLAGS=dead_flags,
         DQO=dq, DDKO=ddk, DDVO=ddv, GBIAS=gbias,
         **tiles, **depth, **_mask_args(opts, documents, q), **_bias_args(bias, q),
-        **_strides("sq", q.stride(), "bhtd"), **_strides("so", out.stride(), "bhtd"),
-        **_strides("sk", k.stride(), "bhtd"), **_strides("sv", v.stride(), "bhtd"),
-        **_strides("sdo", grad_out.stride(), "bhtd"), **_strides("sl", lse.stride(), "bht"),
-        **_strides("sgq", dq.stride(), "bhtd"), **_strides("sgd", ddk.stride(), "bhtld"),
+        **stride_args("sq", q.stride(), "bhtd"), **stride_args("so", out.stride(), "bhtd"),
+        **stride_args("sk", k.stride(), "bhtd"), **stride_args("sv", v.stride(), "bhtd"),
+        **stride_args("sdo", grad_out.stride(), "bhtd"), **stride_args("sl", lse.stride(), "bht"),
+        **stride_args("sgq", dq.stride(), "bhtd"), **stride_args("sgd", ddk.stride(), "bhtld"),
         Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, scale=opts.scale,
         qk_scale=opts.scale * _LOG2E, softcap=opts.softcap,
         **layout, DEPTH_ROWS=max(layout["GP"], MIN_DOT_ROWS),
@@ -317,15 +306,15 @@ def _launch_dkdv(grad_out, q, k, v, lse, delta, dead, documents, dk, dv, dq_sums
                      DEAD=dead, dead_blocks=dead.shape[1])  # fmt: skip
     sums = dict(DQA=_placeholder(q.device), DQD=None, sab=0, sah=0, sat=0)
     if dq_sums is not None:
-        sums = dict(DQA=dq_sums, DQD=None, **_strides("sa", dq_sums.stride()[:3], "bht"))
+        sums = dict(DQA=dq_sums, DQD=None, **stride_args("sa", dq_sums.stride()[:3], "bht"))
         if cfg["DQ_ATOMIC"] == 2:
             sums["DQD"] = _row_descriptor(dq_sums, layout["G"], layout["GP"], cfg["BLOCK_M"] // layout["GP"])
     kernels._bwd_dkdv_kernel[grid](
         Q=q, K=k, V=v, DO=grad_out, LSE=lse, DELTA=delta, DKO=dk, DVO=dv, **tiles, **sums,
         **_mask_args(opts, documents, q),
-        **_strides("sq", q.stride(), "bhtd"), **_strides("sk", k.stride(), "bhtd"),
-        **_strides("sv", v.stride(), "bhtd"), **_strides("sdo", grad_out.stride(), "bhtd"),
-        **_strides("sl", lse.stride(), "bht"), **_strides("sg", dk.stride(), "bhtd"),
+        **stride_args("sq", q.stride(), "bhtd"), **stride_args("sk", k.stride(), "bhtd"),
+        **stride_args("sv", v.stride(), "bhtd"), **stride_args("sdo", grad_out.stride(), "bhtd"),
+        **stride_args("sl", lse.stride(), "bht"), **stride_args("sg", dk.stride(), "bhtd"),
         Hk=Hk, Tq=q.shape[2], Tk=Tk, scale=opts.scale, qk_scale=opts.scale * _LOG2E, softcap=opts.softcap,
         **layout, HAS_SOFTCAP=opts.softcap > 0,
         **cfg,
