@@ -59,7 +59,6 @@ import os
 import random
 import re
 import statistics
-import sys
 import sysconfig
 import time
 from contextlib import nullcontext
@@ -67,11 +66,10 @@ from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-import cli  # noqa: E402
-import train_gpt  # noqa: E402
-from gpt import GPT, GPTConfig  # noqa: E402
-from seed_stats import format_mean_std, mean_std, paired_difference  # noqa: E402
+import cli
+from gpt import GPT, GPTConfig
+from seed_stats import format_mean_std, mean_std, paired_difference
+from training import Batches, Schedule, Training, device_name, load_text, split
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "study.json"
 DEFAULT_ARMS = [
@@ -124,7 +122,7 @@ def build_corpus(max_bytes: int) -> bytes:
     machines with the same Python build the same corpus (the results file
     checks its hash).
     """
-    docs = [train_gpt.load_text(None)]
+    docs = [load_text(None)]
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     for path in sorted(stdlib.rglob("*.py")):
         if "site-packages" not in path.relative_to(stdlib).parts:
@@ -210,67 +208,36 @@ class Trainer:
         self.run = torch.compile(self.model, fullgraph=True) if args.compile else self.model
         self.fresh = True  # the next run's first step compiles
 
-    def train(self, phase: str, lr: float, seed: int, steps: int, train, val) -> dict:
+    def train(self, phase: str, lr: float, seed: int, steps: int, data: Batches) -> dict:
         args, device, model = self.args, self.device, self.model
         torch.manual_seed(seed)
         model.load_state_dict(GPT(self.config).state_dict())  # in place: the compiled graphs stay valid
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.dim() < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda",
-        )  # fmt: skip
-        schedule = argparse.Namespace(lr=lr, warmup=max(1, steps // 10), steps=steps)
+        schedule = Schedule(lr, warmup=max(1, steps // 10), steps=steps)
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-        generator = torch.Generator().manual_seed(seed)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        tokens_per_step = args.batch_size * args.block_size
-        curve, train_losses, step_times, eval_times = [], [], [], []
-        diverged = False
+        training = Training(self.run, model, data, schedule, seed=seed, weight_decay=args.weight_decay,
+                            eval_interval=args.eval_interval, eval_iters=args.eval_iters, skip_timing=args.skip_timing,
+                            autocast=autocast, stop_if_diverged=True)  # fmt: skip
         started = time.perf_counter()
-        for step in range(steps):
-            t0 = time.perf_counter()
-            for group in optimizer.param_groups:
-                group["lr"] = train_gpt.learning_rate(step, schedule)
-            x, y = train_gpt.get_batch(train, args.batch_size, args.block_size, generator, device)
-            with autocast:
-                _, loss = self.run(x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            loss_value = loss.item()  # synchronizes, so the step time is real
-            step_times.append(time.perf_counter() - t0)
-            if not math.isfinite(loss_value):
-                diverged = True
-                break
-            train_losses.append(loss_value)
-            if (step + 1) % args.eval_interval == 0 or step + 1 == steps:
-                t0 = time.perf_counter()
-                val_loss = train_gpt.evaluate(self.run, val, args, device, autocast)
-                eval_times.append(time.perf_counter() - t0)
-                curve.append({"tokens": tokens_per_step * (step + 1), "val_loss": val_loss,
-                              "train_loss": statistics.fmean(train_losses)})  # fmt: skip
-                train_losses = []
-                print(f"\r  {self.arm.name} lr {lr:.3g} seed {seed}: step {step + 1}/{steps} | val {val_loss:.4f}",
-                      end="", flush=True)  # fmt: skip
+        for step in training:
+            if step.val_loss is not None:
+                print(f"\r  {self.arm.name} lr {lr:.3g} seed {seed}: step {step.done}/{steps} | "
+                      f"val {step.val_loss:.4f}", end="", flush=True)  # fmt: skip
         print()
         wall_s = time.perf_counter() - started
-        timed = step_times[args.skip_timing :] or step_times  # the first steps compile and autotune
-        step_s = statistics.fmean(timed)
+        laps, eval_times, curve = training.clock.laps, training.eval_times, training.curve
+        step_s = statistics.fmean(laps[args.skip_timing :] or laps)  # the first steps compile and autotune
         eval_s = statistics.median(eval_times[1:] or eval_times) if eval_times else 0.0
         record = {
             "phase": phase, "arm": self.arm.name, "n_layer": self.arm.n_layer, "norm": self.arm.norm,
             "depth_kv": self.arm.depth_kv, "config": dataclasses.asdict(self.config), "lr": lr_key(lr), "seed": seed,
             "steps": steps,
-            "tokens": tokens_per_step * steps, "warmup": schedule.warmup,
-            "val_loss": None if diverged else curve[-1]["val_loss"], "diverged": diverged, "curve": curve,
+            "tokens": data.tokens_per_step * steps, "warmup": schedule.warmup,
+            "val_loss": None if training.diverged else curve[-1]["val_loss"], "diverged": training.diverged,
+            "curve": curve,
             "step_ms": 1000 * step_s, "eval_s": eval_s, "wall_s": wall_s,
             # what the steps and evaluations do not explain: compilation, in the first run of a compiled model
-            "overhead_s": wall_s - step_s * len(step_times) - eval_s * len(eval_times), "compiled_here": self.fresh,
-            "peak_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
-            "params_m": model.num_params() / 1e6, "device": train_gpt.device_name(device),
+            "overhead_s": wall_s - step_s * len(laps) - eval_s * len(eval_times), "compiled_here": self.fresh,
+            "peak_mb": training.peak_mb, "params_m": model.num_params() / 1e6, "device": device_name(device),
             "torch": torch.__version__, "backend": args.backend, "compiled": args.compile,
             "dtype": "bfloat16" if device.type == "cuda" else "float32",
             "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -316,15 +283,16 @@ def next_run(arm: Arm, phases: tuple[str, ...], results: dict, args) -> tuple[st
     return None
 
 
-def run_arm(arm: Arm, phases: tuple[str, ...], results: dict, train, val, args, device, started: float) -> bool:
+def run_arm(arm: Arm, phases: tuple[str, ...], results: dict, data: Batches, args, started: float) -> bool:
     """Every run ``arm`` still needs in ``phases``, on one compiled model; False when stopped by --max-minutes."""
+    device = data.device
     trainer = None
     while (todo := next_run(arm, phases, results, args)) is not None:
         phase, lr, seed = todo
         steps = args.sweep_steps if phase == "sweep" else args.final_steps
         if args.max_minutes is not None:
             elapsed = time.perf_counter() - started
-            need = estimate_s(results, arm, steps, train_gpt.device_name(device), trainer is not None, args)
+            need = estimate_s(results, arm, steps, device_name(device), trainer is not None, args)
             if elapsed + need > 60 * args.max_minutes:
                 print(f"stopping: {phase} {arm.name} lr {lr:.3g} seed {seed} needs about {need / 60:.1f} min and "
                       f"{elapsed / 60:.1f} of --max-minutes {args.max_minutes:g} are used; run the same command "
@@ -333,7 +301,7 @@ def run_arm(arm: Arm, phases: tuple[str, ...], results: dict, train, val, args, 
         if trainer is None:
             torch.compiler.reset()  # the previous arm's graphs would count towards this one's recompile limit
             trainer = Trainer(arm, args, device)
-        record = trainer.train(phase, lr, seed, steps, train, val)
+        record = trainer.train(phase, lr, seed, steps, data)
         results["runs"].append(record)
         save_results(args.results, results)
         loss = "diverged" if record["diverged"] else f"{record['val_loss']:.4f}"
@@ -616,12 +584,12 @@ def main(argv=None) -> dict:
         differ = {k: (results["setup"].get(k), v) for k, v in setup.items() if results["setup"].get(k) != v}
         raise SystemExit(f"{args.results} holds another experiment (recorded, asked): {differ}; "
                          "pass the same settings, or another --results file")  # fmt: skip
-    train, val = train_gpt.split(corpus)
-    print(f"corpus: {len(corpus) / 1e6:.1f} MB; device: {train_gpt.device_name(device)}; "
+    data = Batches(*split(corpus), args.batch_size, args.block_size, device)
+    print(f"corpus: {len(corpus) / 1e6:.1f} MB; device: {device_name(device)}; "
           f"arms: {', '.join(a.name for a in arms)}")  # fmt: skip
     phases = ("sweep", "final") if args.phase == "all" else (args.phase,)
     for arm in arms:  # arm by arm, so that one compiled model serves all of an arm's runs
-        if not run_arm(arm, phases, results, train, val, args, device, started):
+        if not run_arm(arm, phases, results, data, args, started):
             return results
     print(f"nothing left to run for --phase {args.phase} --arms {args.arms}")
     return results

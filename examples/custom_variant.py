@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 from hypothesis import given, settings
 
-# Run from a checkout, installed or not: the helpers beside this file, the package above it.
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+# `python -m moda_flex.visualize examples/custom_variant.py:attention_slots_only` loads this file by its path,
+# which puts no folder on sys.path: the command-line helpers beside it are found through this one.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cli  # noqa: E402
 
 from moda_flex import Variant, depth_bias, moda_attention  # noqa: E402

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -29,11 +28,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-# Run from a checkout: the helpers beside this file, the package above it.
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-import cli  # noqa: E402
+import cli
 
-from moda_flex.nn import DEPTH_KV, NORMS, Block, BlockConfig, DepthStream, KVCache  # noqa: E402
+from moda_flex.nn import DEPTH_KV, NORMS, Block, BlockConfig, DepthStream, KVCache
 
 
 @dataclasses.dataclass

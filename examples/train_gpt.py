@@ -32,91 +32,27 @@ updates are those of one process. Rank 0 prints and saves.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import io
 import json
-import math
 import os
 import sys
-import time
-import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-# Run from a checkout: the model file beside this one, the package above it.
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-import cli  # noqa: E402
-from gpt import GPT, GPTConfig, printable  # noqa: E402
-from progress import Progress, format_duration  # noqa: E402
-from seed_stats import format_mean_std, mean_std, paired_difference  # noqa: E402
+import cli
+from gpt import GPT, GPTConfig, printable
+from progress import Progress, format_duration
+from seed_stats import format_mean_std, mean_std, paired_difference
+from training import (PYDOC, UNDISTURBED_SHARE, VAL_FRACTION, Batches, CPUClock, Schedule, Training, device_name,
+                      join, load_text, parallelize, save_checkpoint, split)  # fmt: skip
 
-from moda_flex.nn import DEPTH_KV, NORMS  # noqa: E402
+from moda_flex.nn import DEPTH_KV, NORMS
 
 PARALLEL = ("none", "ddp", "fsdp")
 ESTIMATE_AFTER = 5  # timed steps before the run's length is estimated
-# Below this share of its threads' time on the CPU, a run's step times measure the other processes on the machine,
-# not the model: an idle machine gives the training loop nearly all of its threads' time, one busy process beside it
-# takes a core's worth away from two threads (a share near 0.5).
-UNDISTURBED_SHARE = 0.8
-PYDOC = "the standard library's pydoc_data.topics (Python's help text)"
-VAL_FRACTION = 0.1  # the last tenth of the bytes is the validation text
-
-
-@dataclasses.dataclass(frozen=True)
-class Ranks:
-    """This process's place among the processes of a data-parallel run (rank 0 of 1 without one)."""
-
-    rank: int = 0
-    world: int = 1
-
-    @property
-    def main(self) -> bool:
-        """Rank 0 prints and saves."""
-        return self.rank == 0
-
-    def shard(self, *batches: torch.Tensor) -> tuple:
-        """This rank's slice of each (global batch, ...) tensor: rows ``rank * b .. (rank + 1) * b``."""
-        return tuple(t.tensor_split(self.world)[self.rank] for t in batches)
-
-    def say(self, *args, **kwargs) -> None:
-        """``print`` on rank 0; the other ranks stay quiet."""
-        if self.main:
-            print(*args, **kwargs)
-
-    def mean(self, value: torch.Tensor) -> float:
-        """The mean over ranks of a scalar tensor (each rank's mean over an equal slice: the global mean)."""
-        if self.world > 1:
-            value = value.detach().clone()
-            dist.all_reduce(value)  # a sum: gloo has no average
-            value /= self.world
-        return value.item()
-
-
-def load_text(path: str | None) -> bytes:
-    """The training text as UTF-8 bytes: ``path``, or the stdlib's pydoc topics."""
-    if path is not None:
-        return Path(path).read_bytes()
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[key] for key in sorted(topics)).encode("utf-8")
-
-
-def split(data: bytes, val_fraction: float = VAL_FRACTION) -> tuple[torch.Tensor, torch.Tensor]:
-    """Byte tokens (N,) int64 as a train and a validation tensor (the last ``val_fraction`` of the bytes)."""
-    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
-    n_val = int(len(tokens) * val_fraction)
-    return tokens[:-n_val], tokens[-n_val:]
-
-
-def get_batch(tokens: torch.Tensor, batch_size: int, block_size: int, generator: torch.Generator, device):
-    """Random windows: inputs and next-token targets, both (batch_size, block_size)."""
-    start = torch.randint(len(tokens) - block_size - 1, (batch_size,), generator=generator)
-    offsets = torch.arange(block_size + 1)
-    window = tokens[start[:, None] + offsets]  # (batch_size, block_size + 1)
-    return window[:, :-1].to(device), window[:, 1:].to(device)
 
 
 def model_config(args, depth_kv: str, norm: str) -> GPTConfig:
@@ -137,151 +73,39 @@ def run_name(depth_kv: str, norm: str) -> str:
     return {"none": "baseline", "attn": "moda-attn", "attn+ffn": "moda"}[depth_kv] + f"-{norm}"
 
 
-@torch.no_grad()
-def evaluate(model, val, args, device, autocast, ranks: Ranks = Ranks()) -> float:
-    """Mean loss over ``args.eval_iters`` batches, the same batches for every model (and every rank count)."""
-    model.eval()
-    generator = torch.Generator().manual_seed(1234)
-    total = 0.0
-    for _ in range(args.eval_iters):
-        x, y = ranks.shard(*get_batch(val, args.batch_size, args.block_size, generator, device))
-        with autocast:
-            total += ranks.mean(model(x, y)[1])
-    model.train()
-    return total / args.eval_iters
-
-
-def learning_rate(step: int, args) -> float:
-    """Linear warmup, then cosine decay to a tenth."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
-
-
-def parallelize(model: GPT, args, device):
-    """The module to train: ``model`` compiled (``--compile``), under DDP or FSDP2 (``--parallel``).
-
-    DDP wraps the compiled model, as one process compiles it whole. FSDP2
-    shards every block and then the root (which keeps the tied embedding);
-    its hooks run between blocks, so each block is compiled on its own.
-    """
-    if args.parallel == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        # A block returns its depth entries, some of them views; FSDP2 warns that an in-place op on such a
-        # view would skip its hooks. Nothing writes to a depth entry in place (the stream is a value).
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-
-        if args.compile:
-            # Each block reads a depth stream of its own length: one graph per block for training and one
-            # for evaluation (no grad), where the limit would otherwise stop a deep model at 8.
-            limit = 2 * len(model.blocks) + 8
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-        for block in model.blocks:
-            if args.compile:
-                block.compile(fullgraph=True)
-            fully_shard(block)
-        fully_shard(model)
-        return model
-    run = torch.compile(model, fullgraph=True) if args.compile else model
-    if args.parallel == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        run = DistributedDataParallel(run, device_ids=[device.index] if device.type == "cuda" else None)
-    return run
-
-
-def full_state_dict(model: GPT, ranks: Ranks) -> dict:
-    """The model's whole state on rank 0, on CPU (FSDP2's shards gathered); every rank must call it."""
-    if ranks.world == 1:
-        return model.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-class CPUClock:
-    """Wall time and this process's CPU time over the timed steps, and what share of its threads' time it got.
-
-    On a CPU, a step's wall time is a measurement of the model only while the
-    process's threads run: when other processes hold the cores, the threads
-    wait, the wall time grows and the CPU time does not. The share, CPU time
-    over wall time times threads, says so (on CUDA the host waits for the GPU,
-    so there it says nothing and is None).
-    """
-
-    def __init__(self, device: torch.device):
-        # Threads beyond the cores this process may use wait for each other, not for other processes.
-        self.threads = min(torch.get_num_threads(), len(os.sched_getaffinity(0))) if device.type == "cpu" else None
-        self.wall = self.cpu = 0.0
-        self.steps = 0
-
-    def start(self) -> None:
-        self._started = (time.perf_counter(), time.process_time())
-
-    def stop(self) -> None:
-        """One timed step has ended."""
-        wall, cpu = self._started
-        self.wall += time.perf_counter() - wall
-        self.cpu += time.process_time() - cpu
-        self.steps += 1
-
-    @property
-    def share(self) -> float | None:
-        """CPU time / (wall time * threads) so far; None on CUDA or before a timed step."""
-        if self.threads is None or not self.wall:
-            return None
-        return self.cpu / (self.wall * self.threads)
-
-    @property
-    def disturbed(self) -> bool:
-        share = self.share
-        return share is not None and share < UNDISTURBED_SHARE
-
-
 def share_text(share: float, threads: int) -> str:
     """``"CPU 97% of 2 threads"``, or ``"CPU 45% of 2 threads, disturbed by other processes"``."""
     text = f"CPU {100 * share:.0f}% of {threads} thread{'s' if threads > 1 else ''}"
     return text + (", disturbed by other processes" if share < UNDISTURBED_SHARE else "")
 
 
-def announce_estimate(progress: Progress, name: str, clock: CPUClock, steps_left: int, args, later_runs: int) -> None:
+def announce_estimate(progress: Progress, name: str, clock: CPUClock, steps_left: int, steps: int, later_runs: int):
     """One line, after the first timed steps: how long this model and the runs after it will take."""
     step_s = clock.wall / clock.steps
     line = f"  estimate: {format_duration(step_s * steps_left)} more for {name}"
     if later_runs:
-        line += f", about {format_duration(step_s * args.steps * later_runs)} for the {later_runs} run(s) after it"
+        line += f", about {format_duration(step_s * steps * later_runs)} for the {later_runs} run(s) after it"
     line += f" ({1000 * step_s:.0f} ms/step so far"
     if clock.share is not None:
         line += "; " + share_text(clock.share, clock.threads)
     progress.note(line + ")")
 
 
-def train_one(
-    config: GPTConfig, name: str, train, val, args, device, ranks: Ranks = Ranks(), later_runs: int = 0
-) -> dict:
-    """Train one model; save its checkpoint; return its row of the comparison table.
+def train_one(config: GPTConfig, name: str, seed: int, data: Batches, args, later_runs: int = 0) -> dict:
+    """Train one model from ``seed``; save its checkpoint; return its row of the comparison table.
 
     ``later_runs``: how many models the run trains after this one, for the estimate.
     """
-    torch.manual_seed(args.seed)
+    device, ranks = data.device, data.ranks
+    torch.manual_seed(seed)
     model = GPT(config).to(device)
     num_params = model.num_params()  # before FSDP2 replaces the parameters by their shards
-    run = parallelize(model, args, device)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr,
-        betas=(0.9, 0.95),
-        fused=device.type == "cuda",
-    )
+    run = parallelize(model, args.parallel, args.compile, device)
     use_bf16 = args.dtype == "bfloat16"
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
-    generator = torch.Generator().manual_seed(args.seed)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    training = Training(run, model, data, Schedule(args.lr, args.warmup, args.steps), seed=seed,
+                        weight_decay=args.weight_decay, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
+                        skip_timing=args.skip_timing, autocast=autocast)  # fmt: skip
 
     compiled = ", compiled" if args.compile else ""
     parallel = f", {args.parallel} on {ranks.world} processes" if ranks.world > 1 else ""
@@ -290,37 +114,16 @@ def train_one(
     # Ranks other than 0 keep their progress to themselves.
     progress = Progress(args.steps, label="  train", every=args.log_interval,
                         stream=sys.stdout if ranks.main else io.StringIO())  # fmt: skip
-    tokens_per_step = args.batch_size * args.block_size
-    clock = CPUClock(device)
-    curve = []  # validation points: tokens seen, val loss, mean train loss since the last point
-    train_sum, train_count = 0.0, 0
-    for step in range(args.steps):
-        clock.start()
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, args)
-        x, y = ranks.shard(*get_batch(train, args.batch_size, args.block_size, generator, device))
-        with autocast:
-            _, loss = run(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_value = ranks.mean(loss)  # synchronizes, so the step time below is real
-        if step >= args.skip_timing:  # leave out warm-up steps (allocator, kernel autotuning)
-            clock.stop()
-            if clock.steps == ESTIMATE_AFTER and step + 1 < args.steps:
-                announce_estimate(progress, name, clock, args.steps - step - 1, args, later_runs)
-        train_sum, train_count = train_sum + loss_value, train_count + 1
-        if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
-            val_now = evaluate(run, val, args, device, autocast, ranks)
-            curve.append({"tokens": tokens_per_step * (step + 1), "val_loss": val_now,
-                          "train_loss": train_sum / train_count})  # fmt: skip
-            train_sum, train_count = 0.0, 0
-        speed = [f"{tokens_per_step * clock.steps / clock.wall:,.0f} tok/s"] if clock.steps else []
-        progress.update(step + 1, f"loss {loss_value:.4f}", *speed)
+    clock = training.clock
+    for step in training:
+        # Once: every step after the skipped ones is timed, so the count passes ESTIMATE_AFTER at one step.
+        if clock.steps == ESTIMATE_AFTER and step.done < args.steps:
+            announce_estimate(progress, name, clock, args.steps - step.done, args.steps, later_runs)
+        speed = [f"{data.tokens_per_step * clock.steps / clock.wall:,.0f} tok/s"] if clock.steps else []
+        progress.update(step.done, f"loss {step.loss:.4f}", *speed)
     progress.close()
-    val_loss = curve[-1]["val_loss"]
-    peak_mb = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    val_loss = training.curve[-1]["val_loss"]
+    peak_mb = training.peak_mb
     step_ms = 1000 * clock.wall / clock.steps if clock.steps else None
     line = f"  val loss {val_loss:.4f} nats/byte"
     if step_ms is not None:
@@ -331,16 +134,11 @@ def train_one(
         line += " | " + share_text(clock.share, clock.threads)
     ranks.say(line)
 
-    state = full_state_dict(model, ranks)
-    if ranks.main:
-        path = Path(args.out_dir) / f"{name}.pt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        checkpoint = {"model": state, "config": dataclasses.asdict(config), "step": args.steps, "val_loss": val_loss}
-        torch.save(checkpoint, path)
+    save_checkpoint(model, Path(args.out_dir) / f"{name}.pt", ranks, step=args.steps, val_loss=val_loss)
     if args.sample_tokens > 0:
         # Every rank samples: an FSDP2 forward gathers parameters from all of them. Decoding runs eagerly
         # (FSDP2's blocks are compiled in place for training; a graph per decoding length is not worth it).
-        prompt = val[: args.block_size // 4].view(1, -1).to(device)
+        prompt = data.val[: args.block_size // 4].view(1, -1).to(device)
         model.eval()
         with autocast, torch.compiler.set_stance("force_eager"):
             out = model.generate(prompt, args.sample_tokens, temperature=0.8, top_k=50)
@@ -351,13 +149,13 @@ def train_one(
         "norm": config.norm,
         "params_m": num_params / 1e6,
         "val_loss": val_loss,
-        "tok_s": tokens_per_step * clock.steps / clock.wall if clock.steps else None,
+        "tok_s": data.tokens_per_step * clock.steps / clock.wall if clock.steps else None,
         "step_ms": step_ms,
         "peak_mb": peak_mb,
         "cpu_share": clock.share,
         "threads": clock.threads,
-        "seed": args.seed,
-        "curve": curve,
+        "seed": seed,
+        "curve": training.curve,
     }
 
 
@@ -415,17 +213,6 @@ CPU_MAIN_JOB = Path(__file__).resolve().parents[1] / "results" / "cpu_main_job.j
 
 def loss_config(args) -> dict:
     return {key: getattr(args, key) for key in LOSS_ARGS}
-
-
-def device_name(device: torch.device) -> str:
-    """The GPU's name, or the cores this process may use and the CPU's model: ``"2-core CPU (Intel(R) ...)"``."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    name = f"{len(os.sched_getaffinity(0))}-core CPU"
-    cpuinfo = Path("/proc/cpuinfo")
-    models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-              if line.startswith("model name")] if cpuinfo.exists() else []  # fmt: skip
-    return f"{name} ({models[0]})" if models else name
 
 
 def seed_table(rows: list[dict]) -> str:
@@ -601,28 +388,15 @@ def check_parallel(p: argparse.ArgumentParser, args) -> None:
         cli.check_device(p, args.device)
 
 
-def join(args) -> Ranks:
-    """This process's ranks: the process group of torchrun's environment, joined here unless already joined."""
-    if args.parallel == "none":
-        return Ranks()
-    if not dist.is_initialized():
-        if args.device.startswith("cuda"):
-            device = torch.device(args.device)
-            torch.cuda.set_device(device)
-            dist.init_process_group("nccl", device_id=device)
-        else:
-            dist.init_process_group("gloo")
-    return Ranks(dist.get_rank(), dist.get_world_size())
-
-
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    ranks = join(args)
+    ranks = join(args.parallel, args.device)
     device = torch.device(args.device)
     if device.type == "cpu":
         local = int(os.environ.get("LOCAL_WORLD_SIZE", str(ranks.world)))
         torch.set_num_threads(args.threads or max(1, len(os.sched_getaffinity(0)) // local))
     train, val = split(load_text(args.data))
+    data = Batches(train, val, args.batch_size, args.block_size, device, ranks)
     n = torch.get_num_threads()
     threads = f", {n} thread{'s' if n > 1 else ''}" if device.type == "cpu" else ""
     ranks.say(f"data: {args.data or PYDOC}, one token per byte: {len(train):,} train and {len(val):,} validation "
@@ -634,9 +408,7 @@ def main(argv=None) -> list[dict]:
     for i, (seed, norm, depth_kv) in enumerate(runs):
         model = run_name(depth_kv, norm)
         name = model if len(args.seeds) == 1 else f"{model}-seed{seed}"
-        seed_args = argparse.Namespace(**{**vars(args), "seed": seed})
-        row = train_one(model_config(args, depth_kv, norm), name, train, val, seed_args, device, ranks,
-                        later_runs=len(runs) - i - 1)  # fmt: skip
+        row = train_one(model_config(args, depth_kv, norm), name, seed, data, args, later_runs=len(runs) - i - 1)
         rows.append({**row, "model": model})
     table = format_table(rows)
     note = timing_note(rows)

@@ -26,17 +26,15 @@ prints the masks as text without it.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-import cli  # noqa: E402
-from gpt import GPT, load_checkpoint  # noqa: E402
-from train_gpt import load_text, split  # noqa: E402
+import cli
+from gpt import GPT, load_checkpoint
+from training import load_text, split
 
-from moda_flex.visualize import MaskView  # noqa: E402
+from moda_flex.visualize import MaskView
 
 
 def _pyplot():

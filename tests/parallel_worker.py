@@ -16,20 +16,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the examples import each other by name
 import train_gpt  # noqa: E402
 from gpt import GPT  # noqa: E402
+from training import Batches, Ranks, load_text, parallelize, split  # noqa: E402
 
 
-def first_gradients(flags: list[str], ranks: train_gpt.Ranks) -> tuple[float, dict]:
+def first_gradients(flags: list[str], ranks: Ranks) -> tuple[float, dict]:
     """The loss of the first training batch and every parameter's full gradient, as train_gpt's wiring computes them."""
     args = train_gpt.parse_args(flags)
     torch.manual_seed(args.seed)
     model = GPT(train_gpt.model_config(args, args.depth_kv[0], args.norm[0]))
-    run = train_gpt.parallelize(model, args, torch.device("cpu"))
-    train, _ = train_gpt.split(train_gpt.load_text(args.data))
-    generator = torch.Generator().manual_seed(args.seed)
-    x, y = ranks.shard(*train_gpt.get_batch(train, args.batch_size, args.block_size, generator, "cpu"))
+    run = parallelize(model, args.parallel, args.compile, torch.device("cpu"))
+    data = Batches(*split(load_text(args.data)), args.batch_size, args.block_size, torch.device("cpu"), ranks)
+    x, y = data.get(data.train, torch.Generator().manual_seed(args.seed))
     _, loss = run(x, y)
     loss.backward()
     grads = {
@@ -44,7 +44,7 @@ def main() -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     try:
         if grads_path:
-            loss, grads = first_gradients(flags, train_gpt.Ranks(rank, world))
+            loss, grads = first_gradients(flags, Ranks(rank, world))
             if rank == 0:
                 torch.save({"loss": loss, "grads": grads}, grads_path)
         train_gpt.main(flags)

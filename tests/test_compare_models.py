@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the examples import each other by name
 import compare_models  # noqa: E402
 import train_gpt  # noqa: E402
 

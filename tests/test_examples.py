@@ -13,7 +13,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks")]
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks")]  # the scripts import their siblings by name
 import ablation  # noqa: E402
 import custom_variant  # noqa: E402
 import gpt  # noqa: E402
@@ -21,6 +21,7 @@ import train_gpt  # noqa: E402
 import visualize_attention  # noqa: E402
 from gpt import GPT, GPTConfig, load_checkpoint  # noqa: E402
 from progress import Progress, format_duration  # noqa: E402
+from training import CPUClock  # noqa: E402
 
 from moda_flex.nn import KVCache  # noqa: E402
 
@@ -284,13 +285,13 @@ def test_disturbed_timings_are_flagged_not_reported():
 
 def test_cpu_clock_tells_waiting_from_working(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    waiting = train_gpt.CPUClock(torch.device("cpu"))
+    waiting = CPUClock(torch.device("cpu"))
     waiting.start()
     time.sleep(0.2)  # wall time passes, as when other processes hold the cores
     waiting.stop()
     assert waiting.share < 0.2 and waiting.disturbed
 
-    working = train_gpt.CPUClock(torch.device("cpu"))
+    working = CPUClock(torch.device("cpu"))
     working.start()
     end = time.process_time() + 0.2
     while time.process_time() < end:
@@ -299,7 +300,7 @@ def test_cpu_clock_tells_waiting_from_working(monkeypatch):
     # The share itself depends on this machine's load; what the clock counted does not.
     assert working.cpu >= 0.2 > waiting.cpu and working.steps == 1
     assert working.share == pytest.approx(working.cpu / working.wall)
-    assert train_gpt.CPUClock(torch.device("cuda")).share is None  # the host waits for a GPU: no measure there
+    assert CPUClock(torch.device("cuda")).share is None  # the host waits for a GPU: no measure there
 
 
 def test_a_run_too_short_to_time_reports_no_timing(tmp_path, capsys):

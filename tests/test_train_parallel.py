@@ -9,9 +9,10 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests")]  # the examples import each other by name
 import parallel_worker  # noqa: E402
 import train_gpt  # noqa: E402
+from training import Ranks  # noqa: E402
 
 WORLD = 2
 TIMEOUT_S = 150  # a hang fails instead of stalling the suite
@@ -64,7 +65,7 @@ def test_parallel_step_equals_one_process(mode, data, tmp_path):
     # The first step's loss and every gradient, against one process on the whole batch.
     torch.set_num_threads(1)
     one = tmp_path / "one"
-    loss, grads = parallel_worker.first_gradients(_flags(data, one), train_gpt.Ranks())
+    loss, grads = parallel_worker.first_gradients(_flags(data, one), Ranks())
     parallel = torch.load(grads_path, weights_only=True)
     assert parallel["loss"] == pytest.approx(loss, rel=1e-5)
     assert parallel["grads"].keys() == grads.keys()
