@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the examples import each other by name
+import comparison  # noqa: E402
 import compare_models  # noqa: E402
+import study  # noqa: E402
 import train_gpt  # noqa: E402
 
 TINY = ["--device", "cpu", "--n-embd", "16", "--n-head", "2", "--n-kv-head", "1", "--batch-size", "2",
@@ -25,22 +27,22 @@ def data(tmp_path):
 
 
 def test_the_study_resumes_where_it_stopped(tmp_path, data, capsys):
-    study = ["--data", str(data), "--results", str(tmp_path / "study.json"), *TINY]
-    compare_models.main([*study, "--max-minutes", "0"])  # stops before the first run, cleanly
+    flags = ["--data", str(data), "--results", str(tmp_path / "study.json"), *TINY]
+    compare_models.main([*flags, "--max-minutes", "0"])  # stops before the first run, cleanly
     assert "stopping" in capsys.readouterr().out
     assert not (tmp_path / "study.json").exists()
 
-    results = compare_models.main([*study, "--phase", "sweep"])
+    results = compare_models.main([*flags, "--phase", "sweep"])
     sweep = [(r["arm"], r["lr"], r["seed"]) for r in results["runs"]]
     assert sweep == [(arm, lr, 0) for arm in ("baseline-post-L2", "moda-attn-post-L2") for lr in (1e-3, 2e-3)]
 
-    results = compare_models.main([*study, "--phase", "all"])  # the sweep is recorded: only the final runs
+    results = compare_models.main([*flags, "--phase", "all"])  # the sweep is recorded: only the final runs
     runs = results["runs"]
     assert len(runs) == 8 and [r["phase"] for r in runs] == ["sweep"] * 4 + ["final"] * 4
     for r in runs[4:]:
-        assert r["lr"] == compare_models.best_lr(results, r["arm"]) and r["seed"] in (1, 2)
+        assert r["lr"] == study.best_lr(results, r["arm"]) and r["seed"] in (1, 2)
     capsys.readouterr()
-    again = compare_models.main(study)
+    again = compare_models.main(flags)
     assert again["runs"] == runs and "nothing left to run" in capsys.readouterr().out
 
     on_disk = json.loads((tmp_path / "study.json").read_text())
@@ -52,15 +54,15 @@ def test_the_study_resumes_where_it_stopped(tmp_path, data, capsys):
     assert on_disk["setup"]["corpus_bytes"] == len(data.read_bytes())
 
     with pytest.raises(SystemExit, match="another experiment"):
-        compare_models.main([*study, "--final-steps", "6"])
+        compare_models.main([*flags, "--final-steps", "6"])
 
-    compare_models.main([*study, "--report"])
+    compare_models.main([*flags, "--report"])
     text = (tmp_path / "study.md").read_text()
     assert "| moda-attn-post-L2 | 2 | post | attn |" in text and "| baseline-post-L2 |" in text
 
 
 def _record(phase, arm, lr, seed, loss, steps=900):
-    a = compare_models.parse_arms(arm)[0]
+    a = study.parse_arms(arm)[0]
     curve = None if loss is None else [{"tokens": 1000 * s, "val_loss": loss + 1.0 / s, "train_loss": loss} for s in (1, 2)]
     return {"phase": phase, "arm": arm, "n_layer": a.n_layer, "norm": a.norm, "depth_kv": a.depth_kv, "lr": lr,
             "seed": seed, "steps": steps, "tokens": steps * 16384, "warmup": 10, "val_loss": None if loss is None else curve[-1]["val_loss"],
@@ -82,7 +84,7 @@ def test_the_report_from_a_fixture(tmp_path):
     runs += [_record("final", attn, 1e-3, s, loss) for s, loss in ((1, 1.60), (2, None), (3, 1.62))]
     setup = {"n_embd": 384, "n_head": 6, "n_kv_head": 2, "batch_size": 32, "block_size": 512, "sweep_seed": 0,
              "corpus_bytes": 12_900_000, "corpus_sha256": "0123456789abcdef"}  # fmt: skip
-    text = compare_models.report({"setup": setup, "runs": runs}, tmp_path)
+    text = study.report({"setup": setup, "runs": runs}, tmp_path)
 
     table = [line.split(" | ") for line in text.splitlines() if line.startswith("| ")]
     rows = {cells[0][2:]: cells for cells in table if len(cells) == 13}  # the final runs, not the sweep
@@ -104,26 +106,26 @@ def test_the_sweep_extends_past_a_winning_edge():
     def results(losses):
         return {"runs": [_record("sweep", "moda-post-L24", lr, 0, loss) for lr, loss in losses.items()]}
 
-    assert compare_models.next_sweep_lr(results({1e-3: 2.0}), "moda-post-L24", grid, 2) == 2e-3
-    assert compare_models.next_sweep_lr(results({1e-3: 2.0, 2e-3: 2.1}), "moda-post-L24", grid, 2) == 5e-4
-    assert compare_models.next_sweep_lr(results({1e-3: 2.0, 2e-3: 1.9}), "moda-post-L24", grid, 2) == 4e-3
-    assert compare_models.next_sweep_lr(results({1e-3: 2.0, 2e-3: 1.9}), "moda-post-L24", grid, 0) is None
+    assert study.next_sweep_lr(results({1e-3: 2.0}), "moda-post-L24", grid, 2) == 2e-3
+    assert study.next_sweep_lr(results({1e-3: 2.0, 2e-3: 2.1}), "moda-post-L24", grid, 2) == 5e-4
+    assert study.next_sweep_lr(results({1e-3: 2.0, 2e-3: 1.9}), "moda-post-L24", grid, 2) == 4e-3
+    assert study.next_sweep_lr(results({1e-3: 2.0, 2e-3: 1.9}), "moda-post-L24", grid, 0) is None
     bracketed = {5e-4: 2.2, 1e-3: 2.0, 2e-3: 2.1}
-    assert compare_models.next_sweep_lr(results(bracketed), "moda-post-L24", grid, 2) is None
+    assert study.next_sweep_lr(results(bracketed), "moda-post-L24", grid, 2) is None
     falling = results({2.5e-4: 1.0, 5e-4: 2, 1e-3: 3, 2e-3: 4})  # two rates below the grid already
-    assert compare_models.next_sweep_lr(falling, "moda-post-L24", grid, 2) is None
-    assert compare_models.next_sweep_lr(falling, "moda-post-L24", grid, 3) == 1.25e-4
-    assert compare_models.next_sweep_lr(results({1e-3: None, 2e-3: None}), "moda-post-L24", grid, 1) == 5e-4
-    assert compare_models.best_lr(results({1e-3: None, 2e-3: None}), "moda-post-L24") is None
+    assert study.next_sweep_lr(falling, "moda-post-L24", grid, 2) is None
+    assert study.next_sweep_lr(falling, "moda-post-L24", grid, 3) == 1.25e-4
+    assert study.next_sweep_lr(results({1e-3: None, 2e-3: None}), "moda-post-L24", grid, 1) == 5e-4
+    assert study.best_lr(results({1e-3: None, 2e-3: None}), "moda-post-L24") is None
 
 
 def test_arms_by_name_and_pattern():
-    assert [a.name for a in compare_models.parse_arms("*-L24")] == compare_models.DEFAULT_ARMS[:6]
-    arm = compare_models.parse_arms("moda-attn-pre-L12")[0]
+    assert [a.name for a in study.parse_arms("*-L24")] == study.DEFAULT_ARMS[:6]
+    arm = study.parse_arms("moda-attn-pre-L12")[0]
     assert (arm.n_layer, arm.norm, arm.depth_kv) == (12, "pre", "attn")
     for bad in ("moda-sandwich-L24", "*-L96"):
         with pytest.raises(SystemExit):
-            compare_models.parse_arms(bad)
+            study.parse_arms(bad)
 
 
 def test_train_gpt_curve_and_seeds(tmp_path, data, capsys):
@@ -148,8 +150,8 @@ def test_train_gpt_curve_and_seeds(tmp_path, data, capsys):
 
 def test_the_default_run_has_its_seeds_on_record(tmp_path):
     """The default configuration's seed spread is recorded, so that one default run can say what it means."""
-    recorded = json.loads(train_gpt.CPU_MAIN_JOB.read_text())
+    recorded = json.loads(comparison.CPU_MAIN_JOB.read_text())
     defaults = train_gpt.parse_args(["--out-dir", str(tmp_path)])  # the defaults, whatever an earlier run left
-    assert recorded["config"] == train_gpt.loss_config(defaults)
+    assert recorded["config"] == comparison.loss_config(defaults)
     assert len(recorded["seeds"]) >= 3
-    assert train_gpt.seed_table(recorded["rows"]) in train_gpt.noise_note(defaults)
+    assert comparison.seed_table(recorded["rows"]) in comparison.noise_note(defaults)

@@ -15,6 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks")]  # the scripts import their siblings by name
 import ablation  # noqa: E402
+import comparison  # noqa: E402
 import custom_variant  # noqa: E402
 import gpt  # noqa: E402
 import train_gpt  # noqa: E402
@@ -267,19 +268,19 @@ def _row(name, step_ms, share, seed=1):
 
 def test_disturbed_timings_are_flagged_not_reported():
     quiet = [_row("baseline-pre", 80.0, 0.97), _row("moda-pre", 120.0, 0.95)]
-    table = train_gpt.format_table(quiet)
+    table = comparison.format_table(quiet)
     assert "| moda-pre | 1.00 | 1.5000 | 1,000 | 120.0 | 1.50x | 95% of 2 |" in table
-    assert "disturbed" not in table and train_gpt.timing_note(quiet) is None
+    assert "disturbed" not in table and comparison.timing_note(quiet) is None
 
     shaken = [_row("baseline-pre", 80.0, 0.97), _row("moda-pre", 400.0, 0.45)]
-    table = train_gpt.format_table(shaken)
+    table = comparison.format_table(shaken)
     assert "| moda-pre | 1.00 | 1.5000 | 1,000 (disturbed) | 400.0 (disturbed) | (disturbed) | 45% of 2 |" in table
     assert "x |" not in table.splitlines()[-1]  # no ratio for a disturbed row
-    assert "while moda-pre trained" in train_gpt.timing_note(shaken)
+    assert "while moda-pre trained" in comparison.timing_note(shaken)
 
     seeds = [_row("baseline-pre-seed1", 80.0, 0.97), _row("moda-pre-seed1", 120.0, 0.95),
              _row("baseline-pre-seed2", 100.0, 0.97, seed=2), _row("moda-pre-seed2", 120.0, 0.95, seed=2)]  # fmt: skip
-    assert [line.split(" | ")[5] for line in train_gpt.format_table(seeds).splitlines()[2:]] == [
+    assert [line.split(" | ")[5] for line in comparison.format_table(seeds).splitlines()[2:]] == [
         "1.00x", "1.50x", "1.00x", "1.20x"]  # each model against the baseline of its own seed
 
 
