@@ -249,6 +249,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         results["after_errors"] = None
     except Exception:
         results["after_errors"] = traceback.format_exc()
+    # Every rank done before any tears the group down: a rank whose peer closed its connections first aborts.
+    dist.barrier()
     dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
