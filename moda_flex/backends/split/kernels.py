@@ -38,6 +38,25 @@ def _finite(x):
 
 
 @triton.jit
+def _program_rows(Hk, Tq, G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
+                  DP: tl.constexpr):  # fmt: skip
+    """This program's rows in the layout above: batch b, KV head hk (and b * Hk + hk), first token t0, each
+    row's token within the block (rt) and in the sequence (tok), its query head h, which rows are real, and
+    the head dim's lanes d with which are real."""
+    bhk = tl.program_id(1)
+    b = bhk // Hk
+    hk = bhk % Hk
+    r = tl.arange(0, BLOCK_T * GP)
+    rt = r // GP
+    t0 = tl.program_id(0) * BLOCK_T
+    tok = t0 + rt
+    h = hk * G + r % GP
+    row_ok = (r % GP < G) & (tok < Tq)
+    d = tl.arange(0, DP)
+    return b, hk, bhk, t0, rt, tok, h, row_ok, d, d < D
+
+
+@triton.jit
 def _sanitize_kv_kernel(
     K, V, KO, VO, FIRST,
     skb, skh, skt,
@@ -93,19 +112,8 @@ def _depth_forward_kernel(
     Without ``HAS_SEQ`` the softmax is over the depth slots alone. A row that
     sees nothing gets zeros and lse = -inf; a dead row NaN in both.
     """
-    pid = tl.program_id(0)
-    bhk = tl.program_id(1)
-    b = bhk // Hk
-    hk = bhk % Hk
     R: tl.constexpr = BLOCK_T * GP
-    r = tl.arange(0, R)
-    rt = r // GP
-    t0 = pid * BLOCK_T
-    tok = t0 + rt
-    h = hk * G + r % GP
-    row_ok = (r % GP < G) & (tok < Tq)
-    d = tl.arange(0, DP)
-    d_ok = d < D
+    b, hk, bhk, t0, rt, tok, h, row_ok, d, d_ok = _program_rows(Hk, Tq, G, GP, BLOCK_T, D, DP)
     rows2 = row_ok[:, None] & d_ok[None, :]
     ninf = float("-inf")
 
@@ -235,19 +243,8 @@ def _depth_backward_kernel(
     slots before ``depth_first``) and dQ, added in place to the sequence
     part's ``DQ`` with ``DQ_ADD``.
     """
-    pid = tl.program_id(0)
-    bhk = tl.program_id(1)
-    b = bhk // Hk
-    hk = bhk % Hk
     R: tl.constexpr = BLOCK_T * GP
-    r = tl.arange(0, R)
-    rt = r // GP
-    t0 = pid * BLOCK_T
-    tok = t0 + rt
-    h = hk * G + r % GP
-    row_ok = (r % GP < G) & (tok < Tq)
-    d = tl.arange(0, DP)
-    d_ok = d < D
+    b, hk, bhk, t0, rt, tok, h, row_ok, d, d_ok = _program_rows(Hk, Tq, G, GP, BLOCK_T, D, DP)
     rows2 = row_ok[:, None] & d_ok[None, :]
 
     q = tl.load(Q + b * sqb + h[:, None] * sqh + tok[:, None] * sqt + d[None, :], mask=rows2, other=0.0)
