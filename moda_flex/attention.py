@@ -48,14 +48,16 @@ def moda_attention(
         depth_k, depth_v: (B, Hk, Tq, L, D), or a sequence of L entries
             (B, Hk, Tq, D) (slot ``l`` is entry ``l``), or None (L = 0): the
             depth keys/values that earlier layers wrote for each query token.
-            Any strides; the triton backend reads both forms in place, and
-            gives each entry of a sequence its own gradient.
+            Any strides; the kernel backends (triton, split:
+            :func:`moda_flex.backends.reads_depth_entries`) read both forms in
+            place, and give each entry of a sequence its own gradient.
         variant: ``"causal"``, ``"full"`` or a :class:`moda_flex.Variant`.
         score: a :class:`moda_flex.Score` (``softcap``, ``alibi``,
             ``depth_bias``, ``depth_alibi`` or your own) changing each logit
             before the softmax; the same as ``variant & score``. Runs on
-            ``reference`` and ``flex``; ``triton`` fuses ``softcap``,
-            ``depth_bias`` and the two joined with ``&``, and refuses the rest.
+            ``reference`` and ``flex``; ``triton`` fuses those of
+            :data:`moda_flex.backends.triton.support.FUSED_SCORES` and refuses
+            the rest.
         scale: logit scale, a finite real number > 0; default ``1 / sqrt(D)``.
         backend: ``"auto"`` | ``"reference"`` | ``"flex"`` | ``"triton"``;
             ``"auto"`` follows the policy of :mod:`moda_flex.backends`.
@@ -91,7 +93,7 @@ def moda_attention(
     variant.check_fits(q.shape[0], k.shape[2])
     scale = _check_scale(scale, q.shape[-1])
     run = backends.choose(backend, q, k, slot_count(depth_k), variant, return_lse=return_lse)
-    if is_entries(depth_k) and not getattr(run, "reads_depth_entries", False):
+    if is_entries(depth_k) and not backends.reads_depth_entries(run):
         empty = k.new_empty(q.shape[0], k.shape[1], q.shape[2], q.shape[3])  # (B, Hk, Tq, D)
         depth_k, depth_v = as_tensor(depth_k, empty), as_tensor(depth_v, empty)
     (q, k, v, depth_k, depth_v), autocast_off = _leave_autocast((q, k, v, depth_k, depth_v))

@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from typing import Optional, Union
 
 import torch
@@ -636,11 +635,10 @@ def _block_backward(block: _Block, inputs: list[Tensor], rows: _Rows, ring: _Rin
     run = backends.choose(block.backend or ring.backend, q_rows, kv_cols[0], slots, block.variant, return_lse=True)
     if run is reference_attention:
         return _reference_block_backward(block, inputs, rows, ring.scale)
-    triton = sys.modules.get(f"{backends.__name__}.triton")  # imported once a block has run on it
-    if triton is not None and run is triton.triton_attention:
+    kernel = backends.kernel_name(run)
+    if kernel == "triton":
         return _triton_block_backward(block, inputs, rows, ring.scale)
-    split = sys.modules.get(f"{backends.__name__}.split")
-    if split is not None and run is split.split_attention:
+    if kernel == "split":
         return _split_block_backward(block, inputs, rows, ring.scale)
     return _recomputed_block_backward(block, inputs, rows, ring)
 

@@ -134,6 +134,16 @@ def test_the_triton_check_runs_once(monkeypatch):
 
 
 @needs_triton
+def test_the_kernel_backends_read_depth_entries():
+    from moda_flex.backends import split
+
+    assert backends.kernel_name(TRITON.triton_attention) == "triton"
+    assert backends.kernel_name(split.split_attention) == "split"
+    assert backends.reads_depth_entries(TRITON.triton_attention) and backends.reads_depth_entries(split.split_attention)
+    assert not any(backends.reads_depth_entries(run) for run in (reference_attention, backends.sdpa_attention))
+
+
+@needs_triton
 @pytest.mark.parametrize(
     "variant", [chunk_depth(2), user_variant(), causal() | sliding_window(2)], ids=lambda x: x.name
 )

@@ -30,6 +30,7 @@ Whatever the name, a call with no output element (B, Hq or Tq is 0) runs on
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, Optional
 
 import torch.nn.functional as F
@@ -45,6 +46,8 @@ NAMES = ("auto", "reference", "flex", "triton", "split")
 SPLIT_MIN_SCORES = 1 << 28
 
 Backend = Callable[..., tuple[Tensor, Optional[Tensor]]]
+# The kernel backends, imported on first use (they need triton), and the function each runs a call with.
+KERNELS = {"triton": "triton_attention", "split": "split_attention"}
 
 
 def choose(name: str, q: Tensor, k: Tensor, slots: int, variant: Variant, *, return_lse: bool) -> Backend:
@@ -132,6 +135,26 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, depth_k, depth_v, variant: V
     out = F.scaled_dot_product_attention(q, k, v, is_causal=variant.structure.causal, scale=scale, enable_gqa=True)
     explain_sdpa(out)
     return out, None
+
+
+def kernel_name(run: Backend) -> Optional[str]:
+    """Which of :data:`KERNELS` ``run`` is, or None; imports none of them (a kernel's function exists once its
+    module has been imported)."""
+    for name, function in KERNELS.items():
+        module = sys.modules.get(f"{__name__}.{name}")
+        if module is not None and run is getattr(module, function):
+            return name
+    return None
+
+
+def reads_depth_entries(run: Backend) -> bool:
+    """Whether ``run`` takes depth given as a sequence of (B, Hk, Tq, D) entries as it is.
+
+    The kernel backends do: they read each entry in place and give each its
+    own gradient. For the others :func:`moda_flex.moda_attention` stacks the
+    entries into one (B, Hk, Tq, L, D) tensor.
+    """
+    return kernel_name(run) is not None
 
 
 def _flex() -> Backend:

@@ -322,10 +322,6 @@ def split_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: T
     return out, sequence.lse_view(lse)
 
 
-# moda_attention hands this backend the per-slot form as it is, without stacking.
-split_attention.reads_depth_entries = True
-
-
 def split_backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor,
                    depth_v: Tensor, out: Tensor, lse: Tensor, variant, scale: float) -> tuple[Tensor, ...]:  # fmt: skip
     """The split path's gradients of a call from a given ``out`` and ``lse``, as the backward of a call whose

@@ -60,8 +60,8 @@ generic path. ``DQ_ATOMIC`` (either path) lets the dK/dV kernel add
 and ``dO V^T``: five matrix products instead of seven, and a dQ whose last
 bits depend on the order of the atomic adds.
 
-Fused scores (:func:`_score`): a soft-cap on every logit and a depth bias on
-the depth logits, applied in the order the score joins them; the backward
+Fused scores (:data:`moda_flex.backends.triton.support.FUSED_SCORES`, in
+:func:`_score`): applied in the order the score joins them; the backward
 multiplies dS by the cap's derivative. The bias's gradient sums the depth dS
 over the batch and the tokens: each dQ program writes the sum over its own
 tokens and the launcher adds them up (deterministic, no atomics).

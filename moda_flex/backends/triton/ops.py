@@ -212,6 +212,3 @@ def triton_attention(
     # dispatcher round trips of a custom op (the call is host-bound at short lengths).
     return _EagerMoDA.apply(q, k, v, documents, bias, opts, config, len(depth_k), *depth_k, *depth_v)
 
-
-# moda_attention hands this backend the per-slot form as it is, without stacking.
-triton_attention.reads_depth_entries = True
