@@ -25,6 +25,9 @@ them from the arguments of ``build``, never from a closure: the flex backend
 hands them to FlexAttention as buffers, which is how their gradients are
 computed on its eager path.
 
+The built-ins (:data:`BUILTINS`, the one list of them): :func:`softcap`,
+:func:`alibi`, :func:`depth_bias`, :func:`depth_alibi`.
+
 Backends: ``reference`` and ``flex`` run every score; ``triton`` fuses the
 kinds of :data:`moda_flex.backends.triton.support.FUSED_SCORES`, which it
 recognizes by :attr:`Score.terms`.
@@ -232,6 +235,10 @@ def depth_alibi(slopes: Tensor) -> Score:
         slopes: (Hq,) float, one per query head (may require grad).
     """
     return _sloped("depth_alibi", slopes, on_depth=True, distance=lambda q_pos, pos, slot, slots: slots - 1 - slot)
+
+
+# Every built-in score factory by name: what the test strategies and the tests enumerate.
+BUILTINS = {"softcap": softcap, "alibi": alibi, "depth_bias": depth_bias, "depth_alibi": depth_alibi}
 
 
 def _sloped(name: str, slopes: Tensor, on_depth: bool, distance: Callable) -> Score:

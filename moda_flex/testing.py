@@ -45,7 +45,8 @@ except ImportError as error:
     raise ImportError("moda_flex.testing needs hypothesis: pip install hypothesis (or moda_flex[test])") from error
 
 from .attention import moda_attention
-from .scores import Score, alibi, depth_alibi, depth_bias, softcap
+from . import scores
+from .scores import Score
 from .variants import BUILTINS, Variant, causal, document, resolve
 
 __all__ = [
@@ -67,8 +68,8 @@ INPUT_NAMES = ("q", "k", "v", "depth_k", "depth_v")
 # The built-in variant families that :func:`variants` can draw: all of them.
 BUILTIN_KINDS = tuple(BUILTINS)
 
-# The built-in score functions that :func:`score_functions` can draw.
-SCORE_KINDS = ("softcap", "alibi", "depth_bias", "depth_alibi")
+# The built-in score functions that :func:`score_functions` can draw: all of them.
+SCORE_KINDS = tuple(scores.BUILTINS)
 
 # Relative RMS error ||actual - reference|| / ||reference|| allowed per dtype,
 # against a float64 reference computed from the very same (upcast) inputs.
@@ -584,13 +585,13 @@ def score_functions(
 
         return st.integers(0, 2**16).map(make)
 
-    families = {
-        "softcap": st.builds(softcap, st.floats(0.5, 50.0)),
-        "alibi": st.builds(alibi, uniform(0.0, 1.0, Hq)),
-        "depth_bias": st.builds(depth_bias, st.one_of(uniform(-2.0, 2.0, L), uniform(-2.0, 2.0, Hq, L))),
-        "depth_alibi": st.builds(depth_alibi, uniform(0.0, 1.0, Hq)),
+    arguments = {
+        "softcap": st.floats(0.5, 50.0),
+        "alibi": uniform(0.0, 1.0, Hq),
+        "depth_bias": st.one_of(uniform(-2.0, 2.0, L), uniform(-2.0, 2.0, Hq, L)),
+        "depth_alibi": uniform(0.0, 1.0, Hq),
     }
-    return _joined({kind: families[kind] for kind in kinds}, max_terms)
+    return _joined({kind: st.builds(scores.BUILTINS[kind], arguments[kind]) for kind in kinds}, max_terms)
 
 
 def _joined(families: dict, max_terms: int) -> st.SearchStrategy:

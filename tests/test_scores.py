@@ -42,7 +42,7 @@ def _learned(*size):
     return torch.rand(*size).requires_grad_()
 
 
-BUILTINS = {
+EXAMPLES = {
     "softcap": lambda: softcap(1.5),
     "alibi": lambda: alibi(_learned(4)),
     "depth_bias": lambda: depth_bias(_learned(4, 3)),
@@ -55,7 +55,7 @@ BUILTINS = {
 @pytest.mark.parametrize("variant", [causal(), moda_flex.chunk_depth(3), full()], ids=str)
 def test_every_builtin_matches_with_learned_grads(kind, backend, variant):
     shape = MoDAShape(2, 4, 2, 5, 9, 3, 8)
-    assert_matches_reference(make_inputs(shape), backend=backend, variant=variant & BUILTINS[kind]())
+    assert_matches_reference(make_inputs(shape), backend=backend, variant=variant & EXAMPLES[kind]())
 
 
 @pytest.mark.parametrize("backend", ["reference", "flex"])
@@ -72,7 +72,7 @@ def test_flex_spreads_learned_tensors_over_copies(kind):
     from moda_flex.backends.flex.function import _copies, flex_moda
 
     inputs = make_inputs(MoDAShape(1, 4, 2, 6, 9, 3, 8))
-    score = BUILTINS[kind]()
+    score = EXAMPLES[kind]()
     (param,) = score.params
     assert _copies(param) > 1 and _copies(param.detach()) == 1
     variant = causal() & score
