@@ -119,11 +119,11 @@ def flash_compatible(block_mask):
             return compiled(q, keys, values, block_mask=block_mask, scale=scale, enable_gqa=True)
         # FlexAttention's public function has no backward on CPU; the library's CPU path (its eager
         # operator, one KV head per query head) serves this check at small sizes.
-        from moda_flex.backends.flex.function import _eager_flex_with_grad
+        from moda_flex.backends.flex import eager_flex_with_grad
 
         G = q.shape[1] // Hk
         keys, values = keys.repeat_interleave(G, dim=1), values.repeat_interleave(G, dim=1)
-        return _eager_flex_with_grad(q, keys, values, block_mask, scale)[0]
+        return eager_flex_with_grad(q, keys, values, block_mask, scale)[0]
 
     return run
 

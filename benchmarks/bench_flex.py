@@ -87,10 +87,10 @@ def plain_flex_step(inputs: list, compiled: bool):
             return flex(q, k, v, block_mask=block_mask, enable_gqa=True)
 
     else:  # the public function refuses a backward on CPU; its eager operator has one
-        from moda_flex.backends.flex.function import _eager_flex_with_grad
+        from moda_flex.backends.flex import eager_flex_with_grad
 
         def forward():
-            return _eager_flex_with_grad(q, k, v, block_mask, q.shape[-1] ** -0.5)[0]
+            return eager_flex_with_grad(q, k, v, block_mask, q.shape[-1] ** -0.5)[0]
 
     def step():
         torch.autograd.grad(forward(), [q, k, v], grad_out)

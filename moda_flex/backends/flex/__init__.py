@@ -22,6 +22,14 @@ depth columns alone.
 """
 
 from .block_mask import BLOCK, moda_block_mask
-from .function import DESIGN, DESIGNS, flex_attention_backend, flex_moda
+from .function import DESIGN, DESIGNS, eager_flex_with_grad, flex_attention_backend, flex_moda
 
-__all__ = ["BLOCK", "DESIGN", "DESIGNS", "flex_attention_backend", "flex_moda", "moda_block_mask"]
+__all__ = [
+    "BLOCK",
+    "DESIGN",
+    "DESIGNS",
+    "eager_flex_with_grad",
+    "flex_attention_backend",
+    "flex_moda",
+    "moda_block_mask",
+]

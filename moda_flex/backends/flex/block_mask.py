@@ -86,6 +86,25 @@ class Layout(NamedTuple):
         return self.seq_cols + self.q_len * self.slots
 
 
+def folded_query(h: Tensor, row: Tensor, groups: int, offset: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Row ``row`` of the call's head ``h`` (:class:`Layout`): its query token, that token's absolute position
+    (``offset``: query token 0's) and its query head.
+
+    ``groups`` stays an int: it is fixed per model, and dividing by a constant is cheap.
+    """
+    if groups == 1:
+        return row, row + offset, h
+    token = row // groups
+    return token, token + offset, h * groups + row % groups
+
+
+def depth_entry(col: Tensor, seq_cols: Tensor, slots: Tensor, offset: Tensor) -> tuple[Tensor, Tensor]:
+    """Depth column ``col`` (:class:`Layout`): the absolute position of the token its entry was written for, and
+    the entry's slot; a sequence column reads as the first entry."""
+    depth_col = (col - seq_cols).clamp(min=0)
+    return depth_col // slots + offset, depth_col % slots
+
+
 def moda_block_mask(
     variant: Variant,
     *,
@@ -164,27 +183,22 @@ def mask_mod(variant: Variant, layout: Layout, device="cpu"):
     own_depth = variant.own_depth_only
     sequence = variant.sequence
     depth = variant.depth_predicate(layout.slots)
-    # G stays an int: it is fixed per model, and dividing by a constant is cheap.
     dims = layout_lengths(layout, device)
 
     def moda_mask(b, h, row, col):
         offset, kv_len, last_key, seq_cols, slots = dims.unbind()
-        token = row // groups if groups > 1 else row
-        q_pos = token + offset  # offset: absolute position of query token 0
-        q_head = h * groups + row % groups if groups > 1 else h
+        token, q_pos, q_head = folded_query(h, row, groups, offset)
         if has_keys:
             key_ok = (col < kv_len) & sequence(b, q_head, q_pos, torch.minimum(col, last_key))
             if not has_depth:
                 return key_ok
-        depth_col = col - seq_cols
         if own_depth:
             # The row's own depth span, found without dividing by L.
-            slot = depth_col - token * slots
+            slot = col - seq_cols - token * slots
             depth_ok = (slot >= 0) & (slot < slots) & depth(b, q_head, q_pos, q_pos, slot)
         else:
-            depth_col = depth_col.clamp(min=0)
-            d_pos = depth_col // slots + offset
-            depth_ok = (col >= seq_cols) & depth(b, q_head, q_pos, d_pos, depth_col % slots)
+            d_pos, slot = depth_entry(col, seq_cols, slots, offset)
+            depth_ok = (col >= seq_cols) & depth(b, q_head, q_pos, d_pos, slot)
         return torch.where(col < seq_cols, key_ok, depth_ok) if has_keys else depth_ok
 
     moda_mask.__name__ = f"moda_{variant.name}"

@@ -19,10 +19,11 @@ compiled kernel serves every length.
 
 A variant's score function (:mod:`moda_flex.scores`) becomes FlexAttention's
 ``score_mod`` over each call's layout: a row is read back as (query head,
-token) and a column as a key position or a (token, slot) depth entry, as the
-mask does; the tensors the score reads (learned biases) go in as
-FlexAttention's score buffers, so their gradients come back on the eager path
-too. The depth products apply it to their logits directly.
+token) and a column as a key position or a (token, slot) depth entry, by the
+mask's decoding (:func:`.block_mask.folded_query`,
+:func:`.block_mask.depth_entry`); the tensors the score reads (learned
+biases) go in as FlexAttention's score buffers, so their gradients come back
+on the eager path too. The depth products apply it to their logits directly.
 
 FlexAttention multiplies the masked entries of a visited block by a zero
 weight, and ``0 * NaN = NaN``; so the inputs go in with their NaN and Inf
@@ -43,7 +44,7 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 from ... import nonfinite
 from ...variants import Variant
 from ..reference import visible_entries
-from .block_mask import Layout, layout_lengths, moda_block_mask
+from .block_mask import Layout, depth_entry, folded_query, layout_lengths, moda_block_mask
 
 DESIGNS = ("split", "concat")
 # What backend="flex" runs. On an H100 (BENCHMARKS.md, "The flex path") "concat" took 0.80x the time of "split"
@@ -482,7 +483,7 @@ def _run_flex(query, key, value, block_mask: BlockMask, scale, score_mod=None, p
         return out, aux.lse
     needs_grad = any(t.requires_grad for t in (query, key, value, *params)) and torch.is_grad_enabled()
     if query.device.type == "cpu" and needs_grad:
-        return _eager_flex_with_grad(query, key, value, block_mask, scale, score_mod, params)
+        return eager_flex_with_grad(query, key, value, block_mask, scale, score_mod, params)
     with warnings.catch_warnings():
         # Eager FlexAttention warns that it materializes scores; at test sizes
         # that is the point.
@@ -491,14 +492,24 @@ def _run_flex(query, key, value, block_mask: BlockMask, scale, score_mod=None, p
     return out, aux.lse
 
 
-def _eager_flex_with_grad(query, key, value, block_mask, scale, score_mod=None, params=()):
+def eager_flex_with_grad(query, key, value, block_mask, scale, score_mod=None, params=()):
     """FlexAttention's eager operator, differentiable on CPU.
 
     The public ``flex_attention`` refuses CPU inputs that require grad, yet its
     eager implementation (the higher-order op, plain PyTorch inside, which
     repeats the KV heads for grouped queries) has a working backward. Calling
-    the op directly lets the CPU tests check every gradient of this backend;
-    CUDA always takes the public function.
+    the op directly lets this backend, and the CPU tests of every gradient,
+    run there; CUDA always takes the public function.
+
+    Args:
+        query: (B, H, Tq, D); key, value: (B, H or a divisor of it, Tk, D).
+        block_mask: the ``BlockMask`` over (Tq, Tk).
+        scale: logit scale.
+        score_mod: ``(score, b, h, row, col, *params) -> score`` or None.
+        params: the tensors ``score_mod`` reads, as FlexAttention's score buffers.
+
+    Returns:
+        out (B, H, Tq, D) and lse (B, H, Tq), natural log.
     """
     from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_op
     from torch.nn.attention.flex_attention import _apply_kernel_options
@@ -534,15 +545,12 @@ def _score_mod(variant: Variant, layout: Layout, *, q_heads: int, slots: int, co
         # 131 is odd and near a tile's width: a tile's entries hash to many copies.
         params = [p if n == 1 else _Copy(p, (row * 131 + col) % n) for p, n in zip(params, copies)]
         fn = score.bind(q_heads, slots, params)
-        token = row // groups if groups > 1 else row
-        q_pos = token + offset  # offset: absolute position of query token 0
-        q_head = h * groups + row % groups if groups > 1 else h
+        _, q_pos, q_head = folded_query(h, row, groups, offset)
         if not has_depth:  # sequence columns (and pad) only: the key's position
             no_slot = torch.zeros_like(col)
             return fn(s, b, q_head, q_pos, torch.minimum(col, last_key), no_slot, no_slot != 0)
         # Depth columns: the entry's token and slot.
-        depth_col = (col - seq_cols).clamp(min=0)
-        d_pos, d_slot = depth_col // slots_t + offset, depth_col % slots_t
+        d_pos, d_slot = depth_entry(col, seq_cols, slots_t, offset)
         if not has_keys:
             return fn(s, b, q_head, q_pos, d_pos, d_slot, d_slot >= 0)
         is_depth = col >= seq_cols
