@@ -85,13 +85,14 @@ def _sanitized_kv(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return k0, v0, first
 
 
-def _slab(depth: list[Tensor], like: Tensor) -> Tensor:
-    """The op's depth list as one (B, Hk, Tq, L, D) tensor: the slab itself, or L entries stacked.
+def _slabs(q: Tensor, k: Tensor, depth_k: list[Tensor], depth_v: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """The op's depth lists as two (B, Hk, Tq, L, D) tensors: each slab itself, or its L entries stacked.
 
     The stack is a temporary of the launch: the op saves the entries, not it,
     so a model whose layers read ever more entries holds each entry once.
     """
-    return _unit_last(as_tensor(depth, like))
+    entry = k.new_empty(q.shape[0], k.shape[1], q.shape[2], q.shape[3])  # (B, Hk, Tq, D): the form of L = 0
+    return _unit_last(as_tensor(depth_k, entry)), _unit_last(as_tensor(depth_v, entry))
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], opts: Options):
@@ -99,8 +100,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
     from . import kernels
 
     q, k, v = (_unit_last(t) for t in (q, k, v))
-    entry = k.new_empty(q.shape[0], k.shape[1], q.shape[2], q.shape[3])  # (B, Hk, Tq, D): the form of L = 0
-    depth_k, depth_v = _slab(depth_k, entry), _slab(depth_v, entry)
+    depth_k, depth_v = _slabs(q, k, depth_k, depth_v)
     B, Hq, Tq, D = q.shape
     Hk, Tk, L = k.shape[1], k.shape[2], depth_k.shape[3]
     has_sequence = _has_sequence(k, opts)
@@ -183,8 +183,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     from . import kernels
 
     q, k, v = (_unit_last(t) for t in (q, k, v))
-    entry = k.new_empty(q.shape[0], k.shape[1], q.shape[2], q.shape[3])
-    depth_k, depth_v = _slab(depth_k, entry), _slab(depth_v, entry)
+    depth_k, depth_v = _slabs(q, k, depth_k, depth_v)
     B, Hq, Tq, D = q.shape
     Hk, Tk, L = k.shape[1], k.shape[2], depth_k.shape[3]
     grad_out = torch.zeros_like(out) if grad_out is None else grad_out
