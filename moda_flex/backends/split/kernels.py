@@ -22,6 +22,9 @@ marks the rows that *see* one: their output and lse are NaN. In the
 backward such a dead row gets ``q = o = dO = 0`` and ``lse = +inf``
 (:func:`_prepare_backward_kernel`), so its p is zero and it sends no
 gradient, in the vendor's backward as in the depth kernel's.
+
+Strides arrive as one tuple per tensor, in its axis order: ``sq`` is
+``q.stride()``, ``sk`` a depth slab's (b, h, t, l, d).
 """
 
 import triton
@@ -59,9 +62,7 @@ def _program_rows(Hk, Tq, G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constex
 @triton.jit
 def _sanitize_kv_kernel(
     K, V, KO, VO, FIRST,
-    skb, skh, skt,
-    svb, svh, svt,
-    sob, soh, sot,
+    sk, sv, so,
     Hk, Tk,
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -76,11 +77,11 @@ def _sanitize_kv_kernel(
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, DP)
     live = (t < Tk)[:, None] & (d < D)[None, :]
-    k = tl.load(K + b * skb + hk * skh + t[:, None] * skt + d[None, :], mask=live, other=0.0)
-    v = tl.load(V + b * svb + hk * svh + t[:, None] * svt + d[None, :], mask=live, other=0.0)
+    k = tl.load(K + b * sk[0] + hk * sk[1] + t[:, None] * sk[2] + d[None, :], mask=live, other=0.0)
+    v = tl.load(V + b * sv[0] + hk * sv[1] + t[:, None] * sv[2] + d[None, :], mask=live, other=0.0)
     k_ok = _finite(k)
     v_ok = _finite(v)
-    out = b * sob + hk * soh + t[:, None] * sot + d[None, :]
+    out = b * so[0] + hk * so[1] + t[:, None] * so[2] + d[None, :]
     tl.store(KO + out, tl.where(k_ok, k, 0.0), mask=live)
     tl.store(VO + out, tl.where(v_ok, v, 0.0), mask=live)
     bad = tl.sum((~k_ok | ~v_ok).to(tl.int32), 1) > 0
@@ -90,13 +91,7 @@ def _sanitize_kv_kernel(
 @triton.jit
 def _depth_forward_kernel(
     Q, DK, DV, OS, LS, FIRST, O, LO,
-    sqb, sqh, sqt,
-    skb, skh, skt, skl,
-    svb, svh, svt, svl,
-    sosb, sosh, sost,
-    slsb, slsh, slst,
-    sob, soh, sot,
-    slob, sloh, slot,
+    sq, sk, sv, sos, sls, so, slo,
     Hk, Tq, Tk, L, depth_first, qk_scale,
     G: tl.constexpr,
     GP: tl.constexpr,
@@ -117,13 +112,13 @@ def _depth_forward_kernel(
     rows2 = row_ok[:, None] & d_ok[None, :]
     ninf = float("-inf")
 
-    q = tl.load(Q + b * sqb + h[:, None] * sqh + tok[:, None] * sqt + d[None, :], mask=rows2, other=0.0)
+    q = tl.load(Q + b * sq[0] + h[:, None] * sq[1] + tok[:, None] * sq[2] + d[None, :], mask=rows2, other=0.0)
     q_ok = _finite(q)
     dead = tl.sum((~q_ok).to(tl.int32), 1) > 0
     q = tl.where(q_ok, q, 0.0)
     if HAS_SEQ:
-        m = tl.load(LS + b * slsb + h * slsh + tok * slst, mask=row_ok, other=ninf) * _LOG2E
-        acc = tl.load(OS + b * sosb + h[:, None] * sosh + tok[:, None] * sost + d[None, :], mask=rows2,
+        m = tl.load(LS + b * sls[0] + h * sls[1] + tok * sls[2], mask=row_ok, other=ninf) * _LOG2E
+        acc = tl.load(OS + b * sos[0] + h[:, None] * sos[1] + tok[:, None] * sos[2] + d[None, :], mask=rows2,
                       other=0.0).to(tl.float32)  # fmt: skip
         l_sum = tl.where(m == ninf, 0.0, 1.0)
         first_bad = tl.load(FIRST + bhk)
@@ -137,8 +132,8 @@ def _depth_forward_kernel(
         l_sum = tl.zeros((R,), tl.float32)
 
     slot_ids = tl.arange(0, BLOCK_L)
-    kbase = DK + b * skb + hk * skh
-    vbase = DV + b * svb + hk * svh
+    kbase = DK + b * sk[0] + hk * sk[1]
+    vbase = DV + b * sv[0] + hk * sv[1]
     for j in tl.static_range(BLOCK_T):
         tj = t0 + j
         own = rt == j
@@ -147,8 +142,8 @@ def _depth_forward_kernel(
             cols = l0 + slot_ids
             visible = cols < slots_end
             tile = visible[:, None] & d_ok[None, :]
-            kd = tl.load(kbase + tj * skt + cols[:, None] * skl + d[None, :], mask=tile, other=0.0)
-            vd = tl.load(vbase + tj * svt + cols[:, None] * svl + d[None, :], mask=tile, other=0.0)
+            kd = tl.load(kbase + tj * sk[2] + cols[:, None] * sk[3] + d[None, :], mask=tile, other=0.0)
+            vd = tl.load(vbase + tj * sv[2] + cols[:, None] * sv[3] + d[None, :], mask=tile, other=0.0)
             kd_ok = _finite(kd)
             vd_ok = _finite(vd)
             slot_bad = tl.sum((~kd_ok | ~vd_ok).to(tl.int32), 1) > 0
@@ -171,21 +166,14 @@ def _depth_forward_kernel(
     out = acc / tl.where(seen, l_sum, 1.0)[:, None]
     lse = tl.where(dead, float("nan"), lse)
     out = tl.where(dead[:, None], float("nan"), out)
-    tl.store(O + b * sob + h[:, None] * soh + tok[:, None] * sot + d[None, :], out.to(O.dtype.element_ty), mask=rows2)
-    tl.store(LO + b * slob + h * sloh + tok * slot, lse, mask=row_ok)
+    tl.store(O + b * so[0] + h[:, None] * so[1] + tok[:, None] * so[2] + d[None, :], out.to(O.dtype.element_ty), mask=rows2)
+    tl.store(LO + b * slo[0] + h * slo[1] + tok * slo[2], lse, mask=row_ok)
 
 
 @triton.jit
 def _prepare_backward_kernel(
     Q, O, DO, LSE, QC, OC, DOC, LSEC,
-    sqb, sqh, sqt,
-    sob, soh, sot,
-    sdob, sdoh, sdot,
-    slb, slh, slt,
-    sqcb, sqch, sqct,
-    socb, soch, soct,
-    sdocb, sdoch, sdoct,
-    slcb, slch, slct,
+    sq, so, sdo, sl, sqc, soc, sdoc, slc,
     Hq, Tq,
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -201,31 +189,22 @@ def _prepare_backward_kernel(
     d = tl.arange(0, DP)
     t_ok = t < Tq
     live = t_ok[:, None] & (d < D)[None, :]
-    lse = tl.load(LSE + b * slb + h * slh + t * slt, mask=t_ok, other=0.0)
+    lse = tl.load(LSE + b * sl[0] + h * sl[1] + t * sl[2], mask=t_ok, other=0.0)
     dead = lse != lse
-    q = tl.load(Q + b * sqb + h * sqh + t[:, None] * sqt + d[None, :], mask=live, other=0.0)
-    o = tl.load(O + b * sob + h * soh + t[:, None] * sot + d[None, :], mask=live, other=0.0)
-    do = tl.load(DO + b * sdob + h * sdoh + t[:, None] * sdot + d[None, :], mask=live, other=0.0)
-    tl.store(QC + b * sqcb + h * sqch + t[:, None] * sqct + d[None, :], tl.where(_finite(q), q, 0.0), mask=live)
-    tl.store(OC + b * socb + h * soch + t[:, None] * soct + d[None, :], tl.where(dead[:, None], 0.0, o), mask=live)
-    tl.store(DOC + b * sdocb + h * sdoch + t[:, None] * sdoct + d[None, :], tl.where(dead[:, None], 0.0, do),
+    q = tl.load(Q + b * sq[0] + h * sq[1] + t[:, None] * sq[2] + d[None, :], mask=live, other=0.0)
+    o = tl.load(O + b * so[0] + h * so[1] + t[:, None] * so[2] + d[None, :], mask=live, other=0.0)
+    do = tl.load(DO + b * sdo[0] + h * sdo[1] + t[:, None] * sdo[2] + d[None, :], mask=live, other=0.0)
+    tl.store(QC + b * sqc[0] + h * sqc[1] + t[:, None] * sqc[2] + d[None, :], tl.where(_finite(q), q, 0.0), mask=live)
+    tl.store(OC + b * soc[0] + h * soc[1] + t[:, None] * soc[2] + d[None, :], tl.where(dead[:, None], 0.0, o), mask=live)
+    tl.store(DOC + b * sdoc[0] + h * sdoc[1] + t[:, None] * sdoc[2] + d[None, :], tl.where(dead[:, None], 0.0, do),
              mask=live)  # fmt: skip
-    tl.store(LSEC + b * slcb + h * slch + t * slct, tl.where(dead, float("inf"), lse), mask=t_ok)
+    tl.store(LSEC + b * slc[0] + h * slc[1] + t * slc[2], tl.where(dead, float("inf"), lse), mask=t_ok)
 
 
 @triton.jit
 def _depth_backward_kernel(
     Q, DK, DV, O, DO, LSE, GLSE, DQ, DDK, DDV,
-    sqb, sqh, sqt,
-    skb, skh, skt, skl,
-    svb, svh, svt, svl,
-    sob, soh, sot,
-    sdob, sdoh, sdot,
-    slb, slh, slt,
-    sglb, sglh, sglt,
-    sdqb, sdqh, sdqt,
-    sgkb, sgkh, sgkt, sgkl,
-    sgvb, sgvh, sgvt, sgvl,
+    sq, sk, sv, so, sdo, sl, sgl, sdq, sgk, sgv,
     Hk, Tq, L, depth_first, scale, qk_scale,
     G: tl.constexpr,
     GP: tl.constexpr,
@@ -247,20 +226,20 @@ def _depth_backward_kernel(
     b, hk, bhk, t0, rt, tok, h, row_ok, d, d_ok = _program_rows(Hk, Tq, G, GP, BLOCK_T, D, DP)
     rows2 = row_ok[:, None] & d_ok[None, :]
 
-    q = tl.load(Q + b * sqb + h[:, None] * sqh + tok[:, None] * sqt + d[None, :], mask=rows2, other=0.0)
-    do = tl.load(DO + b * sdob + h[:, None] * sdoh + tok[:, None] * sdot + d[None, :], mask=rows2, other=0.0)
-    o = tl.load(O + b * sob + h[:, None] * soh + tok[:, None] * sot + d[None, :], mask=rows2, other=0.0)
+    q = tl.load(Q + b * sq[0] + h[:, None] * sq[1] + tok[:, None] * sq[2] + d[None, :], mask=rows2, other=0.0)
+    do = tl.load(DO + b * sdo[0] + h[:, None] * sdo[1] + tok[:, None] * sdo[2] + d[None, :], mask=rows2, other=0.0)
+    o = tl.load(O + b * so[0] + h[:, None] * so[1] + tok[:, None] * so[2] + d[None, :], mask=rows2, other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     if HAS_GLSE:  # d lse / d s = p: the lse's gradient enters as delta does, with the opposite sign
-        delta -= tl.load(GLSE + b * sglb + h * sglh + tok * sglt, mask=row_ok, other=0.0)
-    lse = tl.load(LSE + b * slb + h * slh + tok * slt, mask=row_ok, other=float("inf")) * _LOG2E
+        delta -= tl.load(GLSE + b * sgl[0] + h * sgl[1] + tok * sgl[2], mask=row_ok, other=0.0)
+    lse = tl.load(LSE + b * sl[0] + h * sl[1] + tok * sl[2], mask=row_ok, other=float("inf")) * _LOG2E
     dq = tl.zeros((R, DP), tl.float32)
 
     slot_ids = tl.arange(0, BLOCK_L)
-    kbase = DK + b * skb + hk * skh
-    vbase = DV + b * svb + hk * svh
-    gkbase = DDK + b * sgkb + hk * sgkh
-    gvbase = DDV + b * sgvb + hk * sgvh
+    kbase = DK + b * sk[0] + hk * sk[1]
+    vbase = DV + b * sv[0] + hk * sv[1]
+    gkbase = DDK + b * sgk[0] + hk * sgk[1]
+    gvbase = DDV + b * sgv[0] + hk * sgv[1]
     for j in tl.static_range(BLOCK_T):
         tj = t0 + j
         own = (rt == j) & row_ok
@@ -270,8 +249,8 @@ def _depth_backward_kernel(
             stored = cols < slots_end
             visible = stored & (cols >= depth_first)
             tile = visible[:, None] & d_ok[None, :]
-            kd = tl.load(kbase + tj * skt + cols[:, None] * skl + d[None, :], mask=tile, other=0.0)
-            vd = tl.load(vbase + tj * svt + cols[:, None] * svl + d[None, :], mask=tile, other=0.0)
+            kd = tl.load(kbase + tj * sk[2] + cols[:, None] * sk[3] + d[None, :], mask=tile, other=0.0)
+            vd = tl.load(vbase + tj * sv[2] + cols[:, None] * sv[3] + d[None, :], mask=tile, other=0.0)
             # masked slots' products still meet other rows' p = 0: read their non-finite entries as zero
             kd = tl.where(_finite(kd), kd, 0.0)
             vd = tl.where(_finite(vd), vd, 0.0)
@@ -283,11 +262,11 @@ def _depth_backward_kernel(
             ddv = tl.dot(tl.trans(p.to(do.dtype)), do)
             ddk = tl.dot(tl.trans(ds), q) * scale
             out = stored[:, None] & d_ok[None, :]
-            tl.store(gvbase + tj * sgvt + cols[:, None] * sgvl + d[None, :], ddv.to(DDV.dtype.element_ty), mask=out)
-            tl.store(gkbase + tj * sgkt + cols[:, None] * sgkl + d[None, :], ddk.to(DDK.dtype.element_ty), mask=out)
+            tl.store(gvbase + tj * sgv[2] + cols[:, None] * sgv[3] + d[None, :], ddv.to(DDV.dtype.element_ty), mask=out)
+            tl.store(gkbase + tj * sgk[2] + cols[:, None] * sgk[3] + d[None, :], ddk.to(DDK.dtype.element_ty), mask=out)
 
     dq = dq * scale
-    dq_ptr = DQ + b * sdqb + h[:, None] * sdqh + tok[:, None] * sdqt + d[None, :]
+    dq_ptr = DQ + b * sdq[0] + h[:, None] * sdq[1] + tok[:, None] * sdq[2] + d[None, :]
     if DQ_ADD:
         dq += tl.load(dq_ptr, mask=rows2, other=0.0).to(tl.float32)
     tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), mask=rows2)

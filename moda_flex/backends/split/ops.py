@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...depth import as_list, as_tensor, grads_like, slot_count
-from ..blocks import cdiv, next_pow2, stride_args
+from ..blocks import cdiv, next_pow2
 from ..first_order import refuse_create_graph
 from . import sequence
 
@@ -78,8 +78,7 @@ def _sanitized_kv(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     grid = (cdiv(Tk, _BLOCK_T_ELEMENTWISE), B * Hk)
     kernels._sanitize_kv_kernel[grid](
         K=k, V=v, KO=k0, VO=v0, FIRST=first,
-        **stride_args("sk", k.stride(), "bht"), **stride_args("sv", v.stride(), "bht"),
-        **stride_args("so", k0.stride(), "bht"),
+        sk=k.stride(), sv=v.stride(), so=k0.stride(),
         Hk=Hk, Tk=Tk, D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, next_pow2(D)),
     )  # fmt: skip
     return k0, v0, first
@@ -120,10 +119,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
     grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
     kernels._depth_forward_kernel[grid](
         Q=q, DK=depth_k, DV=depth_v, OS=out_s, LS=ls, FIRST=first, O=out, LO=lo,
-        **stride_args("sq", q.stride(), "bht"), **stride_args("sk", depth_k.stride(), "bhtl"),
-        **stride_args("sv", depth_v.stride(), "bhtl"), **stride_args("sos", out_s.stride(), "bht"),
-        **stride_args("sls", ls.stride(), "bht"), **stride_args("so", out.stride(), "bht"),
-        **stride_args("slo", lo.stride(), "bht"),
+        sq=q.stride(), sk=depth_k.stride(), sv=depth_v.stride(), sos=out_s.stride(), sls=ls.stride(),
+        so=out.stride(), slo=lo.stride(),
         Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, qk_scale=opts.scale * _LOG2E,
         **layout, HAS_SEQ=has_sequence, CAUSAL=opts.causal,
     )  # fmt: skip
@@ -141,10 +138,8 @@ def _silenced(q: Tensor, out: Tensor, grad_out: Tensor, lse: Tensor) -> tuple[Te
     grid = (cdiv(Tq, _BLOCK_T_ELEMENTWISE), B * Hq)
     kernels._prepare_backward_kernel[grid](
         Q=q, O=out, DO=grad_out, LSE=lv, QC=q_c, OC=out_c, DOC=grad_c, LSEC=lcv,
-        **stride_args("sq", q.stride(), "bht"), **stride_args("so", out.stride(), "bht"),
-        **stride_args("sdo", grad_out.stride(), "bht"), **stride_args("sl", lv.stride(), "bht"),
-        **stride_args("sqc", q_c.stride(), "bht"), **stride_args("soc", out_c.stride(), "bht"),
-        **stride_args("sdoc", grad_c.stride(), "bht"), **stride_args("slc", lcv.stride(), "bht"),
+        sq=q.stride(), so=out.stride(), sdo=grad_out.stride(), sl=lv.stride(),
+        sqc=q_c.stride(), soc=out_c.stride(), sdoc=grad_c.stride(), slc=lcv.stride(),
         Hq=Hq, Tq=Tq, D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, next_pow2(D)),
     )  # fmt: skip
     return q_c, out_c, grad_c, lse_c
@@ -213,11 +208,8 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
     kernels._depth_backward_kernel[grid](
         Q=q_c, DK=depth_k, DV=depth_v, O=out_c, DO=grad_c, LSE=lv, GLSE=glse, DQ=dq, DDK=ddk, DDV=ddv,
-        **stride_args("sq", q_c.stride(), "bht"), **stride_args("sk", depth_k.stride(), "bhtl"),
-        **stride_args("sv", depth_v.stride(), "bhtl"), **stride_args("so", out_c.stride(), "bht"),
-        **stride_args("sdo", grad_c.stride(), "bht"), **stride_args("sl", lv.stride(), "bht"),
-        **stride_args("sgl", glse.stride(), "bht"), **stride_args("sdq", dq.stride(), "bht"),
-        **stride_args("sgk", ddk.stride(), "bhtl"), **stride_args("sgv", ddv.stride(), "bhtl"),
+        sq=q_c.stride(), sk=depth_k.stride(), sv=depth_v.stride(), so=out_c.stride(), sdo=grad_c.stride(),
+        sl=lv.stride(), sgl=glse.stride(), sdq=dq.stride(), sgk=ddk.stride(), sgv=ddv.stride(),
         Hk=Hk, Tq=Tq, L=L, depth_first=opts.depth_first, scale=opts.scale, qk_scale=opts.scale * _LOG2E,
         **layout, DQ_ADD=has_sequence, HAS_GLSE=grad_lse is not None,
     )  # fmt: skip

@@ -1,6 +1,6 @@
 """The fused Triton backend: group-aware MoDA forward and backward kernels.
 
-Files by layer: ``kernels.py`` (``@triton.jit``) -> ``configs.py`` (which
+Files by layer: ``kernels/`` (``@triton.jit``, one file per kernel) -> ``configs.py`` (which
 path, block sizes) -> ``launch.py`` (grids, descriptors, slot tables, the
 launches) -> ``ops.py`` (``torch.library`` ops, autograd,
 :func:`triton_attention`); ``support.py`` says which calls it runs and

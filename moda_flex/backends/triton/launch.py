@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ...depth import is_slab, slot_count
-from ..blocks import cdiv, stride_args
+from ..blocks import cdiv
 from .configs import MIN_DOT_ROWS, ConfigHook, hopper_path, launch_config, next_pow2, padded_head_dim
 
 _LOG2E = math.log2(math.e)  # the kernels keep logits in base 2
@@ -140,16 +140,15 @@ def _bias_args(bias: Optional[Tensor], like: Tensor) -> dict:
     returned dict, which the caller holds until the kernel is launched.
     """
     if bias is None:
-        return dict(BIAS=_placeholder(like.device), sbh=0, sbl=0, HAS_BIAS=False)
+        return dict(BIAS=_placeholder(like.device), sbias=(0, 0), HAS_BIAS=False)
     f32 = bias.detach().to(device=like.device, dtype=torch.float32)
-    sbh, sbl = (0, f32.stride(0)) if f32.dim() == 1 else f32.stride()
-    return dict(BIAS=f32, sbh=sbh, sbl=sbl, HAS_BIAS=True)
+    return dict(BIAS=f32, sbias=(0, f32.stride(0)) if f32.dim() == 1 else f32.stride(), HAS_BIAS=True)
 
 
 def _depth_args(depth_k: list[Tensor], depth_v: list[Tensor], L: int, like: Tensor):
     """The depth slots' arguments (address tables and strides), and the tensors to hold until the launch."""
     table, sdk, sdv, held = _slot_table(depth_k, depth_v, L, like.device)
-    return dict(DK_TAB=table, DV_TAB=table[L:], **stride_args("sdk", sdk, "bhtd"), **stride_args("sdv", sdv, "bhtd")), held
+    return dict(DK_TAB=table, DV_TAB=table[L:], sdk=sdk, sdv=sdv), held
 
 
 def forward(q, k, v, depth_k, depth_v, documents, bias, opts: Options, config: Optional[ConfigHook] = None):
@@ -183,11 +182,9 @@ def forward(q, k, v, depth_k, depth_v, documents, bias, opts: Options, config: O
     if cfg["TMA"]:
         tiles = dict(QD=_row_descriptor(q, layout["G"], layout["GP"], block_t),
                      KD=_tile_descriptor(k, cfg["BLOCK_N"]), VD=_tile_descriptor(v, cfg["BLOCK_N"]))  # fmt: skip
-    kernels._fwd_kernel[grid](
+    kernels.forward_kernel[grid](
         Q=q, K=k, V=v, O=out, LSE=lse, **tiles, **depth, **_mask_args(opts, documents, q), **_bias_args(bias, q),
-        **stride_args("sq", q.stride(), "bhtd"), **stride_args("sk", k.stride(), "bhtd"),
-        **stride_args("sv", v.stride(), "bhtd"), **stride_args("so", out.stride(), "bhtd"),
-        **stride_args("sl", lse.stride(), "bht"),
+        sq=q.stride(), sk=k.stride(), sv=v.stride(), so=out.stride(), sl=lse.stride(),
         Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, qk_scale=opts.scale * _LOG2E, softcap=opts.softcap,
         **layout, DEPTH_ROWS=max(layout["GP"], MIN_DOT_ROWS),
         HAS_SEQ=opts.sequence and Tk > 0, HAS_DEPTH=has_depth,
@@ -271,14 +268,12 @@ def _launch_dq(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, document
     with_bias_grad = bias_grad and has_depth
     gbias = q.new_zeros((B * Hk, grid[0], layout["GP"], L) if with_bias_grad else (0,), dtype=torch.float32)
     dead = torch.empty((B * Hk, grid[0]), device=q.device, dtype=torch.int8) if dead_flags else None
-    kernels._bwd_dq_kernel[grid](
+    kernels.dq_kernel[grid](
         Q=q, K=k, V=v, O=out, DO=grad_out, LSE=lse, GLSE=glse, DELTA=delta, DEAD=dead, DEAD_FLAGS=dead_flags,
         DQO=dq, DDKO=ddk, DDVO=ddv, GBIAS=gbias,
         **tiles, **depth, **_mask_args(opts, documents, q), **_bias_args(bias, q),
-        **stride_args("sq", q.stride(), "bhtd"), **stride_args("so", out.stride(), "bhtd"),
-        **stride_args("sk", k.stride(), "bhtd"), **stride_args("sv", v.stride(), "bhtd"),
-        **stride_args("sdo", grad_out.stride(), "bhtd"), **stride_args("sl", lse.stride(), "bht"),
-        **stride_args("sgq", dq.stride(), "bhtd"), **stride_args("sgd", ddk.stride(), "bhtld"),
+        sq=q.stride(), so=out.stride(), sk=k.stride(), sv=v.stride(), sdo=grad_out.stride(), sl=lse.stride(),
+        sgq=dq.stride(), sgd=ddk.stride(),
         Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, scale=opts.scale,
         qk_scale=opts.scale * _LOG2E, softcap=opts.softcap,
         **layout, DEPTH_ROWS=max(layout["GP"], MIN_DOT_ROWS),
@@ -304,17 +299,15 @@ def _launch_dkdv(grad_out, q, k, v, lse, delta, dead, documents, dk, dv, dq_sums
         tiles = dict(QD=_row_descriptor(q, layout["G"], layout["GP"], block_t),
                      DOD=_row_descriptor(grad_out, layout["G"], layout["GP"], block_t),
                      DEAD=dead, dead_blocks=dead.shape[1])  # fmt: skip
-    sums = dict(DQA=_placeholder(q.device), DQD=None, sab=0, sah=0, sat=0)
+    sums = dict(DQA=_placeholder(q.device), DQD=None, sa=(0, 0, 0))
     if dq_sums is not None:
-        sums = dict(DQA=dq_sums, DQD=None, **stride_args("sa", dq_sums.stride()[:3], "bht"))
+        sums = dict(DQA=dq_sums, DQD=None, sa=dq_sums.stride()[:3])
         if cfg["DQ_ATOMIC"] == 2:
             sums["DQD"] = _row_descriptor(dq_sums, layout["G"], layout["GP"], cfg["BLOCK_M"] // layout["GP"])
-    kernels._bwd_dkdv_kernel[grid](
+    kernels.dkdv_kernel[grid](
         Q=q, K=k, V=v, DO=grad_out, LSE=lse, DELTA=delta, DKO=dk, DVO=dv, **tiles, **sums,
         **_mask_args(opts, documents, q),
-        **stride_args("sq", q.stride(), "bhtd"), **stride_args("sk", k.stride(), "bhtd"),
-        **stride_args("sv", v.stride(), "bhtd"), **stride_args("sdo", grad_out.stride(), "bhtd"),
-        **stride_args("sl", lse.stride(), "bht"), **stride_args("sg", dk.stride(), "bhtd"),
+        sq=q.stride(), sk=k.stride(), sv=v.stride(), sdo=grad_out.stride(), sl=lse.stride(), sg=dk.stride(),
         Hk=Hk, Tq=q.shape[2], Tk=Tk, scale=opts.scale, qk_scale=opts.scale * _LOG2E, softcap=opts.softcap,
         **layout, HAS_SOFTCAP=opts.softcap > 0,
         **cfg,

@@ -1,6 +1,6 @@
 """The ``torch.library`` ops of the Triton backend, their autograd, the eager path, and :func:`triton_attention`.
 
-Layers: ``kernels.py`` (``@triton.jit``) -> ``launch.py`` (grids, block
+Layers: ``kernels/`` (``@triton.jit``) -> ``launch.py`` (grids, block
 sizes from ``configs.py``) -> two custom ops ``moda_flex::triton_forward`` /
 ``triton_backward`` with registered autograd and fake implementations (so
 ``torch.compile(..., fullgraph=True)`` traces through them), and a plain

@@ -1,0 +1,81 @@
+"""Triton kernels for MoDA: forward (Algorithm 1) and backward. ``@triton.jit`` only.
+
+Files: ``common.py`` (what the kernels share), ``forward.py``, ``dq.py`` and
+``dkdv.py``, one kernel each.
+
+Row layout (group-aware, Algorithm 1 lines 3-4). One program owns one KV head
+``hk`` of one batch element and a block of ``BLOCK_T`` query tokens. Its
+``BLOCK_M = BLOCK_T * GP`` rows fold the ``G`` query heads of that KV head into
+rows: row ``r`` is token ``t0 + r // GP`` of query head ``hk * G + r % GP``
+(``GP`` is ``G`` rounded up to a power of two; rows with ``r % GP >= G`` are
+padding, loaded as zeros and never stored). So the block is aligned to ``G``
+and a token's ``G`` rows never straddle two blocks.
+
+Sequence phase: a FlashAttention loop over key blocks with one online-softmax
+state ``(m, l, acc)``, split into masked edge blocks and unmasked interior
+blocks (keys every row of the block may see).
+
+Depth phase (group-aware, beyond the paper): a token's depth logits are the
+``G x L`` product of its own ``G`` query rows with its own ``L`` depth keys.
+The paper multiplies a whole block of ``C`` query rows by whole depth blocks
+and masks all but ``G / C`` of the products away (12.5% at ``G = 8``, ``C = 64``). Here the
+block's rows are cut into tiles of ``R = max(GP, 16)`` rows (16 is the least
+M of a Tensor Core dot), i.e. the rows of ``P = R / GP`` consecutive tokens,
+and each tile is multiplied only by the depth keys of its own ``P`` tokens:
+batched 3D dots ``[BLOCK_M / R, R, D] x [BLOCK_M / R, D, P * BLOCK_S]`` over
+``BLOCK_S`` slots per token per step. A row keeps the ``BLOCK_S`` columns of
+its own token, so depth utilization is ``G / R`` (times ``L / (BLOCK_S *
+ceil(L / BLOCK_S))``): 50% at ``G = 8``, 100% at ``G >= 16``. The tiles are
+a reshape of the block's rows, so the online-softmax state carries over from
+the sequence phase in place.
+
+Depth slots are read through address tables: slot ``l`` of the depth keys
+starts at ``DK_TAB[l]`` (values ``DV_TAB[l]``), so the L slots may be L
+separate tensors (the entries of a model's layers) or the slots of one 5-D
+tensor, both read in place with shared (b, h, t, d) strides. The head dim is
+padded to a power of two inside the kernels (:func:`.common.head_lanes`). The backward
+runs the dQ kernel first: it also writes ``delta = rowsum(dO * O) - dLSE``,
+which the dK/dV kernel reads.
+
+NaN and Inf (the rule of ``moda_flex.nonfinite``), inside the kernels with no
+extra pass and no host sync: a masked entry still enters the dots with
+``p = 0``, and ``0 * NaN = NaN``, so every tile with masked entries (edge
+blocks, depth tiles) reads its non-finite values as zero, and a row that
+*sees* a non-finite query, key or value adds NaN to its softmax denominator
+(``x * 0`` is NaN exactly for a non-finite logit ``x``), which makes its out
+and lse NaN. Unmasked interior blocks are read as they are: a non-finite value
+there reaches every row through ``acc`` (folded into the denominator at the
+end), a non-finite key through ``x * 0``. The backward treats a row with
+``lse = NaN`` as dead: its p, delta and dq are zero and its q and dO are read
+as zero, so it sends no gradient, and every other row's gradients are those of
+the inputs with the non-finite entries zeroed, bit for bit.
+
+The Hopper path (launch flag ``TMA``): the tiles of the unmasked blocks,
+the part of the work that grows as T^2, come through tensor descriptors
+(the TMA copy engine, pipelined ``LOOP_STAGES`` deep): K and V in the
+forward and dQ kernels, q and dO in the dK/dV kernel, where a descriptor
+over Q (or dO) seen as (B, Hk, T, G, D) gives a block's rows in the order
+above. A copy cannot leave a dead row's q and dO out, so the dQ kernel flags
+the blocks of rows that have one and the dK/dV kernel reads the heads with a
+flag through masked loads. Masked blocks and the depth phase read as on the
+generic path. ``DQ_ATOMIC`` (either path) lets the dK/dV kernel add
+``dS K`` to float32 dQ sums instead of the dQ kernel recomputing ``QK^T``
+and ``dO V^T``: five matrix products instead of seven, and a dQ whose last
+bits depend on the order of the atomic adds.
+
+Fused scores (:data:`moda_flex.backends.triton.support.FUSED_SCORES`, in
+:func:`.common.score`): applied in the order the score joins them; the backward
+multiplies dS by the cap's derivative. The bias's gradient sums the depth dS
+over the batch and the tokens: each dQ program writes the sum over its own
+tokens and the launcher adds them up (deterministic, no atomics).
+
+Logits are kept in base 2: ``qk_scale = scale * log2(e)``; LSE is stored in
+natural log. Batch/head base offsets and depth token offsets are int64: one
+depth tensor may hold more than 2**31 elements (T=16384, L=256, Hk=8, D=64).
+"""
+
+from .dkdv import dkdv_kernel
+from .dq import dq_kernel
+from .forward import forward_kernel
+
+__all__ = ["forward_kernel", "dq_kernel", "dkdv_kernel"]
