@@ -697,20 +697,23 @@ def _triton_block_backward(block: _Block, inputs: list[Tensor], rows: _Rows, sca
     The op's options are those ``triton_attention`` derives from the block's
     structure (the ring runs no score: no cap, no bias).
     """
+    from .backends.triton.launch import Grads, Inputs, Options
+
     b, r = block.batch, block.rows
     q, kv, depth_k, depth_v = _kernel_inputs(inputs, rows.compute_dtype)
     s = block.variant.structure
     documents = None if s.documents is None else s.documents.packed.to(q.device)
     window = 0 if s.window is None else int(s.window)
-    options = (scale, bool(s.causal), window, _depth_first(s, depth_k), bool(s.sequence), 0.0, False)
-    dq, dk, dv, d_depth_k, d_depth_v, _ = torch.ops.moda_flex.triton_backward(
-        rows.grad_out[b, :, r].to(rows.compute_dtype).contiguous(),
-        rows.grad_lse[b, :, r].float().contiguous(),
-        q, kv[0], kv[1], [depth_k], [depth_v],
-        rows.out[b, :, r].to(rows.compute_dtype),
-        rows.lse[b, :, r].float().contiguous(),  # the op reads dlse and writes delta with the lse's strides
-        documents, None, False, *options,
-    )  # fmt: skip
+    options = Options(scale, bool(s.causal), window, _depth_first(s, depth_k), bool(s.sequence), 0.0, False)
+    grads = Grads(
+        grad_out=rows.grad_out[b, :, r].to(rows.compute_dtype).contiguous(),
+        grad_lse=rows.grad_lse[b, :, r].float().contiguous(),
+        out=rows.out[b, :, r].to(rows.compute_dtype),
+        lse=rows.lse[b, :, r].float().contiguous(),  # the op reads dlse and writes delta with the lse's strides
+        bias_grad=False,
+    )
+    call = Inputs(q, kv[0], kv[1], [depth_k], [depth_v], documents, None)
+    dq, dk, dv, d_depth_k, d_depth_v, _ = torch.ops.moda_flex.triton_backward(*grads, *call, *options)
     return (dq, dk, dv, d_depth_k, d_depth_v) if block.depth else (dq, dk, dv)
 
 

@@ -23,7 +23,7 @@ two extra head lanes (:func:`_sequence_backward_with_lse`).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,11 +32,31 @@ from torch import Tensor
 from ...depth import as_list, as_tensor, grads_like, slot_count
 from ..blocks import cdiv, next_pow2
 from ..first_order import refuse_create_graph
+from ..records import restored, saved, schema, unpack
 from . import sequence
 
 _LOG2E = math.log2(math.e)
 _MIN_DOT_ROWS = 16  # the least M of a Tensor Core dot
 _BLOCK_T_ELEMENTWISE = 64
+
+
+class Inputs(NamedTuple):
+    """A call's tensors, in the order the ops take them (the schema is written from these records)."""
+
+    q: Tensor  # (B, Hq, Tq, D)
+    k: Tensor  # (B, Hk, Tk, D)
+    v: Tensor
+    depth_k: list[Tensor]  # the depth list of :func:`moda_flex.depth.as_list`
+    depth_v: list[Tensor]
+
+
+class Grads(NamedTuple):
+    """What the backward takes beyond the forward's :class:`Inputs` and :class:`Options`."""
+
+    grad_out: Optional[Tensor]  # None: no gradient reached that output
+    grad_lse: Optional[Tensor]
+    out: Tensor  # the forward's results, the lse in the vendor's layout
+    lse: Tensor
 
 
 class Options(NamedTuple):
@@ -217,31 +237,28 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
 
 
 # ---- torch.library ops -------------------------------------------------------------------------
-# The non-tensor arguments are :class:`Options`, spelled out. The ops run on CUDA, and on CPU under
+# The arguments are the records above, field by field. The ops run on CUDA, and on CPU under
 # Triton's interpreter (the tests), with SDPA's CPU flash op as the vendor.
 
-_OPTIONS = "float scale, bool causal, bool sequence, int depth_first"
-torch.library.define(
-    "moda_flex::split_forward",
-    f"(Tensor q, Tensor k, Tensor v, Tensor[] depth_k, Tensor[] depth_v, {_OPTIONS}) -> (Tensor, Tensor)",
-)
+torch.library.define("moda_flex::split_forward", f"({schema(Inputs, Options)}) -> (Tensor, Tensor)")
 torch.library.define(
     "moda_flex::split_backward",
-    f"(Tensor? grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor[] depth_k, Tensor[] depth_v, "
-    f"Tensor out, Tensor lse, {_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    f"({schema(Grads, Inputs, Options)}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 
 
 @torch.library.impl("moda_flex::split_forward", ("cuda", "cpu"))
-def _forward_op(q, k, v, depth_k, depth_v, *options):
+def _forward_op(*args):
     """out (B, Hq, Tq, D) and lse, both in the vendor's layouts."""
-    return _forward(q, k, v, depth_k, depth_v, Options(*options))
+    inputs, opts = unpack(args, Inputs, Options)
+    return _forward(*inputs, opts)
 
 
 @torch.library.register_fake("moda_flex::split_forward")
-def _forward_fake(q, k, v, depth_k, depth_v, scale, causal, sequence_keys, depth_first):
+def _forward_fake(*args):
+    (q, k, *_), opts = unpack(args, Inputs, Options)
     B, Hq, Tq, D = q.shape
-    if not (sequence_keys and k.shape[2] > 0):
+    if not _has_sequence(k, opts):
         return q.new_empty(q.shape), q.new_empty((B, Hq, Tq), dtype=torch.float32)
     kernel = sequence.kernel_for(q.device, D, q.shape[2] == k.shape[2])
     if kernel == "cudnn":  # cuDNN: out in q's layout, lse (B, H, T, 1)
@@ -250,24 +267,24 @@ def _forward_fake(q, k, v, depth_k, depth_v, scale, causal, sequence_keys, depth
 
 
 @torch.library.impl("moda_flex::split_backward", ("cuda", "cpu"))
-def _backward_op(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, *options):
+def _backward_op(*args):
     """dq, dk, dv and the depth gradients as two (B, Hk, Tq, L, D) tensors."""
-    return _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, Options(*options))
+    grads, inputs, opts = unpack(args, Grads, Inputs, Options)
+    return _backward(grads.grad_out, grads.grad_lse, *inputs, grads.out, grads.lse, opts)
 
 
 @torch.library.register_fake("moda_flex::split_backward")
-def _backward_fake(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, *options):
+def _backward_fake(*args):
+    _, (q, k, v, depth_k, _), _ = unpack(args, Grads, Inputs, Options)
     depth_shape = (k.shape[0], k.shape[1], q.shape[2], slot_count(depth_k), q.shape[3])
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty(depth_shape),
             q.new_empty(depth_shape))  # fmt: skip
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, depth_k, depth_v, *options = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, *depth_k, *depth_v)
-    ctx.num_depth = len(depth_k)
-    ctx.options = tuple(options)
+    inputs, ctx.options = unpack(inputs, Inputs, Options)
+    flat, ctx.depth_lengths = saved(inputs)
+    ctx.save_for_backward(*output, *flat)
     # An output no loss reached gets None, not zeros: the lse's gradient costs an extra pass only when it exists.
     ctx.set_materialize_grads(False)
 
@@ -275,13 +292,13 @@ def _setup_context(ctx, inputs, output):
 def _autograd_backward(ctx, grad_out, grad_lse):
     # The kernels' gradients have no graph: refuse a backward that would differentiate them again.
     refuse_create_graph("split")
-    (q, k, v, out, lse), depth = ctx.saved_tensors[:5], ctx.saved_tensors[5:]
-    depth_k, depth_v = list(depth[: ctx.num_depth]), list(depth[ctx.num_depth :])
+    out, lse, *flat = ctx.saved_tensors
+    inputs = restored(Inputs, flat, ctx.depth_lengths)
     if grad_out is None and grad_lse is None:
-        return (None,) * (5 + len(ctx.options))
-    dq, dk, dv, ddk, ddv = torch.ops.moda_flex.split_backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse,
-                                                              *ctx.options)  # fmt: skip
-    return (dq, dk, dv, grads_like(ddk, depth_k), grads_like(ddv, depth_v), *(None,) * len(ctx.options))
+        return (None,) * (len(inputs) + len(ctx.options))
+    grads = Grads(grad_out, grad_lse, out, lse)
+    dq, dk, dv, ddk, ddv = torch.ops.moda_flex.split_backward(*grads, *inputs, *ctx.options)
+    return (dq, dk, dv, grads_like(ddk, inputs.depth_k), grads_like(ddv, inputs.depth_v), *(None,) * len(ctx.options))
 
 
 torch.library.register_autograd("moda_flex::split_forward", _autograd_backward, setup_context=_setup_context)
@@ -308,8 +325,8 @@ def split_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: T
     depth_k, depth_v = as_list(depth_k), as_list(depth_v)
     L = slot_count(depth_k)
     depth_first = 0 if s.depth_window is None else max(0, L - s.depth_window)
-    out, lse = torch.ops.moda_flex.split_forward(q, k, v, depth_k, depth_v, float(scale), bool(s.causal),
-                                                 bool(s.sequence), depth_first)  # fmt: skip
+    opts = Options(float(scale), bool(s.causal), bool(s.sequence), depth_first)
+    out, lse = torch.ops.moda_flex.split_forward(*Inputs(q, k, v, depth_k, depth_v), *opts)
     return out, sequence.lse_view(lse)
 
 
@@ -329,5 +346,6 @@ def split_backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: 
     L = depth_k.shape[3]
     depth_first = 0 if s.depth_window is None else max(0, L - s.depth_window)
     lse = sequence.lse_layout(sequence.kernel_for(q.device, q.shape[-1], q.shape[2] == k.shape[2]), lse.contiguous())
-    return torch.ops.moda_flex.split_backward(grad_out, grad_lse, q, k, v, [depth_k], [depth_v], out, lse,
-                                              float(scale), bool(s.causal), bool(s.sequence), depth_first)  # fmt: skip
+    opts = Options(float(scale), bool(s.causal), bool(s.sequence), depth_first)
+    grads, inputs = Grads(grad_out, grad_lse, out, lse), Inputs(q, k, v, [depth_k], [depth_v])
+    return torch.ops.moda_flex.split_backward(*grads, *inputs, *opts)

@@ -26,6 +26,28 @@ from .configs import MIN_DOT_ROWS, ConfigHook, hopper_path, launch_config, next_
 _LOG2E = math.log2(math.e)  # the kernels keep logits in base 2
 
 
+class Inputs(NamedTuple):
+    """A call's tensors, in the order the ops take them (the schema is written from these records)."""
+
+    q: Tensor  # (B, Hq, Tq, D)
+    k: Tensor  # (B, Hk, Tk, D)
+    v: Tensor
+    depth_k: list[Tensor]  # the depth list of :func:`moda_flex.depth.as_list`
+    depth_v: list[Tensor]
+    documents: Optional[Tensor]  # (3, Bd, Tk) int32 packed documents
+    bias: Optional[Tensor]  # the (L,) or (Hq, L) depth bias
+
+
+class Grads(NamedTuple):
+    """What the backward takes beyond the forward's :class:`Inputs` and :class:`Options`."""
+
+    grad_out: Tensor  # (B, Hq, Tq, D) contiguous
+    grad_lse: Optional[Tensor]  # (B, Hq, Tq)
+    out: Tensor  # the forward's results
+    lse: Tensor
+    bias_grad: bool  # also compute the depth bias's gradient
+
+
 class Options(NamedTuple):
     """A call's non-tensor arguments, in the order the ops take them."""
 
@@ -151,25 +173,36 @@ def _depth_args(depth_k: list[Tensor], depth_v: list[Tensor], L: int, like: Tens
     return dict(DK_TAB=table, DV_TAB=table[L:], sdk=sdk, sdv=sdv), held
 
 
-def forward(q, k, v, depth_k, depth_v, documents, bias, opts: Options, config: Optional[ConfigHook] = None):
-    """Launch the forward kernel.
+def outputs(inputs: Inputs) -> tuple[Tensor, Tensor]:
+    """The forward's results, unwritten (the launch's and the op's fake): out (B, Hq, Tq, D) contiguous, lse
+    (B, Hq, Tq) float32."""
+    q = inputs.q
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
 
-    Args:
-        q: (B, Hq, Tq, D); k, v: (B, Hk, Tk, D).
-        depth_k, depth_v: the op's depth lists (:func:`moda_flex.depth.as_list`).
-        documents: (3, Bd, Tk) int32 packed documents, or None.
-        bias: the (L,) or (Hq, L) depth bias, or None.
-        opts: the call's options; config: the launch hook, or None.
 
-    Returns:
-        out (B, Hq, Tq, D) contiguous and lse (B, Hq, Tq) float32.
+def gradients(inputs: Inputs, bias_grad: bool) -> tuple[Tensor, ...]:
+    """The backward's results, unwritten (the launch's and the op's fake): dq (B, Hq, Tq, D), dk, dv
+    (B, Hk, Tk, D), contiguous, the depth gradients as two (B, Hk, Tq, L, D) tensors whatever the depth form,
+    and the bias's gradient in its shape and dtype with ``bias_grad``, else an empty tensor."""
+    q, k, v, depth_k, _, _, bias = inputs
+    fmt = torch.contiguous_format
+    depth_shape = (k.shape[0], k.shape[1], q.shape[2], slot_count(depth_k), q.shape[3])
+    return (torch.empty_like(q, memory_format=fmt), torch.empty_like(k, memory_format=fmt),
+            torch.empty_like(v, memory_format=fmt), q.new_empty(depth_shape), q.new_empty(depth_shape),
+            torch.empty_like(bias) if bias_grad else q.new_empty(0))  # fmt: skip
+
+
+def forward(inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None) -> tuple[Tensor, Tensor]:
+    """Launch the forward kernel: out (B, Hq, Tq, D) contiguous and lse (B, Hq, Tq) float32.
+
+    ``config``: the launch hook, or None.
     """
     from . import kernels
 
+    q, k, v, depth_k, depth_v, documents, bias = inputs
     B, Hq, Tq, _ = q.shape
     Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((B, Hq, Tq), device=q.device, dtype=torch.float32)
+    out, lse = outputs(inputs)
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))
     layout = _layout_args(q, k)
@@ -194,31 +227,18 @@ def forward(q, k, v, depth_k, depth_v, documents, bias, opts: Options, config: O
     return out, lse
 
 
-def backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, bias_grad: bool,
-              opts: Options, config: Optional[ConfigHook] = None):  # fmt: skip
-    """Launch the backward: the dQ kernel, then the dK/dV kernel.
-
-    Args:
-        grad_out: (B, Hq, Tq, D) contiguous; grad_lse: (B, Hq, Tq) or None.
-        q, k, v, depth_k, depth_v, documents, bias, opts, config: as for :func:`forward`.
-        out, lse: the forward's results.
-        bias_grad: also compute the bias's gradient.
-
-    Returns:
-        dq (B, Hq, Tq, D), dk, dv (B, Hk, Tk, D), the depth gradients as two
-        (B, Hk, Tq, L, D) tensors, and the bias's gradient in its shape and
-        dtype with ``bias_grad`` (else an empty tensor).
-    """
+def backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None) -> tuple[Tensor, ...]:
+    """Launch the backward, the dQ kernel then the dK/dV kernel: the results of :func:`gradients`, written."""
+    q, k, v, depth_k, _, _, bias = inputs
     B, Hq, Tq, D = q.shape
     Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    dbias = q.new_zeros(0) if not bias_grad else torch.zeros_like(bias)
+    dq, dk, dv, ddk, ddv, dbias = gradients(inputs, grads.bias_grad)
     if q.numel() == 0 or k.numel() == 0:
-        depth_shape = (B, Hk, Tq, L, D)
-        return (torch.zeros_like(q, memory_format=torch.contiguous_format), dk.zero_(), dv.zero_(),
-                q.new_zeros(depth_shape), q.new_zeros(depth_shape), dbias)  # fmt: skip
-    hopper, G = hopper_path(q, k, v, grad_out), Hq // Hk
+        return tuple(g.zero_() for g in (dq, dk, dv, ddk, ddv, dbias))
+    if opts.depth_first > 0:  # masked slots get a zero gradient
+        ddk.zero_()
+        ddv.zero_()
+    hopper, G = hopper_path(q, k, v, grads.grad_out), Hq // Hk
     dq_cfg = launch_config(q, G, "dq", config, has_depth=L > opts.depth_first, hopper=hopper)
     dkdv_cfg = launch_config(q, G, "dkdv", config, programs=cdiv(Tk, 128) * B * Hk, hopper=hopper)
     sequence = opts.sequence and Tk > 0
@@ -226,37 +246,36 @@ def backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents,
     # The dQ kernel runs first: it also writes delta = rowsum(dO * O) - dLSE, which the dK/dV kernel reads,
     # and for its descriptors, which blocks of rows have a dead one. With DQ_ATOMIC it writes only the depth
     # part of dQ, as float32 sums to which the dK/dV kernel adds the sequence part.
-    dq, ddk, ddv, delta, gbias, dead = _launch_dq(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse,
-                                                  documents, bias, bias_grad, opts, dq_cfg,
-                                                  dead_flags=dkdv_cfg["TMA"], sums=atomic)  # fmt: skip
+    dq_out = torch.empty_like(dq, dtype=torch.float32) if atomic and dq.dtype != torch.float32 else dq
+    delta, gbias, dead = _launch_dq(grads, inputs, opts, dq_cfg, dq_out, ddk, ddv, dead_flags=dkdv_cfg["TMA"],
+                                    sums=atomic)  # fmt: skip
     if sequence:
-        _launch_dkdv(grad_out, q, k, v, lse, delta, dead, documents, dk, dv, dq if atomic else None, opts, dkdv_cfg)
+        _launch_dkdv(grads.grad_out, q, k, v, grads.lse, delta, dead, inputs.documents, dk, dv,
+                     dq_out if atomic else None, opts, dkdv_cfg)  # fmt: skip
     else:
         dk.zero_()
         dv.zero_()
-    if atomic:
-        dq = dq.to(q.dtype)
-    if gbias is not None:
-        dbias = _reduce_bias_grad(gbias, bias, B, Hk, Hq // Hk)
+    if dq_out is not dq:
+        dq.copy_(dq_out)
+    if grads.bias_grad:
+        dbias = dbias.zero_() if gbias is None else _reduce_bias_grad(gbias, bias, B, Hk, Hq // Hk)
     return dq, dk, dv, ddk, ddv, dbias
 
 
-def _launch_dq(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, bias_grad, opts, cfg,
-               dead_flags, sums):  # fmt: skip
-    """The dQ kernel under launch configuration ``cfg``: dq, the depth gradients, delta for the dK/dV kernel, the
-    bias's gradient in parts or None, and with ``dead_flags`` whether each block of rows has a dead one,
-    (B * Hk, blocks) int8, else None. With ``sums``, dq is only the depth part, float32, for the dK/dV kernel
-    to add the sequence part to."""
+def _launch_dq(grads: Grads, inputs: Inputs, opts: Options, cfg: dict, dq: Tensor, ddk: Tensor, ddv: Tensor,
+               dead_flags: bool, sums: bool):  # fmt: skip
+    """The dQ kernel under launch configuration ``cfg``, writing ``dq`` and the depth gradients ``ddk``,
+    ``ddv``: returns delta for the dK/dV kernel, the bias's gradient in parts or None, and with ``dead_flags``
+    whether each block of rows has a dead one, (B * Hk, blocks) int8, else None. With ``sums``, ``dq`` is
+    float32 and gets only the depth part, for the dK/dV kernel to add the sequence part to."""
     from . import kernels
 
+    grad_out, grad_lse, out, lse, bias_grad = grads
+    q, k, v, depth_k, depth_v, documents, bias = inputs
     B, Hq, Tq, D = q.shape
     Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
     layout = _layout_args(q, k)
     has_depth = L > opts.depth_first
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format, dtype=torch.float32 if sums else q.dtype)
-    alloc = torch.zeros if opts.depth_first > 0 else torch.empty  # masked slots get a zero gradient
-    ddk = alloc((B, Hk, Tq, L, D), device=q.device, dtype=q.dtype)
-    ddv = alloc((B, Hk, Tq, L, D), device=q.device, dtype=q.dtype)
     delta = torch.empty_like(lse)
     glse = delta if grad_lse is None else grad_lse.float().contiguous()
     depth, _held = _depth_args(depth_k, depth_v, L, q)  # _held: alive until launched
@@ -281,7 +300,7 @@ def _launch_dq(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, document
         HAS_SOFTCAP=opts.softcap > 0, BIAS_FIRST=opts.bias_first, BIAS_GRAD=with_bias_grad,
         **cfg,
     )
-    return dq, ddk, ddv, delta, gbias if with_bias_grad else None, dead
+    return delta, gbias if with_bias_grad else None, dead
 
 
 def _launch_dkdv(grad_out, q, k, v, lse, delta, dead, documents, dk, dv, dq_sums, opts, cfg) -> None:

@@ -12,7 +12,7 @@ of the ops, gets its gradient too.
 from __future__ import annotations
 
 import functools
-from typing import Optional, get_type_hints
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -20,54 +20,122 @@ from torch import Tensor
 from ...depth import DepthKV, as_list, grads_like, slot_count
 from ...variants import Variant
 from ..first_order import refuse_create_graph
+from ..records import restored, saved, schema, unpack
 from .configs import ConfigHook
-from .launch import Options, backward, forward
+from .launch import Grads, Inputs, Options, backward, forward, gradients, outputs
 from .support import score_args
 
 
-# ---- torch.library ops -------------------------------------------------------------------------
-# The non-tensor arguments are :class:`Options`, spelled out. ``bias`` is the (L,) or (Hq, L)
-# depth bias or None; the backward computes its gradient only with ``bias_grad``.
+def _interpreter_upcast(inputs: Inputs, *more: Tensor) -> tuple[Inputs, list[Tensor], Optional[torch.dtype]]:
+    """The Triton interpreter computes bfloat16 dots wrongly: on CPU run bfloat16 in float32.
 
-# "float scale, bool causal, ...": the schema's options from Options' fields, whose types (float, bool, int)
-# are named as in a schema.
-_OPTIONS = ", ".join(f"{kind.__name__} {name}" for name, kind in get_type_hints(Options).items())
-
-
-def _interpreter_upcast(tensors, depth_k, depth_v):
-    """The Triton interpreter computes bfloat16 dots wrongly: on CPU run bfloat16 in float32."""
-    if tensors[0].device.type == "cpu" and tensors[0].dtype == torch.bfloat16:
-        return [t.float() for t in tensors], [t.float() for t in depth_k], [t.float() for t in depth_v], torch.bfloat16
-    return tensors, depth_k, depth_v, None
+    Returns the inputs and ``more`` in the dtype to run, and the dtype to cast results back to (or None).
+    """
+    q = inputs.q
+    if q.device.type != "cpu" or q.dtype != torch.bfloat16:
+        return inputs, list(more), None
+    up = inputs._replace(q=q.float(), k=inputs.k.float(), v=inputs.v.float(),
+                         depth_k=[t.float() for t in inputs.depth_k], depth_v=[t.float() for t in inputs.depth_v])  # fmt: skip
+    return up, [t.float() for t in more], torch.bfloat16
 
 
-def _run_forward(q, k, v, depth_k, depth_v, documents, bias, *options, config=None):
-    (q, k, v), depth_k, depth_v, cast = _interpreter_upcast([q, k, v], depth_k, depth_v)
-    out, lse = forward(q, k, v, depth_k, depth_v, documents, bias, Options(*options), config)
+def _run_forward(inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None) -> tuple[Tensor, Tensor]:
+    inputs, _, cast = _interpreter_upcast(inputs)
+    out, lse = forward(inputs, opts, config)
     return (out if cast is None else out.to(cast)), lse
 
 
-def _run_backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, bias_grad, *options,
-                  config=None):  # fmt: skip
-    (grad_out, q, k, v, out), depth_k, depth_v, cast = _interpreter_upcast([grad_out, q, k, v, out], depth_k, depth_v)
-    *grads, dbias = backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, bias_grad,
-                             Options(*options), config)  # fmt: skip
-    return (*grads, dbias) if cast is None else (*(g.to(cast) for g in grads), dbias)
+def _run_backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None):
+    inputs, (grad_out, out), cast = _interpreter_upcast(inputs, grads.grad_out, grads.out)
+    *result, dbias = backward(grads._replace(grad_out=grad_out, out=out), inputs, opts, config)
+    return (*result, dbias) if cast is None else (*(g.to(cast) for g in result), dbias)
+
+
+# ---- torch.library ops -------------------------------------------------------------------------
+# Registered with torch.library.define / impl: the kernels run as they are. (A
+# torch.library.custom_op wraps them in a Python check over every input tensor,
+# which costs more than the kernels at the 2L depth entries of a model's call.)
+# Their arguments are the records of launch.py, field by field.
+torch.library.define("moda_flex::triton_forward", f"({schema(Inputs, Options)}) -> (Tensor, Tensor)")
+torch.library.define(
+    "moda_flex::triton_backward",
+    f"({schema(Grads, Inputs, Options)}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+
+
+@torch.library.impl("moda_flex::triton_forward", ("cuda", "cpu"))
+def _forward_op(*args):
+    """out (B, Hq, Tq, D) and lse (B, Hq, Tq) float32."""
+    return _run_forward(*unpack(args, Inputs, Options))
+
+
+@torch.library.register_fake("moda_flex::triton_forward")
+def _forward_fake(*args):
+    inputs, _ = unpack(args, Inputs, Options)
+    return outputs(inputs)
+
+
+@torch.library.impl("moda_flex::triton_backward", ("cuda", "cpu"))
+def _backward_op(*args):
+    """What :func:`.launch.gradients` describes, written."""
+    return _run_backward(*unpack(args, Grads, Inputs, Options))
+
+
+@torch.library.register_fake("moda_flex::triton_backward")
+def _backward_fake(*args):
+    grads, inputs, _ = unpack(args, Grads, Inputs, Options)
+    return gradients(inputs, grads.bias_grad)
+
+
+def _save(ctx, inputs: Inputs, opts: Options, out: Tensor, lse: Tensor) -> None:
+    """What the backward needs: the inputs, the results, the options, and whether the bias wants a gradient."""
+    flat, ctx.depth_lengths = saved(inputs)
+    ctx.save_for_backward(out, lse, *flat)
+    ctx.options = opts
+    ctx.bias_grad = inputs.bias is not None and inputs.bias.requires_grad
+
+
+def _setup_context(ctx, inputs, output):
+    _save(ctx, *unpack(inputs, Inputs, Options), *output)
+
+
+def _autograd_backward(ctx, grad_out, grad_lse, run_backward=None):
+    """Gradients of the op's arguments: q, k, v, depth_k, depth_v (depth in its input form), documents (None),
+    the bias, the options (None).
+
+    The eager path's backward too. The kernels' gradients have no graph: a backward under create_graph=True
+    is refused, rather than return second derivatives that are silently wrong.
+    """
+    refuse_create_graph("triton")
+    out, lse, *flat = ctx.saved_tensors
+    inputs = restored(Inputs, flat, ctx.depth_lengths)
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    grads = Grads(grad_out.contiguous(), grad_lse, out, lse, ctx.bias_grad)
+    if run_backward is None:
+        dq, dk, dv, ddk, ddv, dbias = torch.ops.moda_flex.triton_backward(*grads, *inputs, *ctx.options)
+    else:
+        dq, dk, dv, ddk, ddv, dbias = run_backward(grads, inputs, ctx.options)
+    depth_k, depth_v = grads_like(ddk, inputs.depth_k), grads_like(ddv, inputs.depth_v)
+    return (dq, dk, dv, depth_k, depth_v, None, dbias if ctx.bias_grad else None) + (None,) * len(ctx.options)
+
+
+torch.library.register_autograd("moda_flex::triton_forward", _autograd_backward, setup_context=_setup_context)
 
 
 class _EagerMoDA(torch.autograd.Function):
-    """The eager path: forward and backward kernels with autograd's bookkeeping and nothing more.
+    """The eager path: the same launches and autograd's bookkeeping, without the dispatcher's round trips.
 
     ``depth`` is the key entries then the value entries, ``n_depth`` of each.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, documents, bias, opts, config, n_depth, *depth):
-        depth_k, depth_v = list(depth[:n_depth]), list(depth[n_depth:])
-        out, lse = _run_forward(q, k, v, depth_k, depth_v, documents, bias, *opts, config=config)
-        ctx.save_for_backward(q, k, v, out, lse, documents, bias, *depth)
-        ctx.num_depth, ctx.options, ctx.config = n_depth, opts, config
+        inputs = Inputs(q, k, v, list(depth[:n_depth]), list(depth[n_depth:]), documents, bias)
+        out, lse = _run_forward(inputs, opts, config)
+        _save(ctx, inputs, opts, out, lse)
         ctx.bias_grad = ctx.needs_input_grad[4]
+        ctx.config = config
         return out, lse
 
     @staticmethod
@@ -75,91 +143,6 @@ class _EagerMoDA(torch.autograd.Function):
         run_backward = functools.partial(_run_backward, config=ctx.config)
         dq, dk, dv, ddk, ddv, _, dbias = _autograd_backward(ctx, grad_out, grad_lse, run_backward)[:7]
         return dq, dk, dv, None, dbias, None, None, None, *ddk, *ddv
-
-
-# Registered with torch.library.define / impl: the kernels run as they are. (A
-# torch.library.custom_op wraps them in a Python check over every input tensor,
-# which costs more than the kernels at the 2L depth entries of a model's call.)
-torch.library.define(
-    "moda_flex::triton_forward",
-    "(Tensor q, Tensor k, Tensor v, Tensor[] depth_k, Tensor[] depth_v, Tensor? documents, Tensor? bias, "
-    f"{_OPTIONS}) -> (Tensor, Tensor)",
-)
-torch.library.define(
-    "moda_flex::triton_backward",
-    "(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor[] depth_k, Tensor[] depth_v, "
-    f"Tensor out, Tensor lse, Tensor? documents, Tensor? bias, bool bias_grad, {_OPTIONS}) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-)
-
-
-@torch.library.impl("moda_flex::triton_forward", ("cuda", "cpu"))
-def _forward_op(q, k, v, depth_k, depth_v, documents, bias, *options):
-    """out (B, Hq, Tq, D) and lse (B, Hq, Tq) float32."""
-    return _run_forward(q, k, v, depth_k, depth_v, documents, bias, *options)
-
-
-@torch.library.register_fake("moda_flex::triton_forward")
-def _forward_fake(q, k, v, depth_k, depth_v, documents, bias, *options):
-    B, Hq, Tq, D = q.shape
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, Hq, Tq), dtype=torch.float32)
-
-
-@torch.library.impl("moda_flex::triton_backward", ("cuda", "cpu"))
-def _backward_op(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, bias_grad, *options):
-    """dq, dk, dv, the depth gradients as two (B, Hk, Tq, L, D) tensors whatever the depth form, and the bias's.
-
-    The bias's gradient has its shape with ``bias_grad``, else it is empty.
-    """
-    return _run_backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, bias_grad, *options)
-
-
-@torch.library.register_fake("moda_flex::triton_backward")
-def _backward_fake(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, bias_grad, *options):
-    fmt = torch.contiguous_format
-    B, Hk, Tq, D = k.shape[0], k.shape[1], q.shape[2], q.shape[3]
-    depth_shape = (B, Hk, Tq, slot_count(depth_k), D)
-    return (
-        torch.empty_like(q, memory_format=fmt),
-        torch.empty_like(k, memory_format=fmt),
-        torch.empty_like(v, memory_format=fmt),
-        q.new_empty(depth_shape),
-        q.new_empty(depth_shape),
-        torch.empty_like(bias) if bias_grad else q.new_empty(0),
-    )
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, depth_k, depth_v, documents, bias, *options = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, documents, bias, *depth_k, *depth_v)
-    ctx.num_depth = len(depth_k)
-    ctx.options = tuple(options)
-    # Not ctx.needs_input_grad: here it lists the flattened inputs, whose positions move with the depth entries.
-    ctx.bias_grad = bias is not None and bias.requires_grad
-
-
-def _autograd_backward(ctx, grad_out, grad_lse, run_backward=None):
-    """Gradients of q, k, v, depth_k, depth_v (depth in its input form), documents (None), the bias, the options.
-
-    The eager path's backward too. The kernels' gradients have no graph: a backward under create_graph=True
-    is refused, rather than return second derivatives that are silently wrong.
-    """
-    refuse_create_graph("triton")
-    (q, k, v, out, lse, documents, bias), depth = ctx.saved_tensors[:7], ctx.saved_tensors[7:]
-    depth_k, depth_v = list(depth[: ctx.num_depth]), list(depth[ctx.num_depth :])
-    if grad_out is None:
-        grad_out = torch.zeros_like(out)
-    run_backward = run_backward or torch.ops.moda_flex.triton_backward
-    dq, dk, dv, ddk, ddv, dbias = run_backward(
-        grad_out.contiguous(), grad_lse, q, k, v, depth_k, depth_v, out, lse, documents, bias, ctx.bias_grad,
-        *ctx.options,
-    )
-    grads = (dq, dk, dv, grads_like(ddk, depth_k), grads_like(ddv, depth_v), None, dbias if ctx.bias_grad else None)
-    return grads + (None,) * len(ctx.options)
-
-
-torch.library.register_autograd("moda_flex::triton_forward", _autograd_backward, setup_context=_setup_context)
 
 
 def triton_attention(
@@ -207,7 +190,7 @@ def triton_attention(
     if torch.compiler.is_compiling():
         if config is not None:
             raise ValueError("config= tunes eager calls; torch.compile traces the op with the default launches")
-        return torch.ops.moda_flex.triton_forward(q, k, v, depth_k, depth_v, documents, bias, *opts)
+        return torch.ops.moda_flex.triton_forward(*Inputs(q, k, v, depth_k, depth_v, documents, bias), *opts)
     # Eager: the same kernels behind a plain autograd.Function, without the
     # dispatcher round trips of a custom op (the call is host-bound at short lengths).
     return _EagerMoDA.apply(q, k, v, documents, bias, opts, config, len(depth_k), *depth_k, *depth_v)

@@ -1,0 +1,69 @@
+"""Call records: a kernel op's arguments as typed ``NamedTuple`` fields, the one place each argument is named.
+
+A kernel backend describes its op's arguments as records (the tensors, the
+options) and derives from them the ``torch.library`` schema
+(:func:`schema`), the op's unpacking of its flat arguments (:func:`unpack`)
+and what autograd saves (:func:`saved` / :func:`restored`). Adding an
+argument is adding a field.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, get_type_hints
+
+from torch import Tensor
+
+# A field's annotation -> its type in an op schema.
+_SCHEMA_TYPES = {Tensor: "Tensor", Optional[Tensor]: "Tensor?", list[Tensor]: "Tensor[]",
+                 float: "float", bool: "bool", int: "int"}  # fmt: skip
+
+
+def _fields(record: type[NamedTuple]) -> dict:
+    return get_type_hints(record)
+
+
+def schema(*records: type[NamedTuple]) -> str:
+    """The schema's arguments from the records' fields, in order: ``"Tensor q, ..., float scale, ..."``."""
+    return ", ".join(f"{_SCHEMA_TYPES[kind]} {name}" for record in records for name, kind in _fields(record).items())
+
+
+def unpack(args: tuple, *records: type[NamedTuple]) -> tuple:
+    """The op's flat positional ``args`` as one instance of each record, consecutive fields in order."""
+    out, at = [], 0
+    for record in records:
+        n = len(record._fields)
+        out.append(record(*args[at : at + n]))
+        at += n
+    if at != len(args):
+        raise TypeError(f"{len(args)} arguments for records of {at} fields")
+    return tuple(out)
+
+
+def saved(record: NamedTuple) -> tuple[list, tuple]:
+    """A record of tensors (a field may be None or a list) as a flat list for ``save_for_backward``, and the
+    list fields' lengths, for :func:`restored`."""
+    flat, lengths = [], []
+    for value in record:
+        if isinstance(value, (list, tuple)):
+            flat.extend(value)
+            lengths.append(len(value))
+        else:
+            flat.append(value)
+    return flat, tuple(lengths)
+
+
+def restored(record: type[NamedTuple], flat, lengths: tuple) -> NamedTuple:
+    """The record that :func:`saved` flattened into ``flat``."""
+    values, at, lists = [], 0, iter(lengths)
+    for kind in _fields(record).values():
+        if kind == list[Tensor]:
+            n = next(lists)
+            values.append(list(flat[at : at + n]))
+            at += n
+        else:
+            values.append(flat[at])
+            at += 1
+    if at != len(flat):
+        raise TypeError(f"{len(flat)} saved tensors for a record of {at}")
+    return record(*values)
+
