@@ -116,9 +116,9 @@ def main(argv=None) -> list:
         # The fused kernels run on CPU through Triton's interpreter, chosen before triton is imported.
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if args.flex_options is not None:
-        from moda_flex.backends.flex import function as flex_function
+        from moda_flex.backends.flex import scoring
 
-        flex_function.LEARNED_SCORE_KERNEL_OPTIONS = args.flex_options
+        scoring.LEARNED_SCORE_KERNEL_OPTIONS = args.flex_options
     dtype = torch.bfloat16 if device.type == "cuda" and not args.tiny else torch.float32
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"# {name}, torch {torch.__version__}, {dtype}, causal, forward + backward, cap {args.cap:g}, median ms")

@@ -69,12 +69,13 @@ def test_learned_bias_without_depth_slots(backend):
 def test_flex_spreads_learned_tensors_over_copies(kind):
     # The compiled path (CUDA) reads a learning tensor through stacked copies so
     # that FlexAttention's atomic adds do not collide; run that path eagerly.
-    from moda_flex.backends.flex.function import _copies, flex_moda
+    from moda_flex.backends.flex.function import flex_moda
+    from moda_flex.backends.flex.scoring import copies_of
 
     inputs = make_inputs(MoDAShape(1, 4, 2, 6, 9, 3, 8))
     score = EXAMPLES[kind]()
     (param,) = score.params
-    assert _copies(param) > 1 and _copies(param.detach()) == 1
+    assert copies_of(param) > 1 and copies_of(param.detach()) == 1
     variant = causal() & score
     leaves = [*inputs.values(), param]
     out, lse = flex_moda(*inputs.values(), variant, 8**-0.5, compiled=False, spread_grads=True)
@@ -91,14 +92,15 @@ def test_flex_spreads_learned_tensors_over_copies(kind):
 def test_flex_reads_a_tensor_used_whole_without_copies():
     # A score that computes with its tensor (not only indexes it) cannot read
     # it through a copy: it keeps the one tensor, and stays right.
-    from moda_flex.backends.flex.function import _reads_by_index, flex_moda
+    from moda_flex.backends.flex.function import flex_moda
+    from moda_flex.backends.flex.scoring import reads_by_index
 
     temperature = _learned(1)
     score = Score("depth_temperature", build=lambda q_heads, slots, t: (
         lambda s, b, h, q_pos, pos, slot, is_depth: torch.where(is_depth, s * (2 * t)[0], s)), params=(temperature,))
     variant = causal() & score
-    assert not _reads_by_index(variant, 4, 3)
-    assert _reads_by_index(causal() & depth_bias(_learned(4, 3)), 4, 3)
+    assert not reads_by_index(variant, 4, 3)
+    assert reads_by_index(causal() & depth_bias(_learned(4, 3)), 4, 3)
     inputs = make_inputs(MoDAShape(1, 4, 2, 6, 9, 3, 8))
     out, _ = flex_moda(*inputs.values(), variant, 8**-0.5, compiled=False, spread_grads=True)
     want, _ = moda_flex.backends.reference.reference_attention(*inputs.values(), variant, 8**-0.5)

@@ -1,10 +1,10 @@
 """The flex backend: MoDA through FlexAttention.
 
-Two designs (:mod:`.function`): ``"split"``, the default, runs the sequence
-part as FlexAttention itself is called and the depth part on its own, merged
-through the log-sum-exps; ``"concat"`` is one call over ``[sequence |
-chunk-packed depth]``, the expression the paper draws. Its layout (per batch
-and KV head)::
+Two designs (:mod:`.function`, whose ``DESIGN`` is the default): ``"split"``
+runs the sequence part as FlexAttention itself is called and the depth part
+on its own, merged through the log-sum-exps; ``"concat"`` is one call over
+``[sequence | chunk-packed depth]``, the expression the paper draws. Its
+layout (per batch and KV head)::
 
     rows     r = t * G + g          query token t, query head kv_head * G + g
     columns  [ k_0 ... k_{Tk-1} pad | depth(t=0, l=0..L-1) depth(t=1, ...) ... ]
@@ -17,12 +17,15 @@ no block mixes sequence keys and depth entries. The split design's depth
 call, for variants that read other tokens' depth, uses the same rows and the
 depth columns alone.
 
-- ``function.py``: the call: the designs, folding, the score, NaN handling, eager or compiled;
+- ``function.py``: the call: the designs, folding, NaN handling, eager or compiled;
+- ``scoring.py``: the variant's score as FlexAttention's ``score_mod``, and the copies of a learned tensor;
+- ``run.py``: one FlexAttention call, compiled, eager, or eager and differentiable on CPU;
 - ``block_mask.py``: each call's layout, its element mask and the BlockMask built from the variant's structure.
 """
 
 from .block_mask import BLOCK, moda_block_mask
-from .function import DESIGN, DESIGNS, eager_flex_with_grad, flex_attention_backend, flex_moda
+from .function import DESIGN, DESIGNS, flex_attention_backend, flex_moda
+from .run import eager_flex_with_grad
 
 __all__ = [
     "BLOCK",

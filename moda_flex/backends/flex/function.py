@@ -33,18 +33,18 @@ zeroed and the rows that see one come out NaN (:mod:`moda_flex.nonfinite`).
 from __future__ import annotations
 
 import functools
-import math
-import warnings
 from typing import NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from ... import nonfinite
 from ...variants import Variant
 from ..reference import visible_entries
-from .block_mask import Layout, depth_entry, folded_query, layout_lengths, moda_block_mask
+from .block_mask import Layout, moda_block_mask
+from .run import run_flex
+from . import scoring
+from .scoring import copies_of, probe_score, reads_by_index, score_mod, spread
 
 DESIGNS = ("split", "concat")
 # What backend="flex" runs. On an H100 (BENCHMARKS.md, "The flex path") "concat" took 0.80x the time of "split"
@@ -85,7 +85,7 @@ class _Plan(NamedTuple):
     the order of the call's block masks, and ``"products"`` for the depth by
     batched products; ``score_mods``: one per FlexAttention part (None
     without a score); ``copies``: how many stacked copies of each score
-    tensor the FlexAttention parts read (:func:`_spread`).
+    tensor the FlexAttention parts read (:func:`.scoring.spread`).
     """
 
     parts: tuple
@@ -118,7 +118,7 @@ def flex_moda(
     the lse: there, call the ``"concat"`` design (or a call without depth)
     with ``return_lse=False``. ``spread_grads`` (default: whether compiled)
     reads a score's learning tensors through stacked copies (see
-    :func:`_spread`). ``design``: one of :data:`DESIGNS`, default
+    :func:`.scoring.spread`). ``design``: one of :data:`DESIGNS`, default
     :data:`DESIGN`.
 
     Args:
@@ -150,14 +150,14 @@ def flex_moda(
     if variant.score is not None:
         # Check the params against this call, and the function on a grid of logits,
         # here: inside FlexAttention's tracing an error would lose its message.
-        _probe_score(variant.score.bind(Hq, L), q.device)
+        probe_score(variant.score.bind(Hq, L), q.device)
         params = variant.score.params
         spread = bool(compiled) if spread_grads is None else spread_grads
-        copies = tuple(_copies(p) if spread else 1 for p in params)
-        if max(copies, default=1) > 1 and not _reads_by_index(variant, Hq, L):
+        copies = tuple(copies_of(p) if spread else 1 for p in params)
+        if max(copies, default=1) > 1 and not reads_by_index(variant, Hq, L):
             copies = (1,) * len(params)
         score_mods = tuple(
-            _score_mod(variant, Layout.of(part, Tq, Tk, G, L), q_heads=Hq, slots=L, copies=copies, device=q.device)
+            score_mod(variant, Layout.of(part, Tq, Tk, G, L), q_heads=Hq, slots=L, copies=copies, device=q.device)
             for part in flex_parts
         )
     learns = any(p.requires_grad for p in params) and torch.is_grad_enabled()
@@ -166,7 +166,7 @@ def flex_moda(
         score_mods=score_mods,
         copies=copies,
         return_lse=return_lse,
-        kernel_options=dict(LEARNED_SCORE_KERNEL_OPTIONS) if learns and q.is_cuda and compiled else None,
+        kernel_options=dict(scoring.LEARNED_SCORE_KERNEL_OPTIONS) if learns and q.is_cuda and compiled else None,
     )
     core = _moda_core
     if compiled and not torch.compiler.is_compiling():  # inside a compiled model the model's graph holds it
@@ -206,10 +206,10 @@ def _moda_core(q, k, v, depth_k, depth_v, params: tuple, masks: tuple, variant: 
     # An empty tensor (a depth bias when L = 0) has no gradient to compute, and
     # the eager op fails on a buffer that requires grad yet is never read.
     params = [p.detach() if p.numel() == 0 else p for p in params]
-    buffers = tuple(_spread(p, n) for p, n in zip(params, plan.copies))
+    buffers = tuple(spread(p, n) for p, n in zip(params, plan.copies))
 
     def run(part, i, query, key, value, need_lse):
-        return _run_flex(query, key, value, masks[i], scale, plan.score_mods[i], buffers, need_lse=need_lse,
+        return run_flex(query, key, value, masks[i], scale, plan.score_mods[i], buffers, need_lse=need_lse,
                          enable_gqa=part == "sequence", kernel_options=plan.kernel_options)  # fmt: skip
 
     if plan.parts == ("concat",):
@@ -369,194 +369,3 @@ def _rows_seeing_nonfinite(variant: Variant, q_bad: Tensor, key_bad: Tensor, slo
     Tk, L = key_bad.shape[2], slot_bad.shape[3]
     seq_visible, depth_visible = visible_entries(variant, B, Hq, Tq, Tk, L, q_bad.device)
     return nonfinite.rows_seeing_dense(seq_visible, depth_visible, q_bad, key_bad, slot_bad, variant.own_depth_only)
-
-
-# Inductor's default FlexAttention tiles for a score whose tensors learn ask
-# an H100 for more shared memory than it has ("No valid triton configs" at
-# bf16, D=64); these options are the ones that compile there (see
-# benchmarks/bench_score.py).
-LEARNED_SCORE_KERNEL_OPTIONS = {"num_stages": 2}
-
-
-# FlexAttention sums a learning tensor's gradient by atomic adds from every
-# score entry it visits; into a small bias they collide (with a (6, 24) depth
-# bias a call on an H100 took 36x the time of one without; through the copies
-# 6x, BENCHMARKS.md). Stacked copies, each entry adding into the one its
-# (row, column) hashes to, spread them; their sum is the gradient.
-SPREAD_ELEMENTS = 2**20  # at most this many elements of copies per tensor
-MAX_COPIES = 1024
-
-
-def _copies(param: Tensor) -> int:
-    """How many stacked copies of ``param`` the score reads: 1 unless its gradient is computed."""
-    if not (param.requires_grad and torch.is_grad_enabled()):
-        return 1
-    return max(1, min(MAX_COPIES, SPREAD_ELEMENTS // max(param.numel(), 1)))
-
-
-def _spread(param: Tensor, copies: int) -> Tensor:
-    """``param`` as (copies, *param.shape), materialized, or ``param`` itself for one copy."""
-    if copies == 1:
-        return param
-    return param.unsqueeze(0).expand(copies, *param.shape).contiguous()
-
-
-class _Copy:
-    """A score's view of one copy of a stacked tensor: ``t[i]`` reads ``stacked[copy, i]``, in one index.
-
-    FlexAttention takes a score's tensor reads one scalar at a time, so the
-    copy is chosen inside the same index; the tensor's shape is readable.
-    """
-
-    def __init__(self, stacked: Tensor, copy):
-        self._stacked, self._copy = stacked, copy
-        self.shape, self.dtype, self.device = stacked.shape[1:], stacked.dtype, stacked.device
-        self.ndim = len(self.shape)
-
-    def dim(self) -> int:
-        return self.ndim
-
-    def __getitem__(self, index):
-        return self._stacked[(self._copy, *(index if isinstance(index, tuple) else (index,)))]
-
-
-def _reads_by_index(variant: Variant, q_heads: int, slots: int) -> bool:
-    """Whether the score reads its tensors only by indexing them (so through :class:`_Copy` too)."""
-    params = variant.score.params
-    copies = [_Copy(p.detach()[None], torch.zeros(1, dtype=torch.long, device=p.device)) for p in params]
-    try:
-        _probe_score(variant.score.bind(q_heads, slots, copies), params[0].device)
-    except (TypeError, AttributeError):  # an operation a _Copy does not offer
-        return False
-    return True
-
-
-# A grid of logits laid out like the reference's (B, Hq, Tq, N), every size
-# distinct and above 1, sequence and depth columns alternating.
-_PROBE_SHAPE = (2, 3, 4, 5)
-
-
-def _probe_score(fn, device) -> Tensor:
-    """The score function on the :data:`_PROBE_SHAPE` grid (logits 0, every index 0), as the reference calls it.
-
-    Inside FlexAttention every logit is a scalar, so a function that does not
-    keep the logit's shape (a reduction or a reshape over some axis) would run
-    there; on this grid it fails as on the reference, naming the shapes.
-    Index tensors have no 0-d one: Dynamo reads a 0-d integer tensor used as
-    an index as a Python int, a data-dependent value it cannot trace.
-    """
-    B, H, T, N = _PROBE_SHAPE
-
-    def zeros(*shape):
-        return torch.zeros(shape, dtype=torch.long, device=device)
-
-    is_depth = (torch.arange(N, device=device) % 2 == 1).view(1, 1, 1, N)
-    return fn(torch.zeros(_PROBE_SHAPE, device=device), zeros(B, 1, 1, 1), zeros(1, H, 1, 1), zeros(1, 1, T, 1),
-              zeros(1, 1, T, N), zeros(1, 1, 1, N), is_depth)  # fmt: skip
-
-
-def _run_flex(query, key, value, block_mask: BlockMask, scale, score_mod=None, params=(), *, need_lse: bool,
-              enable_gqa: bool, kernel_options=None):  # fmt: skip
-    """flex_attention on one part; returns out and the natural-log lse (None unless ``need_lse``).
-
-    ``score_mod(score, b, h, row, col, *params)`` or None; the public
-    function reads ``params`` from a closure, the eager op as buffers.
-    Inside a compiled graph this is the public function, which the graph
-    compiles.
-    """
-    closed = None if score_mod is None else (lambda score, b, h, row, col: score_mod(score, b, h, row, col, *params))
-    flex = functools.partial(
-        flex_attention,
-        query,
-        key,
-        value,
-        score_mod=closed,
-        block_mask=block_mask,
-        scale=scale,
-        enable_gqa=enable_gqa,
-        kernel_options=kernel_options,
-    )
-    if torch.compiler.is_compiling():
-        if not need_lse:
-            return flex(), None
-        out, aux = flex(return_aux=AuxRequest(lse=True))
-        return out, aux.lse
-    needs_grad = any(t.requires_grad for t in (query, key, value, *params)) and torch.is_grad_enabled()
-    if query.device.type == "cpu" and needs_grad:
-        return eager_flex_with_grad(query, key, value, block_mask, scale, score_mod, params)
-    with warnings.catch_warnings():
-        # Eager FlexAttention warns that it materializes scores; at test sizes
-        # that is the point.
-        warnings.simplefilter("ignore", UserWarning)
-        out, aux = flex(return_aux=AuxRequest(lse=True))
-    return out, aux.lse
-
-
-def eager_flex_with_grad(query, key, value, block_mask, scale, score_mod=None, params=()):
-    """FlexAttention's eager operator, differentiable on CPU.
-
-    The public ``flex_attention`` refuses CPU inputs that require grad, yet its
-    eager implementation (the higher-order op, plain PyTorch inside, which
-    repeats the KV heads for grouped queries) has a working backward. Calling
-    the op directly lets this backend, and the CPU tests of every gradient,
-    run there; CUDA always takes the public function.
-
-    Args:
-        query: (B, H, Tq, D); key, value: (B, H or a divisor of it, Tk, D).
-        block_mask: the ``BlockMask`` over (Tq, Tk).
-        scale: logit scale.
-        score_mod: ``(score, b, h, row, col, *params) -> score`` or None.
-        params: the tensors ``score_mod`` reads, as FlexAttention's score buffers.
-
-    Returns:
-        out (B, H, Tq, D) and lse (B, H, Tq), natural log.
-    """
-    from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_op
-    from torch.nn.attention.flex_attention import _apply_kernel_options
-
-    kernel_options = _apply_kernel_options(query, key, value, True, None)
-    score_mod = _no_score_mod if score_mod is None else score_mod
-    out, lse = flex_attention_op(
-        query, key, value, score_mod, block_mask.as_tuple(), scale, kernel_options, tuple(params)
-    )[:2]
-    # The op keeps its statistics in base 2.
-    return out, lse * math.log(2.0)
-
-
-def _no_score_mod(score, b, h, q_idx, kv_idx):
-    return score
-
-
-def _score_mod(variant: Variant, layout: Layout, *, q_heads: int, slots: int, copies, device):
-    """The variant's score over ``layout``'s rows and columns, as FlexAttention's score_mod.
-
-    Returns ``moda_score(score, b, h, row, col, *params)``, ``h`` the call's
-    head (a KV head for folded rows); ``params`` are the score's tensors (or
-    a backend's copies of them), each stacked ``copies[i]`` times by
-    :func:`_spread` where that is above 1. ``slots`` is the call's L, which
-    the score is bound to whatever columns the layout holds.
-    """
-    score = variant.score
-    groups, has_keys, has_depth = layout.groups, layout.seq_cols > 0, layout.slots > 0
-    dims = layout_lengths(layout, device)  # a compiled kernel reads the lengths as inputs
-
-    def moda_score(s, b, h, row, col, *params):
-        offset, _, last_key, seq_cols, slots_t = dims.unbind()
-        # 131 is odd and near a tile's width: a tile's entries hash to many copies.
-        params = [p if n == 1 else _Copy(p, (row * 131 + col) % n) for p, n in zip(params, copies)]
-        fn = score.bind(q_heads, slots, params)
-        _, q_pos, q_head = folded_query(h, row, groups, offset)
-        if not has_depth:  # sequence columns (and pad) only: the key's position
-            no_slot = torch.zeros_like(col)
-            return fn(s, b, q_head, q_pos, torch.minimum(col, last_key), no_slot, no_slot != 0)
-        # Depth columns: the entry's token and slot.
-        d_pos, d_slot = depth_entry(col, seq_cols, slots_t, offset)
-        if not has_keys:
-            return fn(s, b, q_head, q_pos, d_pos, d_slot, d_slot >= 0)
-        is_depth = col >= seq_cols
-        pos = torch.where(is_depth, d_pos, torch.minimum(col, last_key))
-        slot = torch.where(is_depth, d_slot, torch.zeros_like(d_slot))
-        return fn(s, b, q_head, q_pos, pos, slot, is_depth)
-
-    moda_score.__name__ = f"moda_{score.name}"
-    return moda_score
