@@ -12,20 +12,13 @@ property-tested, its gradient included, against the reference.
     python examples/custom_variant.py --examples 200
 """
 
-import sys
-from pathlib import Path
-
+import cli
 import torch
 from hypothesis import given, settings
 
-# `python -m moda_flex.visualize examples/custom_variant.py:attention_slots_only` loads this file by its path,
-# which puts no folder on sys.path: the command-line helpers beside it are found through this one.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cli  # noqa: E402
-
-from moda_flex import Variant, depth_bias, moda_attention  # noqa: E402
-from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs, moda_shapes  # noqa: E402
-from moda_flex.visualize import MaskView  # noqa: E402
+from moda_flex import Variant, depth_bias, moda_attention
+from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs, moda_shapes
+from moda_flex.visualize import MaskView
 
 
 def attention_slots_only() -> Variant:

@@ -48,6 +48,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import sys
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -406,7 +407,13 @@ def load_variant(spec: str) -> Variant:
             if location is None or not Path(module_name).is_file():
                 raise ImportError(f"no file {module_name}")
             module = importlib.util.module_from_spec(location)
-            location.loader.exec_module(module)
+            # As python runs a script: the file's folder first on the path, so that it imports its siblings.
+            folder = str(Path(module_name).resolve().parent)
+            sys.path.insert(0, folder)
+            try:
+                location.loader.exec_module(module)
+            finally:
+                sys.path.remove(folder)
         else:
             module = importlib.import_module(module_name)
     except ImportError as error:

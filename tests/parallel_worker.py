@@ -1,6 +1,6 @@
 """One rank of a data-parallel run of examples/train_gpt.py on CPU (gloo), for tests/test_train_parallel.py.
 
-    RANK=r WORLD_SIZE=w python tests/parallel_worker.py STORE GRADS [train_gpt flags...]
+    PYTHONPATH=examples RANK=r WORLD_SIZE=w python tests/parallel_worker.py STORE GRADS [train_gpt flags...]
 
 Joins the process group through a FileStore at STORE (no network port to
 pick), then, if GRADS is not empty, takes one training step's gradients
@@ -10,16 +10,14 @@ pick), then, if GRADS is not empty, takes one training step's gradients
 
 import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the examples import each other by name
-import train_gpt  # noqa: E402
-from gpt import GPT  # noqa: E402
-from training import Batches, Ranks, load_text, parallelize, split  # noqa: E402
+import train_gpt
+from gpt import GPT
+from training import Batches, Ranks, load_text, parallelize, split
 
 
 def first_gradients(flags: list[str], ranks: Ranks) -> tuple[float, dict]:

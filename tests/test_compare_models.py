@@ -2,16 +2,13 @@
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the examples import each other by name
-import comparison  # noqa: E402
-import compare_models  # noqa: E402
-import study  # noqa: E402
-import train_gpt  # noqa: E402
+import comparison
+import compare_models
+import study
+import train_gpt
 
 TINY = ["--device", "cpu", "--n-embd", "16", "--n-head", "2", "--n-kv-head", "1", "--batch-size", "2",
         "--block-size", "16", "--sweep-steps", "4", "--final-steps", "5", "--eval-interval", "2", "--eval-iters", "1",

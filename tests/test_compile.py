@@ -5,8 +5,6 @@ autograd that inductor also sees, without its slow codegen); one runs inductor.
 """
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,10 +13,9 @@ from moda_flex import DepthStream, depth_bias, moda_attention, softcap
 from moda_flex.nn import MoDAAttention
 from moda_flex.testing import MoDAShape, make_inputs
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from gpt import GPT, GPTConfig  # noqa: E402
+from gpt import GPT, GPTConfig
 
-from fused import TRITON, TRITON_DEVICE, needs_interpreter  # noqa: E402
+from fused import TRITON, TRITON_DEVICE, needs_interpreter
 
 CONFIG = GPTConfig(n_embd=32, n_head=4, n_kv_head=2, n_layer=3, vocab_size=64, block_size=16)
 

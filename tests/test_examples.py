@@ -12,19 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks")]  # the scripts import their siblings by name
-import ablation  # noqa: E402
-import comparison  # noqa: E402
-import custom_variant  # noqa: E402
-import gpt  # noqa: E402
-import train_gpt  # noqa: E402
-import visualize_attention  # noqa: E402
-from gpt import GPT, GPTConfig, load_checkpoint  # noqa: E402
-from progress import Progress, format_duration  # noqa: E402
-from training import CPUClock  # noqa: E402
+import ablation
+import comparison
+import custom_variant
+import gpt
+import train_gpt
+import visualize_attention
+from gpt import GPT, GPTConfig, load_checkpoint
+from progress import Progress, format_duration
+from training import CPUClock
 
-from moda_flex.nn import KVCache  # noqa: E402
+from moda_flex.nn import KVCache
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _model(depth_kv, norm, rope=True):

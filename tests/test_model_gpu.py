@@ -5,14 +5,11 @@ MoDA layer must read its tensors through the addresses the graph captured.
 """
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from gpt import GPT, GPTConfig  # noqa: E402
+from gpt import GPT, GPTConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import parallel_worker
+import train_gpt
+from training import Ranks
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests")]  # the examples import each other by name
-import parallel_worker  # noqa: E402
-import train_gpt  # noqa: E402
-from training import Ranks  # noqa: E402
 
 WORLD = 2
 TIMEOUT_S = 150  # a hang fails instead of stalling the suite
@@ -26,12 +26,13 @@ def _flags(data: Path, out: Path, *extra: str) -> list[str]:
 
 
 def _spawn(tmp_path: Path, grads: str, flags: list[str]) -> list[subprocess.CompletedProcess]:
-    """Run WORLD worker processes to the end; returns each one's result."""
+    """Run WORLD worker processes to the end (they import the examples by name); returns each one's result."""
     store = tmp_path / "store"
     procs = [
         subprocess.Popen(
             [sys.executable, str(ROOT / "tests" / "parallel_worker.py"), str(store), grads, *flags],
-            env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1"},
+            env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1",
+                 "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "examples"), os.environ.get("PYTHONPATH")]))},
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         )  # fmt: skip
         for rank in range(WORLD)

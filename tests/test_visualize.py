@@ -172,6 +172,17 @@ def test_command_line_loads_module_attribute(capsys):
     assert load_variant("moda_flex.variants:causal").name == "causal"
 
 
+def test_a_module_loaded_by_path_imports_its_siblings(tmp_path):
+    (tmp_path / "sibling_helper_of_masks.py").write_text("WINDOW = 3\n")
+    (tmp_path / "my_masks.py").write_text(
+        "import sibling_helper_of_masks\nfrom moda_flex import sliding_window\n"
+        "window = sliding_window(sibling_helper_of_masks.WINDOW)\n"
+    )
+    path_before = list(sys.path)
+    assert load_variant(f"{tmp_path / 'my_masks.py'}:window").name == "sliding_window(3)"
+    assert sys.path == path_before
+
+
 @pytest.mark.parametrize(
     "spec, message",
     [
