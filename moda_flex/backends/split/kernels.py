@@ -67,9 +67,10 @@ def _sanitize_kv_kernel(
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     DP: tl.constexpr,
+    FIND_FIRST: tl.constexpr,
 ):  # fmt: skip
-    """k, v (B, Hk, Tk, D) with non-finite vectors zeroed into ``KO``, ``VO`` (contiguous), and
-    ``FIRST[b, hk]`` lowered to the first token whose key or value holds a NaN or Inf."""
+    """k, v (B, Hk, Tk, D) with non-finite vectors zeroed into ``KO``, ``VO`` (contiguous), and with
+    ``FIND_FIRST`` ``FIRST[b, hk]`` lowered to the first token whose key or value holds a NaN or Inf."""
     pid_t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hk
@@ -84,8 +85,9 @@ def _sanitize_kv_kernel(
     out = b * so[0] + hk * so[1] + t[:, None] * so[2] + d[None, :]
     tl.store(KO + out, tl.where(k_ok, k, 0.0), mask=live)
     tl.store(VO + out, tl.where(v_ok, v, 0.0), mask=live)
-    bad = tl.sum((~k_ok | ~v_ok).to(tl.int32), 1) > 0
-    tl.atomic_min(FIRST + bh, tl.min(tl.where(bad, t, Tk), 0))
+    if FIND_FIRST:
+        bad = tl.sum((~k_ok | ~v_ok).to(tl.int32), 1) > 0
+        tl.atomic_min(FIRST + bh, tl.min(tl.where(bad, t, Tk), 0))
 
 
 @triton.jit

@@ -87,19 +87,20 @@ def _has_sequence(k: Tensor, opts: Options) -> bool:
     return opts.sequence and k.shape[2] > 0
 
 
-def _sanitized_kv(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """k, v (B, Hk, Tk, D) with non-finite vectors zeroed, and the first token holding one, (B, Hk) int32 (Tk: none)."""
+def _sanitized_kv(k: Tensor, v: Tensor, find_first: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """k, v (B, Hk, Tk, D) with non-finite vectors zeroed, and with ``find_first`` the first token holding one,
+    (B, Hk) int32 (Tk: none), else None."""
     from . import kernels
 
     B, Hk, Tk, D = k.shape
     k0 = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     v0 = torch.empty_like(k0)
-    first = torch.full((B, Hk), Tk, device=k.device, dtype=torch.int32)
+    first = torch.full((B, Hk), Tk, device=k.device, dtype=torch.int32) if find_first else None
     grid = (cdiv(Tk, _BLOCK_T_ELEMENTWISE), B * Hk)
     kernels._sanitize_kv_kernel[grid](
         K=k, V=v, KO=k0, VO=v0, FIRST=first,
         sk=k.stride(), sv=v.stride(), so=k0.stride(),
-        Hk=Hk, Tk=Tk, D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, next_pow2(D)),
+        Hk=Hk, Tk=Tk, D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, next_pow2(D)), FIND_FIRST=find_first,
     )  # fmt: skip
     return k0, v0, first
 
@@ -124,7 +125,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
     Hk, Tk, L = k.shape[1], k.shape[2], depth_k.shape[3]
     has_sequence = _has_sequence(k, opts)
     if has_sequence:
-        k0, v0, first = _sanitized_kv(k, v)
+        k0, v0, first = _sanitized_kv(k, v, find_first=True)
         kernel = sequence.kernel_for(q.device, D, Tq == Tk)
         out_s, lse_s = sequence.forward(kernel, q, k0, v0, opts.causal, opts.scale)
         out, lse = torch.empty_like(out_s), torch.empty_like(lse_s)
@@ -211,7 +212,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     q_c, out_c, grad_c, lse_c = _silenced(q, out, grad_out, lse)
     has_sequence = _has_sequence(k, opts)
     if has_sequence:
-        k0, v0, _ = _sanitized_kv(k, v)
+        k0, v0, _ = _sanitized_kv(k, v, find_first=False)  # the lse says which rows are dead
         if grad_lse is None:
             kernel = sequence.kernel_for(q.device, D, Tq == Tk)
             dq, dk, dv = sequence.backward(kernel, grad_c, q_c, k0, v0, out_c, lse_c, opts.causal, opts.scale)
