@@ -2,7 +2,7 @@
 
 A kernel backend describes its op's arguments as records (the tensors, the
 options) and derives from them the ``torch.library`` schema
-(:func:`schema`), the op's unpacking of its flat arguments (:func:`unpack`)
+(:func:`schema`, :func:`define`), the op's unpacking of its flat arguments (:func:`unpack`)
 and what autograd saves (:func:`saved` / :func:`restored`). Adding an
 argument is adding a field.
 """
@@ -11,11 +11,17 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional, get_type_hints
 
+import torch
 from torch import Tensor
 
 # A field's annotation -> its type in an op schema.
 _SCHEMA_TYPES = {Tensor: "Tensor", Optional[Tensor]: "Tensor?", list[Tensor]: "Tensor[]",
                  float: "float", bool: "bool", int: "int"}  # fmt: skip
+
+
+# The tensors every MoDA kernel call takes, as (name, type) fields of a record: q (B, Hq, Tq, D), k and v
+# (B, Hk, Tk, D), and depth K/V as the lists of :func:`moda_flex.depth.as_list`.
+ATTENTION = [("q", Tensor), ("k", Tensor), ("v", Tensor), ("depth_k", list[Tensor]), ("depth_v", list[Tensor])]
 
 
 def _fields(record: type[NamedTuple]) -> dict:
@@ -25,6 +31,11 @@ def _fields(record: type[NamedTuple]) -> dict:
 def schema(*records: type[NamedTuple]) -> str:
     """The schema's arguments from the records' fields, in order: ``"Tensor q, ..., float scale, ..."``."""
     return ", ".join(f"{_SCHEMA_TYPES[kind]} {name}" for record in records for name, kind in _fields(record).items())
+
+
+def define(op: str, *records: type[NamedTuple], returns: int) -> None:
+    """Define ``moda_flex::<op>``, whose arguments are the records' fields and which returns ``returns`` tensors."""
+    torch.library.define(f"moda_flex::{op}", f"({schema(*records)}) -> ({', '.join(['Tensor'] * returns)})")
 
 
 def unpack(args: tuple, *records: type[NamedTuple]) -> tuple:

@@ -60,6 +60,17 @@ def _program_rows(Hk, Tq, G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constex
 
 
 @triton.jit
+def _token_block(H, T, BLOCK_T: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    """An elementwise program's batch b and head h (grid axis 1 is B * H, and b * H + h), its BLOCK_T tokens t,
+    the head dim's lanes d, which tokens are real, and which (token, lane) entries are."""
+    bh = tl.program_id(1)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, DP)
+    t_ok = t < T
+    return bh // H, bh % H, bh, t, d, t_ok, t_ok[:, None] & (d < D)[None, :]
+
+
+@triton.jit
 def _sanitize_kv_kernel(
     K, V, KO, VO, FIRST,
     sk, sv, so,
@@ -71,13 +82,7 @@ def _sanitize_kv_kernel(
 ):  # fmt: skip
     """k, v (B, Hk, Tk, D) with non-finite vectors zeroed into ``KO``, ``VO`` (contiguous), and with
     ``FIND_FIRST`` ``FIRST[b, hk]`` lowered to the first token whose key or value holds a NaN or Inf."""
-    pid_t = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // Hk
-    hk = bh % Hk
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    d = tl.arange(0, DP)
-    live = (t < Tk)[:, None] & (d < D)[None, :]
+    b, hk, bh, t, d, _, live = _token_block(Hk, Tk, BLOCK_T, D, DP)
     k = tl.load(K + b * sk[0] + hk * sk[1] + t[:, None] * sk[2] + d[None, :], mask=live, other=0.0)
     v = tl.load(V + b * sv[0] + hk * sv[1] + t[:, None] * sv[2] + d[None, :], mask=live, other=0.0)
     k_ok = _finite(k)
@@ -183,14 +188,7 @@ def _prepare_backward_kernel(
 ):  # fmt: skip
     """The backward's inputs with dead rows (lse = NaN) silenced: q with non-finite entries zeroed, a dead
     row's o and dO zeroed and its lse +inf, so that its p is zero and every product it enters is exact."""
-    pid_t = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // Hq
-    h = bh % Hq
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    d = tl.arange(0, DP)
-    t_ok = t < Tq
-    live = t_ok[:, None] & (d < D)[None, :]
+    b, h, _, t, d, t_ok, live = _token_block(Hq, Tq, BLOCK_T, D, DP)
     lse = tl.load(LSE + b * sl[0] + h * sl[1] + t * sl[2], mask=t_ok, other=0.0)
     dead = lse != lse
     q = tl.load(Q + b * sq[0] + h * sq[1] + t[:, None] * sq[2] + d[None, :], mask=live, other=0.0)

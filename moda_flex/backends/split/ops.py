@@ -32,7 +32,7 @@ from torch import Tensor
 from ...depth import as_list, as_tensor, grads_like, slot_count
 from ..blocks import cdiv, next_pow2
 from ..first_order import refuse_create_graph
-from ..records import restored, saved, schema, unpack
+from ..records import ATTENTION, define, restored, saved, unpack
 from . import sequence
 
 _LOG2E = math.log2(math.e)
@@ -40,14 +40,8 @@ _MIN_DOT_ROWS = 16  # the least M of a Tensor Core dot
 _BLOCK_T_ELEMENTWISE = 64
 
 
-class Inputs(NamedTuple):
-    """A call's tensors, in the order the ops take them (the schema is written from these records)."""
-
-    q: Tensor  # (B, Hq, Tq, D)
-    k: Tensor  # (B, Hk, Tk, D)
-    v: Tensor
-    depth_k: list[Tensor]  # the depth list of :func:`moda_flex.depth.as_list`
-    depth_v: list[Tensor]
+# A call's tensors, in the order the ops take them: those of every kernel call (records.ATTENTION).
+Inputs = NamedTuple("Inputs", ATTENTION)
 
 
 class Grads(NamedTuple):
@@ -241,11 +235,8 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
 # The arguments are the records above, field by field. The ops run on CUDA, and on CPU under
 # Triton's interpreter (the tests), with SDPA's CPU flash op as the vendor.
 
-torch.library.define("moda_flex::split_forward", f"({schema(Inputs, Options)}) -> (Tensor, Tensor)")
-torch.library.define(
-    "moda_flex::split_backward",
-    f"({schema(Grads, Inputs, Options)}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-)
+define("split_forward", Inputs, Options, returns=2)
+define("split_backward", Grads, Inputs, Options, returns=5)
 
 
 @torch.library.impl("moda_flex::split_forward", ("cuda", "cpu"))

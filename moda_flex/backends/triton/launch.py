@@ -21,21 +21,15 @@ from torch import Tensor
 
 from ...depth import is_slab, slot_count
 from ..blocks import cdiv
+from ..records import ATTENTION
 from .configs import MIN_DOT_ROWS, ConfigHook, hopper_path, launch_config, next_pow2, padded_head_dim
 
 _LOG2E = math.log2(math.e)  # the kernels keep logits in base 2
 
 
-class Inputs(NamedTuple):
-    """A call's tensors, in the order the ops take them (the schema is written from these records)."""
-
-    q: Tensor  # (B, Hq, Tq, D)
-    k: Tensor  # (B, Hk, Tk, D)
-    v: Tensor
-    depth_k: list[Tensor]  # the depth list of :func:`moda_flex.depth.as_list`
-    depth_v: list[Tensor]
-    documents: Optional[Tensor]  # (3, Bd, Tk) int32 packed documents
-    bias: Optional[Tensor]  # the (L,) or (Hq, L) depth bias
+# A call's tensors, in the order the ops take them: those of every kernel call (records.ATTENTION), the
+# (3, Bd, Tk) int32 packed documents and the (L,) or (Hq, L) depth bias, each or None.
+Inputs = NamedTuple("Inputs", [*ATTENTION, ("documents", Optional[Tensor]), ("bias", Optional[Tensor])])
 
 
 class Grads(NamedTuple):

@@ -20,7 +20,7 @@ from torch import Tensor
 from ...depth import DepthKV, as_list, grads_like, slot_count
 from ...variants import Variant
 from ..first_order import refuse_create_graph
-from ..records import restored, saved, schema, unpack
+from ..records import define, restored, saved, unpack
 from .configs import ConfigHook
 from .launch import Grads, Inputs, Options, backward, forward, gradients, outputs
 from .support import score_args
@@ -52,15 +52,12 @@ def _run_backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[
 
 
 # ---- torch.library ops -------------------------------------------------------------------------
-# Registered with torch.library.define / impl: the kernels run as they are. (A
+# Defined (records.define) and implemented with torch.library: the kernels run as they are. (A
 # torch.library.custom_op wraps them in a Python check over every input tensor,
 # which costs more than the kernels at the 2L depth entries of a model's call.)
 # Their arguments are the records of launch.py, field by field.
-torch.library.define("moda_flex::triton_forward", f"({schema(Inputs, Options)}) -> (Tensor, Tensor)")
-torch.library.define(
-    "moda_flex::triton_backward",
-    f"({schema(Grads, Inputs, Options)}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-)
+define("triton_forward", Inputs, Options, returns=2)
+define("triton_backward", Grads, Inputs, Options, returns=6)
 
 
 @torch.library.impl("moda_flex::triton_forward", ("cuda", "cpu"))
