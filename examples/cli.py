@@ -121,6 +121,17 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
 
 
+def add_model_shape(parser: argparse.ArgumentParser, *, n_embd: int, n_head: int, n_kv_head: int, block_size: int,
+                    n_layer: int | None = None) -> None:
+    """The model's shape options with a script's defaults; ``--n-layer`` only where the script takes it."""
+    if n_layer is not None:
+        parser.add_argument("--n-layer", type=at_least(1), default=n_layer, help="blocks")
+    parser.add_argument("--n-embd", type=at_least(1), default=n_embd, help="model width")
+    parser.add_argument("--n-head", type=at_least(1), default=n_head, help="query heads")
+    parser.add_argument("--n-kv-head", type=at_least(1), default=n_kv_head, help="key/value heads (GQA)")
+    parser.add_argument("--block-size", type=at_least(1), default=block_size, help="context length in bytes")
+
+
 def add_backend(parser: argparse.ArgumentParser) -> None:
     """The ``--backend`` option: one of moda_flex's backend names, ``auto`` by default."""
     parser.add_argument("--backend", choices=BACKENDS, default="auto",

@@ -238,10 +238,7 @@ def parse_args(argv=None):
                    help="steps between points of the validation curve")
     p.add_argument("--eval-iters", type=cli.at_least(1), default=32, help="validation batches per point of the curve")
     p.add_argument("--batch-size", type=cli.at_least(1), default=32, help="sequences per step")
-    p.add_argument("--block-size", type=cli.at_least(1), default=512, help="context length in bytes")
-    p.add_argument("--n-embd", type=cli.at_least(1), default=384, help="model width")
-    p.add_argument("--n-head", type=cli.at_least(1), default=6, help="query heads")
-    p.add_argument("--n-kv-head", type=cli.at_least(1), default=2, help="key/value heads")
+    cli.add_model_shape(p, n_embd=384, n_head=6, n_kv_head=2, block_size=512)  # layers: per arm
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay of the matrices")
     p.add_argument("--skip-timing", type=cli.at_least(0), default=10,
                    help="first steps of a run left out of its step time")

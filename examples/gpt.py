@@ -177,14 +177,11 @@ def main(argv=None) -> str:
     p = cli.parser(__doc__)
     p.add_argument("--ckpt", help="a checkpoint written by train_gpt.py (default: a new, untrained model "
                    "from the shape flags, which a checkpoint overrides; --backend applies to both)")  # fmt: skip
-    p.add_argument("--n-layer", type=cli.at_least(1), default=defaults.n_layer, help="blocks")
-    p.add_argument("--n-embd", type=cli.at_least(1), default=defaults.n_embd, help="model width C")
-    p.add_argument("--n-head", type=cli.at_least(1), default=defaults.n_head, help="query heads")
-    p.add_argument("--n-kv-head", type=cli.at_least(1), default=defaults.n_kv_head, help="key/value heads (GQA)")
+    cli.add_model_shape(p, n_layer=defaults.n_layer, n_embd=defaults.n_embd, n_head=defaults.n_head,
+                        n_kv_head=defaults.n_kv_head, block_size=defaults.block_size)  # fmt: skip
     p.add_argument("--depth-kv", choices=DEPTH_KV, default=defaults.depth_kv,
                    help="which layers write depth K/V: none (the baseline), attn, attn+ffn")  # fmt: skip
     p.add_argument("--norm", choices=NORMS, default=defaults.norm, help="pre- or post-norm blocks")
-    p.add_argument("--block-size", type=cli.at_least(1), default=defaults.block_size, help="context length in bytes")
     cli.add_backend(p)
     p.add_argument("--prompt", default="The ", help="text the sample continues")
     p.add_argument("--tokens", type=cli.at_least(0), default=120, help="bytes to sample (0: none)")

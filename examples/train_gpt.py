@@ -165,11 +165,7 @@ def parse_args(argv=None):
     p.add_argument("--depth-kv", default="none,attn+ffn",
                    help=f"comma-separated, from {DEPTH_KV}: none is the baseline, attn+ffn the paper's MoDA")
     p.add_argument("--norm", default="pre", help=f"comma-separated, from {NORMS}")
-    p.add_argument("--n-layer", type=cli.at_least(1), default=4, help="blocks")
-    p.add_argument("--n-embd", type=cli.at_least(1), default=128, help="model width")
-    p.add_argument("--n-head", type=cli.at_least(1), default=4, help="query heads")
-    p.add_argument("--n-kv-head", type=cli.at_least(1), default=2, help="key/value heads (GQA)")
-    p.add_argument("--block-size", type=cli.at_least(1), default=128, help="context length in bytes")
+    cli.add_model_shape(p, n_layer=4, n_embd=128, n_head=4, n_kv_head=2, block_size=128)
     p.add_argument("--batch-size", type=cli.at_least(1), default=8, help="sequences per step, over all processes")
     p.add_argument("--steps", type=cli.at_least(1), default=400, help="training steps per model")
     p.add_argument("--lr", type=cli.positive_float, default=2e-3, help="peak learning rate (AdamW)")
