@@ -57,6 +57,27 @@ def test_matches_reference(shape, dtype, strided, entries, data):
     assert_matches_reference(inputs, backend="split", variant=variant)
 
 
+@pytest.mark.parametrize("form", ["slab", "entries"])
+def test_depth_read_in_place_whatever_its_strides(form):
+    """Depth read through its slot addresses: a slab whose head dim is not its last stride, or entries whose
+    strides differ from one another."""
+    shape = MoDAShape(batch=2, q_heads=4, kv_heads=2, q_len=7, kv_len=7, slots=3, head_dim=16)
+    inputs = make_inputs(shape, dtype=DTYPES[0], device=DEVICE)
+    B, Hk, T, L, D = inputs["depth_k"].shape
+    if form == "slab":  # (B, Hk, T, D, L) memory seen as (B, Hk, T, L, D)
+        for name in ("depth_k", "depth_v"):
+            inputs[name] = inputs[name].detach().transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_()
+        assert inputs["depth_k"].stride(-1) == L
+    else:
+        layouts = [lambda t: t, lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2),
+                   lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)]  # fmt: skip
+        for name in ("depth_k", "depth_v"):
+            entries = inputs[name].detach().unbind(3)
+            inputs[name] = [layout(e).requires_grad_() for layout, e in zip(layouts, entries, strict=True)]
+        assert len({e.stride() for e in inputs["depth_k"]}) == 3
+    assert_matches_reference(inputs, backend="split", variant=v.causal())
+
+
 @pytest.mark.parametrize("variant", [v.causal(), v.full(), v.depth_window(2), v.depth_only()], ids=lambda x: x.name)
 def test_the_lse_gradient(variant):
     """A loss of out and lse: the lse's gradient reaches the vendor's backward through its extra head lanes."""

@@ -24,7 +24,9 @@ backward such a dead row gets ``q = o = dO = 0`` and ``lse = +inf``
 gradient, in the vendor's backward as in the depth kernel's.
 
 Strides arrive as one tuple per tensor, in its axis order: ``sq`` is
-``q.stride()``, ``sk`` a depth slab's (b, h, t, l, d).
+``q.stride()``, ``sgk`` a depth gradient's (b, h, t, l, d). The depth slots
+are read where they lie, through their address table
+(:mod:`moda_flex.backends.slots`): ``sdk``, ``sdv`` are the slots' (b, h, t, d).
 """
 
 import triton
@@ -96,9 +98,25 @@ def _sanitize_kv_kernel(
 
 
 @triton.jit
+def _slot_tiles(DK_TAB, DV_TAB, cols, L, offset, sdk, sdv, d, tile, ELEM: tl.constexpr):
+    """Token ``offset``'s depth keys and values in slots ``cols``, (BLOCK_L, DP) each, zero off ``tile``.
+
+    Slot ``l`` lives at address ``DK_TAB[l]`` (``DV_TAB[l]``); ``offset`` is the
+    token's (b, h, t) offset inside a slot, in elements of the two sides'
+    strides ``sdk``, ``sdv`` (b, h, t, d), as a (key, value) pair.
+    """
+    ok = cols < L
+    k_slot = tl.load(DK_TAB + cols, mask=ok, other=0).to(tl.pointer_type(ELEM))
+    v_slot = tl.load(DV_TAB + cols, mask=ok, other=0).to(tl.pointer_type(ELEM))
+    kd = tl.load(k_slot[:, None] + offset[0] + d[None, :] * sdk[3], mask=tile, other=0.0)
+    vd = tl.load(v_slot[:, None] + offset[1] + d[None, :] * sdv[3], mask=tile, other=0.0)
+    return kd, vd
+
+
+@triton.jit
 def _depth_forward_kernel(
-    Q, DK, DV, OS, LS, FIRST, O, LO,
-    sq, sk, sv, sos, sls, so, slo,
+    Q, DK_TAB, DV_TAB, OS, LS, FIRST, O, LO,
+    sq, sdk, sdv, sos, sls, so, slo,
     Hk, Tq, Tk, L, depth_first, qk_scale,
     G: tl.constexpr,
     GP: tl.constexpr,
@@ -139,18 +157,17 @@ def _depth_forward_kernel(
         l_sum = tl.zeros((R,), tl.float32)
 
     slot_ids = tl.arange(0, BLOCK_L)
-    kbase = DK + b * sk[0] + hk * sk[1]
-    vbase = DV + b * sv[0] + hk * sv[1]
+    b64, hk64 = b.to(tl.int64), hk.to(tl.int64)  # a slab's offsets may pass 2**31
     for j in tl.static_range(BLOCK_T):
         tj = t0 + j
         own = rt == j
         slots_end = tl.where(tj < Tq, L, 0)  # a token past Tq has no slots
+        offset = (b64 * sdk[0] + hk64 * sdk[1] + tj * sdk[2], b64 * sdv[0] + hk64 * sdv[1] + tj * sdv[2])
         for l0 in range(depth_first, L, BLOCK_L):
             cols = l0 + slot_ids
             visible = cols < slots_end
             tile = visible[:, None] & d_ok[None, :]
-            kd = tl.load(kbase + tj * sk[2] + cols[:, None] * sk[3] + d[None, :], mask=tile, other=0.0)
-            vd = tl.load(vbase + tj * sv[2] + cols[:, None] * sv[3] + d[None, :], mask=tile, other=0.0)
+            kd, vd = _slot_tiles(DK_TAB, DV_TAB, cols, L, offset, sdk, sdv, d, tile, ELEM=Q.dtype.element_ty)
             kd_ok = _finite(kd)
             vd_ok = _finite(vd)
             slot_bad = tl.sum((~kd_ok | ~vd_ok).to(tl.int32), 1) > 0
@@ -203,8 +220,8 @@ def _prepare_backward_kernel(
 
 @triton.jit
 def _depth_backward_kernel(
-    Q, DK, DV, O, DO, LSE, GLSE, DQ, DDK, DDV,
-    sq, sk, sv, so, sdo, sl, sgl, sdq, sgk, sgv,
+    Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV,
+    sq, sdk, sdv, so, sdo, sl, sgl, sdq, sgk, sgv,
     Hk, Tq, L, depth_first, scale, qk_scale,
     G: tl.constexpr,
     GP: tl.constexpr,
@@ -236,21 +253,20 @@ def _depth_backward_kernel(
     dq = tl.zeros((R, DP), tl.float32)
 
     slot_ids = tl.arange(0, BLOCK_L)
-    kbase = DK + b * sk[0] + hk * sk[1]
-    vbase = DV + b * sv[0] + hk * sv[1]
-    gkbase = DDK + b * sgk[0] + hk * sgk[1]
-    gvbase = DDV + b * sgv[0] + hk * sgv[1]
+    b64, hk64 = b.to(tl.int64), hk.to(tl.int64)  # a slab's offsets may pass 2**31
+    gkbase = DDK + b64 * sgk[0] + hk64 * sgk[1]
+    gvbase = DDV + b64 * sgv[0] + hk64 * sgv[1]
     for j in tl.static_range(BLOCK_T):
         tj = t0 + j
         own = (rt == j) & row_ok
         slots_end = tl.where(tj < Tq, L, 0)  # a token past Tq has no slots
+        offset = (b64 * sdk[0] + hk64 * sdk[1] + tj * sdk[2], b64 * sdv[0] + hk64 * sdv[1] + tj * sdv[2])
         for l0 in range(0, L, BLOCK_L):
             cols = l0 + slot_ids
             stored = cols < slots_end
             visible = stored & (cols >= depth_first)
             tile = visible[:, None] & d_ok[None, :]
-            kd = tl.load(kbase + tj * sk[2] + cols[:, None] * sk[3] + d[None, :], mask=tile, other=0.0)
-            vd = tl.load(vbase + tj * sv[2] + cols[:, None] * sv[3] + d[None, :], mask=tile, other=0.0)
+            kd, vd = _slot_tiles(DK_TAB, DV_TAB, cols, L, offset, sdk, sdv, d, tile, ELEM=Q.dtype.element_ty)
             # masked slots' products still meet other rows' p = 0: read their non-finite entries as zero
             kd = tl.where(_finite(kd), kd, 0.0)
             vd = tl.where(_finite(vd), vd, 0.0)

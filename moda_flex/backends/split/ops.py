@@ -29,10 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...depth import as_list, as_tensor, grads_like, slot_count
+from ...depth import as_list, grads_like, slot_count
 from ..blocks import cdiv, next_pow2
 from ..first_order import refuse_create_graph
 from ..records import ATTENTION, define, restored, saved, unpack
+from ..slots import depth_args
 from . import sequence
 
 _LOG2E = math.log2(math.e)
@@ -99,24 +100,13 @@ def _sanitized_kv(k: Tensor, v: Tensor, find_first: bool) -> tuple[Tensor, Tenso
     return k0, v0, first
 
 
-def _slabs(q: Tensor, k: Tensor, depth_k: list[Tensor], depth_v: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """The op's depth lists as two (B, Hk, Tq, L, D) tensors: each slab itself, or its L entries stacked.
-
-    The stack is a temporary of the launch: the op saves the entries, not it,
-    so a model whose layers read ever more entries holds each entry once.
-    """
-    entry = k.new_empty(q.shape[0], k.shape[1], q.shape[2], q.shape[3])  # (B, Hk, Tq, D): the form of L = 0
-    return _unit_last(as_tensor(depth_k, entry)), _unit_last(as_tensor(depth_v, entry))
-
-
 def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], opts: Options):
     """out (B, Hq, Tq, D) and lse in the vendor's layouts (the lse natural-log, float32)."""
     from . import kernels
 
     q, k, v = (_unit_last(t) for t in (q, k, v))
-    depth_k, depth_v = _slabs(q, k, depth_k, depth_v)
     B, Hq, Tq, D = q.shape
-    Hk, Tk, L = k.shape[1], k.shape[2], depth_k.shape[3]
+    Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
     has_sequence = _has_sequence(k, opts)
     if has_sequence:
         k0, v0, first = _sanitized_kv(k, v, find_first=True)
@@ -132,10 +122,10 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
     ls, lo = sequence.lse_view(lse_s), sequence.lse_view(lse)
     layout = _layout(q, Hk, L)
     grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
+    depth, _held = depth_args(depth_k, depth_v, L, q.device)  # _held: alive until launched
     kernels._depth_forward_kernel[grid](
-        Q=q, DK=depth_k, DV=depth_v, OS=out_s, LS=ls, FIRST=first, O=out, LO=lo,
-        sq=q.stride(), sk=depth_k.stride(), sv=depth_v.stride(), sos=out_s.stride(), sls=ls.stride(),
-        so=out.stride(), slo=lo.stride(),
+        Q=q, OS=out_s, LS=ls, FIRST=first, O=out, LO=lo, **depth,
+        sq=q.stride(), sos=out_s.stride(), sls=ls.stride(), so=out.stride(), slo=lo.stride(),
         Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, qk_scale=opts.scale * _LOG2E,
         **layout, HAS_SEQ=has_sequence, CAUSAL=opts.causal,
     )  # fmt: skip
@@ -193,9 +183,8 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     from . import kernels
 
     q, k, v = (_unit_last(t) for t in (q, k, v))
-    depth_k, depth_v = _slabs(q, k, depth_k, depth_v)
     B, Hq, Tq, D = q.shape
-    Hk, Tk, L = k.shape[1], k.shape[2], depth_k.shape[3]
+    Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
     grad_out = torch.zeros_like(out) if grad_out is None else grad_out
     if grad_out.stride() != out.stride():  # the vendor's backward reads dO in out's layout
         grad_out = torch.empty_like(out).copy_(grad_out)
@@ -221,9 +210,10 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     glse = lv if grad_lse is None else sequence.lse_view(grad_lse).float()
     layout = _layout(q, Hk, L)
     grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
+    depth, _held = depth_args(depth_k, depth_v, L, q.device)  # _held: alive until launched
     kernels._depth_backward_kernel[grid](
-        Q=q_c, DK=depth_k, DV=depth_v, O=out_c, DO=grad_c, LSE=lv, GLSE=glse, DQ=dq, DDK=ddk, DDV=ddv,
-        sq=q_c.stride(), sk=depth_k.stride(), sv=depth_v.stride(), so=out_c.stride(), sdo=grad_c.stride(),
+        Q=q_c, O=out_c, DO=grad_c, LSE=lv, GLSE=glse, DQ=dq, DDK=ddk, DDV=ddv, **depth,
+        sq=q_c.stride(), so=out_c.stride(), sdo=grad_c.stride(),
         sl=lv.stride(), sgl=glse.stride(), sdq=dq.stride(), sgk=ddk.stride(), sgv=ddv.stride(),
         Hk=Hk, Tq=Tq, L=L, depth_first=opts.depth_first, scale=opts.scale, qk_scale=opts.scale * _LOG2E,
         **layout, DQ_ADD=has_sequence, HAS_GLSE=grad_lse is not None,
@@ -303,8 +293,8 @@ def split_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: T
         q: (B, Hq, Tq, D), float16 or bfloat16 (float32 on CPU, under the interpreter).
         k, v: (B, Hk, Tk, D); ``Tq == Tk`` for a causal mask.
         depth_k, depth_v: (B, Hk, Tq, L, D), any strides (read in place), or a
-            sequence of L (B, Hk, Tq, D) entries (stacked for the launch, saved
-            as they are: each gets its own gradient).
+            sequence of L (B, Hk, Tq, D) entries; either read in place through
+            a table of slot addresses (each entry gets its own gradient).
         variant: causal or full, with the default depth mask, a depth window
             or depth-only (:func:`moda_flex.backends.split.unsupported_reason`).
         scale: logit scale.

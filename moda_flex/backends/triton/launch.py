@@ -1,10 +1,8 @@
-"""Launchers of the Triton kernels: the call's options, grids, descriptors and every kernel argument by name.
+"""Launchers of the Triton kernels: the call's records, grids, descriptors and every kernel argument by name.
 
-Depth K/V reach the launchers as the ops' list (:func:`moda_flex.depth.as_list`):
-either one (B, Hk, Tq, L, D) tensor, or L per-slot (B, Hk, Tq, D) tensors
-(the entries earlier layers wrote). The kernels read slot ``l`` through a
-table of slot addresses, so neither form is copied. A fused score reaches
-them as the depth bias tensor and the cap (:func:`.support.score_args`).
+Depth K/V, a slab or a model's entries, are read in place through a table of
+slot addresses (:mod:`moda_flex.backends.slots`). A fused score reaches the
+kernels as the depth bias tensor and the cap (:func:`.support.score_args`).
 
 Block sizes come from :func:`.configs.launch_config`, which a ``config=``
 hook of :func:`moda_flex.backends.triton.triton_attention` may change for
@@ -19,9 +17,10 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ...depth import is_slab, slot_count
+from ...depth import slot_count
 from ..blocks import cdiv
 from ..records import ATTENTION
+from ..slots import depth_args
 from .configs import MIN_DOT_ROWS, ConfigHook, hopper_path, launch_config, next_pow2, padded_head_dim
 
 _LOG2E = math.log2(math.e)  # the kernels keep logits in base 2
@@ -76,51 +75,6 @@ def _tile_descriptor(t: Tensor, block_n: int):
 
 
 
-def _slot_table(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device):
-    """Addresses of the L key slots then the L value slots, (2L,) int64 on the device, and each side's strides.
-
-    Returns:
-        table, key strides (b, h, t, d), value strides (b, h, t, d), and the
-        tensors the addresses point into. Entries of one side that disagree on
-        strides are copied to contiguous ones first: the caller must hold the
-        returned tensors until the kernel is launched.
-    """
-    addresses, strides, held = [], [], []
-    for depth in (depth_k, depth_v):
-        if is_slab(depth):
-            t = depth[0]  # (B, Hk, Tq, L, D): slot l sits l slot-strides after slot 0
-            step = t.stride(3) * t.element_size()
-            addresses += range(t.data_ptr(), t.data_ptr() + L * step, step) if step else [t.data_ptr()] * L
-            strides.append((t.stride(0), t.stride(1), t.stride(2), t.stride(4)))
-            continue
-        strides_seen = {t.stride() for t in depth}
-        if len(strides_seen) > 1:
-            depth = [t.contiguous() for t in depth]
-            strides_seen = {t.stride() for t in depth}
-        addresses += [t.data_ptr() for t in depth]
-        strides.append(strides_seen.pop() if strides_seen else (0, 0, 0, 0))
-        held.append(depth)
-    return _device_table(tuple(addresses or [0]), device), strides[0], strides[1], held
-
-
-# Pinned host copies of the slot tables, by device and addresses. A CUDA graph captures a table's copy from
-# its host buffer and replays it, with the addresses the graph's memory keeps: the buffer must outlive the graph
-# and never change, so each set of addresses has one, kept (a model meets few: the allocator reuses addresses).
-_HOST_TABLES: dict = {}
-
-
-def _device_table(addresses: tuple, device: torch.device) -> Tensor:
-    """(len(addresses),) int64 on ``device``, copied without a wait from a pinned buffer cached by its contents."""
-    if device.type != "cuda":
-        return torch.tensor(addresses, dtype=torch.int64)
-    key = (device, addresses)
-    host = _HOST_TABLES.get(key)
-    if host is None:
-        host = _HOST_TABLES[key] = torch.tensor(addresses, dtype=torch.int64).pin_memory()
-    return host.to(device, non_blocking=True)
-
-
-
 def _placeholder(device: torch.device) -> Tensor:
     """A never-read int32 pointer argument for a launch without documents or bias.
 
@@ -161,12 +115,6 @@ def _bias_args(bias: Optional[Tensor], like: Tensor) -> dict:
     return dict(BIAS=f32, sbias=(0, f32.stride(0)) if f32.dim() == 1 else f32.stride(), HAS_BIAS=True)
 
 
-def _depth_args(depth_k: list[Tensor], depth_v: list[Tensor], L: int, like: Tensor):
-    """The depth slots' arguments (address tables and strides), and the tensors to hold until the launch."""
-    table, sdk, sdv, held = _slot_table(depth_k, depth_v, L, like.device)
-    return dict(DK_TAB=table, DV_TAB=table[L:], sdk=sdk, sdv=sdv), held
-
-
 def outputs(inputs: Inputs) -> tuple[Tensor, Tensor]:
     """The forward's results, unwritten (the launch's and the op's fake): out (B, Hq, Tq, D) contiguous, lse
     (B, Hq, Tq) float32."""
@@ -202,7 +150,7 @@ def forward(inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None) 
     layout = _layout_args(q, k)
     has_depth = L > opts.depth_first
     cfg = launch_config(q, layout["G"], "fwd", config, has_depth=has_depth, hopper=hopper_path(q, k, v))
-    depth, _held = _depth_args(depth_k, depth_v, L, q)  # _held: alive until launched
+    depth, _held = depth_args(depth_k, depth_v, L, q.device)  # _held: alive until launched
     block_t = cfg["BLOCK_M"] // layout["GP"]
     grid = (cdiv(Tq, block_t), B * Hk)
     tiles = dict(QD=None, KD=None, VD=None)
@@ -272,7 +220,7 @@ def _launch_dq(grads: Grads, inputs: Inputs, opts: Options, cfg: dict, dq: Tenso
     has_depth = L > opts.depth_first
     delta = torch.empty_like(lse)
     glse = delta if grad_lse is None else grad_lse.float().contiguous()
-    depth, _held = _depth_args(depth_k, depth_v, L, q)  # _held: alive until launched
+    depth, _held = depth_args(depth_k, depth_v, L, q.device)  # _held: alive until launched
     grid = (cdiv(Tq, cfg["BLOCK_M"] // layout["GP"]), B * Hk)
     tiles = dict(KD=None, VD=None)
     if cfg["TMA"]:

@@ -1,0 +1,66 @@
+"""Depth slots read where they lie: the address table the kernels of both kernel backends read them through.
+
+Depth K/V reach a launch as the ops' list (:func:`moda_flex.depth.as_list`):
+either one (B, Hk, Tq, L, D) tensor, or L per-slot (B, Hk, Tq, D) tensors
+(the entries earlier layers wrote). A kernel reads slot ``l`` at address
+``DK_TAB[l]`` (values ``DV_TAB[l]``) plus the shared (b, h, t, d) strides,
+so neither form is copied.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..depth import is_slab
+
+
+def slot_table(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device):
+    """Addresses of the L key slots then the L value slots, (2L,) int64 on the device, and each side's strides.
+
+    Returns:
+        table, key strides (b, h, t, d), value strides (b, h, t, d), and the
+        tensors the addresses point into. Entries of one side that disagree on
+        strides are copied to contiguous ones first: the caller must hold the
+        returned tensors until the kernel is launched.
+    """
+    addresses, strides, held = [], [], []
+    for depth in (depth_k, depth_v):
+        if is_slab(depth):
+            t = depth[0]  # (B, Hk, Tq, L, D): slot l sits l slot-strides after slot 0
+            step = t.stride(3) * t.element_size()
+            addresses += range(t.data_ptr(), t.data_ptr() + L * step, step) if step else [t.data_ptr()] * L
+            strides.append((t.stride(0), t.stride(1), t.stride(2), t.stride(4)))
+            continue
+        strides_seen = {t.stride() for t in depth}
+        if len(strides_seen) > 1:
+            depth = [t.contiguous() for t in depth]
+            strides_seen = {t.stride() for t in depth}
+        addresses += [t.data_ptr() for t in depth]
+        strides.append(strides_seen.pop() if strides_seen else (0, 0, 0, 0))
+        held.append(depth)
+    return device_table(tuple(addresses or [0]), device), strides[0], strides[1], held
+
+
+# Pinned host copies of the slot tables, by device and addresses. A CUDA graph captures a table's copy from
+# its host buffer and replays it, with the addresses the graph's memory keeps: the buffer must outlive the graph
+# and never change, so each set of addresses has one, kept (a model meets few: the allocator reuses addresses).
+_HOST_TABLES: dict = {}
+
+
+def device_table(addresses: tuple, device: torch.device) -> Tensor:
+    """(len(addresses),) int64 on ``device``, copied without a wait from a pinned buffer cached by its contents."""
+    if device.type != "cuda":
+        return torch.tensor(addresses, dtype=torch.int64)
+    key = (device, addresses)
+    host = _HOST_TABLES.get(key)
+    if host is None:
+        host = _HOST_TABLES[key] = torch.tensor(addresses, dtype=torch.int64).pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def depth_args(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device) -> tuple[dict, list]:
+    """The kernels' depth arguments, ``DK_TAB``, ``DV_TAB`` (the key and value slots' addresses) and ``sdk``,
+    ``sdv`` (their (b, h, t, d) strides), and the tensors to hold until the launch."""
+    table, sdk, sdv, held = slot_table(depth_k, depth_v, L, device)
+    return dict(DK_TAB=table, DV_TAB=table[L:], sdk=sdk, sdv=sdv), held
