@@ -704,7 +704,7 @@ def _triton_block_backward(block: _Block, inputs: list[Tensor], rows: _Rows, sca
     s = block.variant.structure
     documents = None if s.documents is None else s.documents.packed.to(q.device)
     window = 0 if s.window is None else int(s.window)
-    options = Options(scale, bool(s.causal), window, _depth_first(s, depth_k), bool(s.sequence), 0.0, False)
+    options = Options(scale, bool(s.causal), window, s.first_slot(depth_k.shape[3]), bool(s.sequence), 0.0, False)
     grads = Grads(
         grad_out=rows.grad_out[b, :, r].to(rows.compute_dtype).contiguous(),
         grad_lse=rows.grad_lse[b, :, r].float().contiguous(),
@@ -736,12 +736,6 @@ def _kernel_inputs(inputs: list[Tensor], dtype: torch.dtype) -> tuple[Tensor, Te
     if not depth:
         depth = [q.new_empty(*kv.shape[1:3], q.shape[2], 0, q.shape[3])] * 2  # (b, Hk, rows, 0, D)
     return q, kv, depth[0], depth[1]
-
-
-def _depth_first(structure: Structure, depth_k: Tensor) -> int:
-    """The first depth slot a bounded depth window leaves visible (0: all), as the kernel ops take it."""
-    L = depth_k.shape[3]
-    return 0 if structure.depth_window is None else max(0, L - structure.depth_window)
 
 
 def _recomputed_block_backward(block: _Block, inputs: list[Tensor], rows: _Rows, ring: _Ring) -> tuple[Tensor, ...]:

@@ -218,6 +218,10 @@ class Structure:
             hi = torch.minimum(hi, end[:, pos] - 1)
         return lo, hi
 
+    def first_slot(self, slots: int) -> int:
+        """The first of ``slots`` depth slots a token sees: a depth window leaves only its last ones (0: all)."""
+        return 0 if self.depth_window is None else max(0, slots - self.depth_window)
+
     def depth_spans(self, q_len: int, kv_len: int, slots: int, device) -> tuple[Tensor, Tensor, int]:
         """Per query token ``t``, the tokens ``[d_lo, d_hi]`` whose depth slots ``slot_lo .. L-1`` it reads.
 
@@ -232,8 +236,7 @@ class Structure:
             chunk, offset = self.depth_chunk, kv_len - q_len
             # Chunks are of absolute positions; depth exists only for query tokens.
             d_lo = (((t + offset) // chunk) * chunk - offset).clamp(min=0)
-        slot_lo = 0 if self.depth_window is None else max(0, slots - self.depth_window)
-        return d_lo, t, slot_lo
+        return d_lo, t, self.first_slot(slots)
 
 
 def _min_optional(a: Optional[int], b: Optional[int]) -> Optional[int]:

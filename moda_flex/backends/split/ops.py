@@ -306,7 +306,7 @@ def split_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: T
     s = variant.structure
     depth_k, depth_v = as_list(depth_k), as_list(depth_v)
     L = slot_count(depth_k)
-    depth_first = 0 if s.depth_window is None else max(0, L - s.depth_window)
+    depth_first = s.first_slot(L)
     opts = Options(float(scale), bool(s.causal), bool(s.sequence), depth_first)
     out, lse = torch.ops.moda_flex.split_forward(*Inputs(q, k, v, depth_k, depth_v), *opts)
     return out, sequence.lse_view(lse)
@@ -326,7 +326,7 @@ def split_backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: 
     """
     s = variant.structure
     L = depth_k.shape[3]
-    depth_first = 0 if s.depth_window is None else max(0, L - s.depth_window)
+    depth_first = s.first_slot(L)
     lse = sequence.lse_layout(sequence.kernel_for(q.device, q.shape[-1], q.shape[2] == k.shape[2]), lse.contiguous())
     opts = Options(float(scale), bool(s.causal), bool(s.sequence), depth_first)
     grads, inputs = Grads(grad_out, grad_lse, out, lse), Inputs(q, k, v, [depth_k], [depth_v])

@@ -180,7 +180,7 @@ def triton_attention(
     documents = None if s.documents is None else s.documents.packed.to(q.device)
     depth_k, depth_v = as_list(depth_k), as_list(depth_v)
     L = slot_count(depth_k)
-    depth_first = 0 if s.depth_window is None else max(0, L - s.depth_window)
+    depth_first = s.first_slot(L)
     window = 0 if s.window is None else int(s.window)
     bias, softcap, bias_first = score_args(variant.score, q.shape[1], L)
     opts = Options(float(scale), bool(s.causal), window, depth_first, bool(s.sequence), float(softcap), bias_first)
