@@ -46,6 +46,39 @@ ARMS = ("none", "attn", "attn+ffn")
 MODES = ("eager", "compiled", "reduce-overhead")
 
 
+# What a kernel's name says it computes, first match wins: the vendor's attention (the sequence part, and all
+# of the baseline's attention), our kernels (the fused MoDA kernels, which also do the sequence part, and the
+# split path's depth and NaN kernels; the merge is fused into its depth forward), cuBLAS's products, the rest.
+KERNEL_KINDS = (
+    ("sequence", ("flash", "fmha", "cudnn", "attention")),  # first: FlashAttention has a "convert_dq_kernel"
+    ("depth", ("forward_kernel", "dq_kernel", "dkdv_kernel", "_depth_", "_sanitize_kv", "_prepare_backward")),
+    ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "ampere", "sm90")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The part of a step a GPU kernel belongs to: one of :data:`KERNEL_KINDS`' names, else ``other``."""
+    lowered = name.lower()
+    for kind, patterns in KERNEL_KINDS:
+        if any(pattern in lowered for pattern in patterns):
+            return kind
+    return "other"
+
+
+def time_split(kernel_us: dict[str, float], steps: int, step_ms: float) -> dict[str, float]:
+    """Per step: GPU ms of each kernel kind, and the host gap, the step's time the GPU did not spend on kernels.
+
+    Args:
+        kernel_us: each kernel name's own GPU time (us) over ``steps`` profiled steps.
+        step_ms: the step's median time measured without the profiler.
+    """
+    split = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
+    for name, us in kernel_us.items():
+        split[kernel_kind(name)] += us / 1e3 / steps
+    split["host gap"] = max(0.0, step_ms - sum(split.values()))
+    return split
+
+
 def depth_reads(config: GPTConfig) -> int:
     """Depth entries read per token per step, summed over the attention layers."""
     writes = config.depth_writes
@@ -56,8 +89,10 @@ def measure(config: GPTConfig, batch: int, seq: int, mode: str, steps: int, warm
             profile: bool = False, host_profile: bool = False) -> dict:  # fmt: skip
     """Median step time (ms) and peak memory (MiB) of one model.
 
-    ``profile`` prints its top kernels (torch.profiler), ``host_profile`` its
-    top Python functions by own time (cProfile), both over 3 steps.
+    ``profile`` prints its top kernels (torch.profiler) and the step's time by
+    kind (:func:`time_split`: sequence, depth, matmul, other, host gap),
+    ``host_profile`` its top Python functions by own time (cProfile), both
+    over 3 steps.
     """
     torch.manual_seed(0)
     model = GPT(config).cuda()
@@ -87,12 +122,16 @@ def measure(config: GPTConfig, batch: int, seq: int, mode: str, steps: int, warm
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**20
+    ms = 1e3 * statistics.median(times)
     if profile:
-        with torch.profiler.profile() as prof:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 step()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+        kernels = {e.key: e.self_device_time_total for e in prof.key_averages() if e.self_device_time_total > 0}
+        split = time_split(kernels, 3, ms)
+        print("  per step: " + ", ".join(f"{kind} {t:.2f} ms" for kind, t in split.items()), flush=True)
     if host_profile:
         profiler = cProfile.Profile()
         profiler.enable()
@@ -104,7 +143,7 @@ def measure(config: GPTConfig, batch: int, seq: int, mode: str, steps: int, warm
     del model, optimizer, run
     torch._dynamo.reset()
     torch.cuda.empty_cache()
-    return {"ms": 1e3 * statistics.median(times), "peak_mib": peak}
+    return {"ms": ms, "peak_mib": peak}
 
 
 def main(argv=None) -> None:
@@ -114,7 +153,7 @@ def main(argv=None) -> None:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {MODES}")
     p.add_argument("--steps", type=int, default=20, help="timed steps per row")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first, compilation included")
-    p.add_argument("--profile", action="store_true", help="print each row's top kernels over 3 steps (torch.profiler)")
+    p.add_argument("--profile", action="store_true", help="print each row's top kernels and its time by kind over 3 steps (torch.profiler)")
     p.add_argument("--host-profile", action="store_true", help="print each row's top Python functions (cProfile)")
     args = p.parse_args(argv)
     cli.require_cuda(p, "bench_model.py")
