@@ -19,14 +19,20 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import math
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moda_flex import moda_attention
+
+from bench_call import copy_bandwidth
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import cli  # noqa: E402
 
 SHAPES = {  # B, Hq, Hk, T, D, L
     "table6": (32, 6, 2, 512, 64, 47),
@@ -41,12 +47,6 @@ def _bench(fn) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def _copy_bandwidth() -> float:
-    x = torch.empty(2**28, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * x.numel() / (_bench(lambda: y.copy_(x)) * 1e-3)
 
 
 def measure(shape: tuple, bandwidth: float, profile: bool = False) -> dict:
@@ -106,13 +106,12 @@ def measure(shape: tuple, bandwidth: float, profile: bool = False) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser(__doc__)
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {', '.join(SHAPES)}")
     p.add_argument("--profile", action="store_true", help="print the split row's top kernels over 3 calls")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        p.error("needs a CUDA device")
-    bandwidth = _copy_bandwidth()
+    cli.require_cuda(p, "bench_split.py")
+    bandwidth = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; bf16, causal, fwd+bwd, median ms")
     print("| shape | split | split/flash | triton | cudnn | flash | split / cudnn | triton / split | depth | depth floor "

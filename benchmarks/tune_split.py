@@ -3,17 +3,20 @@
 Each row times ``backend="split"`` (bf16, causal) with the depth kernels'
 tokens per program (a multiple of the least that fills 16 rows), warps and
 stages overridden; the sequence part is the same in every row. Median ms of
-``triton.testing.do_bench``.
+``triton.testing.do_bench``. Every option compiles both depth kernels again,
+so keep the grid small (the default's is 9 options a shape).
 
 Usage::
 
     python benchmarks/tune_split.py --shapes table6,16k
+    python benchmarks/tune_split.py --shapes 64k --tokens 1,2 --warps 2,4 --stages 1,2
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
+import sys
+from pathlib import Path
 
 import torch
 
@@ -22,11 +25,18 @@ from moda_flex.backends.split import ops
 
 from bench_split import SHAPES, _bench
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import cli  # noqa: E402
+
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser(__doc__)
     p.add_argument("--shapes", default="table6,16k", help=f"comma-separated, from {', '.join(SHAPES)}")
+    p.add_argument("--tokens", type=cli.int_list, default="1,2,4", help="multiples of the least tokens a program")
+    p.add_argument("--warps", type=cli.int_list, default="2,4,8", help="warps a program")
+    p.add_argument("--stages", type=cli.int_list, default="1", help="software pipeline stages")
     args = p.parse_args(argv)
+    cli.require_cuda(p, "tune_split.py")
     default_layout = ops._layout
     print(f"device: {torch.cuda.get_device_name()}; split fwd+bwd, median ms")
     for name in args.shapes.split(","):
@@ -40,7 +50,7 @@ def main(argv=None) -> None:
             torch.autograd.grad(moda_attention(*tensors, backend="split"), tensors, grad)
 
         results = []
-        for tokens, warps, stages in itertools.product((1, 2, 4), (1, 2, 4, 8), (1, 2)):
+        for tokens, warps, stages in itertools.product(args.tokens, args.warps, args.stages):
             def layout(*a, tokens=tokens, warps=warps, stages=stages):
                 chosen = default_layout(*a)
                 return dict(chosen, BLOCK_T=chosen["BLOCK_T"] * tokens, num_warps=warps, num_stages=stages)
