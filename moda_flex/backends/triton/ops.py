@@ -84,16 +84,18 @@ def _backward_fake(*args):
     return gradients(inputs, grads.bias_grad)
 
 
-def _save(ctx, inputs: Inputs, opts: Options, out: Tensor, lse: Tensor) -> None:
+def _save(ctx, inputs: Inputs, opts: Options, out: Tensor, lse: Tensor, bias_grad: bool) -> None:
     """What the backward needs: the inputs, the results, the options, and whether the bias wants a gradient."""
     flat, ctx.depth_lengths = saved(inputs)
     ctx.save_for_backward(out, lse, *flat)
     ctx.options = opts
-    ctx.bias_grad = inputs.bias is not None and inputs.bias.requires_grad
+    ctx.bias_grad = bias_grad
 
 
 def _setup_context(ctx, inputs, output):
-    _save(ctx, *unpack(inputs, Inputs, Options), *output)
+    inputs, opts = unpack(inputs, Inputs, Options)
+    # Not ctx.needs_input_grad: here it lists the flattened inputs, whose positions move with the depth entries.
+    _save(ctx, inputs, opts, *output, bias_grad=inputs.bias is not None and inputs.bias.requires_grad)
 
 
 def _autograd_backward(ctx, grad_out, grad_lse, run_backward=None):
@@ -130,8 +132,7 @@ class _EagerMoDA(torch.autograd.Function):
     def forward(ctx, q, k, v, documents, bias, opts, config, n_depth, *depth):
         inputs = Inputs(q, k, v, list(depth[:n_depth]), list(depth[n_depth:]), documents, bias)
         out, lse = _run_forward(inputs, opts, config)
-        _save(ctx, inputs, opts, out, lse)
-        ctx.bias_grad = ctx.needs_input_grad[4]
+        _save(ctx, inputs, opts, out, lse, bias_grad=ctx.needs_input_grad[4])
         ctx.config = config
         return out, lse
 
