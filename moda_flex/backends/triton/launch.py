@@ -200,7 +200,7 @@ def backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[Confi
     if dq_out is not dq:
         dq.copy_(dq_out)
     if grads.bias_grad:
-        dbias = dbias.zero_() if gbias is None else _reduce_bias_grad(gbias, bias, B, Hk, Hq // Hk)
+        dbias = dbias.zero_() if gbias is None else _reduce_bias_grad(gbias, bias, B, Hk, G)
     return dq, dk, dv, ddk, ddv, dbias
 
 
