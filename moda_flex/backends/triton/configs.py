@@ -123,7 +123,7 @@ def _config_for(device_type: str, head_dim: int, G: int, which: str, has_depth: 
     GP = next_pow2(G)
     if device_type != "cuda":
         # The interpreter: few, small programs.
-        cfg = dict(BLOCK_M=max(16, GP), BLOCK_N=16, BLOCK_C=16)
+        cfg = dict(BLOCK_M=max(16, GP), BLOCK_N=16) | ({} if which == "dkdv" else dict(BLOCK_C=16))
     elif hopper:
         cfg = _sm90_config(head_dim, which, has_depth, few_programs)
     else:

@@ -231,9 +231,12 @@ def depth_offsets(b, hk, col_token, offs_d, strides, KEYS_T: tl.constexpr):
     """
     tok = col_token.to(tl.int64)
     base = b * strides[0] + hk * strides[1]
+    # One return: Triton's compiler checks every return's type, those past a taken constexpr branch too.
     if KEYS_T:
-        return base + tok[:, None, :] * strides[2] + offs_d[None, :, None] * strides[3]
-    return base + tok[:, :, None] * strides[2] + offs_d[None, None, :] * strides[3]
+        offs = base + tok[:, None, :] * strides[2] + offs_d[None, :, None] * strides[3]
+    else:
+        offs = base + tok[:, :, None] * strides[2] + offs_d[None, None, :] * strides[3]
+    return offs
 
 
 # ---- NaN and Inf ---------------------------------------------------------------------------------

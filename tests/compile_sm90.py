@@ -1,0 +1,134 @@
+"""Compile every Triton kernel for an H100 (sm_90) on a machine without a GPU.
+
+The interpreter runs a kernel's Python, so it never meets what Triton's
+compiler refuses: two returns of different types, a keyword the kernel does
+not take, a constexpr branch that does not type-check. This script sets a
+driver in front of Triton whose launches compile and do not run, for compute
+capability 9.0, then calls ``moda_attention`` forward and backward for each
+case: every launch compiles its kernel to a cubin with the ptxas that Triton's
+wheel ships. Outputs are never read (no kernel runs).
+
+Run by ``tests/test_kernels_compile.py`` in a process of its own: the kernels
+must be imported with ``TRITON_INTERPRET`` unset. Prints one line per case,
+``name: kernel kernel ...``, and exits non-zero at the first failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.driver import DriverBase  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+import moda_flex.backends.split.kernels  # noqa: E402,F401  (decorated as compiled kernels, not interpreted)
+import moda_flex.backends.triton.kernels  # noqa: E402,F401
+from moda_flex import moda_attention, scores, variants  # noqa: E402
+from moda_flex.backends import split  # noqa: E402
+
+# The kernels are imported as compiled ones; the support checks, read per call, take CPU tensors under this.
+os.environ["TRITON_INTERPRET"] = "1"
+
+H100 = GPUTarget("cuda", 90, 32)
+
+
+class CompileOnly(DriverBase):
+    """A driver for a GPU that is not there: the current target is an H100, device 0, stream 0."""
+
+    @classmethod
+    def is_active(cls):
+        return True
+
+    def map_python_to_cpp_type(self, ty):
+        return "void*"
+
+    def get_current_target(self):
+        return H100
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_benchmarker(self):
+        raise NotImplementedError("nothing runs here")
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+def compile_launches(compiled: list) -> None:
+    """Make every kernel launch compile only (``warmup``), recording the kernel's name in ``compiled``."""
+    launch = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        compiled.append(self.fn.__name__)
+        return launch(self, *args, grid=grid, warmup=True, **kwargs)
+
+    JITFunction.run = run
+
+
+def split_takes_any_float() -> None:
+    """Let the split path take fp16/bf16 on CPU, as it does on CUDA (its CPU sequence part computes them)."""
+    check = split.unsupported_reason
+
+    def unsupported_reason(q, k, variant):
+        return check(q.float() if q.is_floating_point() else q, k, variant)
+
+    split.unsupported_reason = unsupported_reason
+
+
+def _inputs(B, Hq, Hk, Tq, Tk, L, D, dtype, entries=False):
+    def t(*shape):
+        return torch.randn(*shape, dtype=dtype, requires_grad=True)
+
+    q, k, v = t(B, Hq, Tq, D), t(B, Hk, Tk, D), t(B, Hk, Tk, D)
+    if entries:
+        return q, k, v, [t(B, Hk, Tq, D) for _ in range(L)], [t(B, Hk, Tq, D) for _ in range(L)]
+    return q, k, v, t(B, Hk, Tq, L, D), t(B, Hk, Tq, L, D)
+
+
+def cases():
+    """(name, backend, inputs, variant, return_lse): the kernels' constexpr branches that calls reach."""
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    docs = torch.tensor([[0] * 20 + [1] * 12])
+    bias = torch.zeros(3, requires_grad=True)
+    for backend in ("triton", "split"):
+        yield f"{backend} causal G=4 bf16", backend, _inputs(1, 8, 2, 32, 32, 3, 64, bf16), "causal", False
+        yield f"{backend} full G=3 fp16", backend, _inputs(2, 6, 2, 32, 32, 3, 64, fp16), "full", False
+        yield f"{backend} entries G=1", backend, _inputs(1, 2, 2, 32, 32, 3, 64, bf16, entries=True), "causal", False
+        yield f"{backend} depth_window lse", backend, _inputs(1, 8, 1, 32, 32, 3, 128, bf16), \
+            variants.depth_window(2), True
+        yield f"{backend} depth_only", backend, _inputs(1, 4, 2, 32, 32, 3, 64, bf16), variants.depth_only(), False
+        yield f"{backend} L=0", backend, _inputs(1, 4, 2, 32, 32, 0, 64, bf16), "causal", False
+    yield "triton fp32", "triton", _inputs(1, 4, 2, 32, 32, 3, 64, fp32), "causal", False
+    yield "triton D=48 Tq<Tk", "triton", _inputs(1, 4, 2, 17, 32, 3, 48, bf16), "causal", True
+    yield "triton window", "triton", _inputs(1, 4, 2, 32, 32, 3, 64, bf16), variants.sliding_window(5), False
+    yield "triton documents", "triton", _inputs(1, 4, 2, 32, 32, 3, 64, bf16), variants.document(docs), False
+    yield "triton softcap & bias", "triton", _inputs(1, 4, 2, 32, 32, 3, 64, bf16), \
+        variants.causal() & (scores.softcap(20.0) & scores.depth_bias(bias)), False
+
+
+def main() -> int:
+    driver.set_active(CompileOnly())
+    compiled: list = []
+    compile_launches(compiled)
+    split_takes_any_float()
+    for name, backend, (q, k, v, dk, dv), variant, return_lse in cases():
+        compiled.clear()
+        result = moda_attention(q, k, v, dk, dv, variant=variant, backend=backend, return_lse=return_lse)
+        out, lse = result if return_lse else (result, None)
+        loss = out.float().sum() + (lse.sum() if lse is not None else 0)
+        loss.backward()
+        print(f"{name}: {' '.join(compiled)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
