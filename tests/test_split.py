@@ -109,6 +109,33 @@ def test_a_loss_of_the_lse_alone():
             assert relative_error(grad, ref) <= tolerance(DTYPES[0], DEVICE), name
 
 
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_the_backward_runs_on_the_forwards_kernel(with_lse, monkeypatch):
+    """The vendor's op is chosen once, in the forward: a backward run after SDPA's switches changed (the forward
+    under ``sdpa_kernel([FLASH_ATTENTION])``, the backward outside it) still takes the forward's op and its lse.
+
+    On CPU the switch is simulated: after the forward, choosing an op fails.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    shape = MoDAShape(batch=1, q_heads=4, kv_heads=2, q_len=12, kv_len=12, slots=3, head_dim=64)
+    inputs = make_inputs(shape, dtype=DTYPES[0], device=DEVICE)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
+        out, lse = moda_attention(**inputs, backend="split", return_lse=True)
+    if DEVICE == "cpu":
+        def refuse(*args):
+            raise AssertionError("the backward chose the vendor's op again")
+
+        monkeypatch.setattr(split.sequence, "kernel_for", refuse)
+    loss = out.float().sum() + (lse.sum() if with_lse else 0)
+    grads = torch.autograd.grad(loss, list(inputs.values()))
+    ref_inputs = {name: t.detach().double().requires_grad_() for name, t in inputs.items()}
+    ref_out, ref_lse = reference_attention(*ref_inputs.values(), v.causal(), shape.head_dim**-0.5)
+    ref_grads = torch.autograd.grad(ref_out.sum() + (ref_lse.sum() if with_lse else 0), list(ref_inputs.values()))
+    for name, grad, ref in zip(inputs, grads, ref_grads):
+        assert relative_error(grad, ref) <= tolerance(DTYPES[0], DEVICE), name
+
+
 def test_no_second_derivative():
     """The kernels' gradients have no graph: a backward that builds one is refused, not silently wrong."""
     inputs = make_inputs(MoDAShape(1, 2, 1, 4, 4, 2, 8), dtype=DTYPES[0], device=DEVICE)

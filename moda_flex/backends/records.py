@@ -17,7 +17,7 @@ from torch import Tensor
 
 # A field's annotation -> its type in an op schema.
 _SCHEMA_TYPES = {Tensor: "Tensor", Optional[Tensor]: "Tensor?", list[Tensor]: "Tensor[]",
-                 float: "float", bool: "bool", int: "int"}  # fmt: skip
+                 float: "float", bool: "bool", int: "int", str: "str"}  # fmt: skip
 
 
 # The tensors every MoDA kernel call takes, as (name, type) fields of a record: q (B, Hq, Tq, D), k and v

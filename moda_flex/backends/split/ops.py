@@ -61,6 +61,7 @@ class Options(NamedTuple):
     causal: bool  # the sequence mask is causal (top-left: Tq == Tk), else full
     sequence: bool  # False: no sequence keys (depth-only)
     depth_first: int  # the first visible depth slot
+    kernel: str  # the vendor's op (sequence.KERNELS), chosen once per call: the backward must take the forward's
 
 
 def _layout(q: Tensor, kv_heads: int, slots: int) -> dict:
@@ -110,8 +111,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
     has_sequence = _has_sequence(k, opts)
     if has_sequence:
         k0, v0, first = _sanitized_kv(k, v, find_first=True)
-        kernel = sequence.kernel_for(q.device, D, Tq == Tk)
-        out_s, lse_s = sequence.forward(kernel, q, k0, v0, opts.causal, opts.scale)
+        out_s, lse_s = sequence.forward(opts.kernel, q, k0, v0, opts.causal, opts.scale)
         out, lse = torch.empty_like(out_s), torch.empty_like(lse_s)
     else:  # nothing of the sequence is read
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
@@ -169,7 +169,7 @@ def _sequence_backward_with_lse(q, k, v, out, grad_out, lse, grad_lse, opts: Opt
     out = torch.cat([out, extra_out, out.new_zeros(*out.shape[:3], pad - 2)], dim=-1)
     extra_grad = torch.ones_like(extra_out)
     grad_out = torch.cat([grad_out, extra_grad, grad_out.new_zeros(*grad_out.shape[:3], pad - 2)], dim=-1)
-    kernel = sequence.kernel_for(q.device, D + pad, q.shape[2] == k.shape[2])
+    kernel = sequence.padded_kernel(opts.kernel, D + pad)
     lse = sequence.lse_layout(kernel, lse)  # the forward's kernel may have been another, with another layout
     dq, dk, dv = sequence.backward(kernel, grad_out, q, k, v, out, lse, opts.causal, opts.scale)
     return dq[..., :D], dk[..., :D], dv[..., :D]
@@ -203,8 +203,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     if has_sequence:
         k0, v0, _ = _sanitized_kv(k, v, find_first=False)  # the lse says which rows are dead
         if grad_lse is None:
-            kernel = sequence.kernel_for(q.device, D, Tq == Tk)
-            dq, dk, dv = sequence.backward(kernel, grad_c, q_c, k0, v0, out_c, lse_c, opts.causal, opts.scale)
+            dq, dk, dv = sequence.backward(opts.kernel, grad_c, q_c, k0, v0, out_c, lse_c, opts.causal, opts.scale)
         else:
             dq, dk, dv = _sequence_backward_with_lse(q_c, k0, v0, out_c, grad_c, lse_c, grad_lse, opts)
         if L == 0:
@@ -248,8 +247,7 @@ def _forward_fake(*args):
     B, Hq, Tq, D = q.shape
     if not _has_sequence(k, opts):
         return q.new_empty(q.shape), q.new_empty((B, Hq, Tq), dtype=torch.float32)
-    kernel = sequence.kernel_for(q.device, D, q.shape[2] == k.shape[2])
-    if kernel == "cudnn":  # cuDNN: out in q's layout, lse (B, H, T, 1)
+    if opts.kernel == "cudnn":  # cuDNN: out in q's layout, lse (B, H, T, 1)
         return torch.empty_like(q), q.new_empty((B, Hq, Tq, 1), dtype=torch.float32)
     return torch.empty_like(q), q.new_empty((B, Hq, Tq), dtype=torch.float32)
 
@@ -290,6 +288,10 @@ def _autograd_backward(ctx, grad_out, grad_lse):
 torch.library.register_autograd("moda_flex::split_forward", _autograd_backward, setup_context=_setup_context)
 
 
+def _kernel_for(q: Tensor, k: Tensor) -> str:
+    return sequence.kernel_for(q.device, q.shape[-1], q.shape[2] == k.shape[2])
+
+
 def split_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: Tensor, variant, scale: float):
     """MoDA with the sequence part on the vendor's kernel and the depth part on ours, for a supported call.
 
@@ -310,8 +312,7 @@ def split_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: T
     s = variant.structure
     depth_k, depth_v = as_list(depth_k), as_list(depth_v)
     L = slot_count(depth_k)
-    depth_first = s.first_slot(L)
-    opts = Options(float(scale), bool(s.causal), bool(s.sequence), depth_first)
+    opts = Options(float(scale), bool(s.causal), bool(s.sequence), s.first_slot(L), _kernel_for(q, k))
     out, lse = torch.ops.moda_flex.split_forward(*Inputs(q, k, v, depth_k, depth_v), *opts)
     return out, sequence.lse_view(lse)
 
@@ -329,9 +330,7 @@ def split_backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: 
         dq, dk, dv and the depth gradients, (B, Hk, Tq, L, D) each.
     """
     s = variant.structure
-    L = depth_k.shape[3]
-    depth_first = s.first_slot(L)
-    lse = sequence.lse_layout(sequence.kernel_for(q.device, q.shape[-1], q.shape[2] == k.shape[2]), lse.contiguous())
-    opts = Options(float(scale), bool(s.causal), bool(s.sequence), depth_first)
+    opts = Options(float(scale), bool(s.causal), bool(s.sequence), s.first_slot(depth_k.shape[3]), _kernel_for(q, k))
+    lse = sequence.lse_layout(opts.kernel, lse.contiguous())
     grads, inputs = Grads(grad_out, grad_lse, out, lse), Inputs(q, k, v, [depth_k], [depth_v])
     return torch.ops.moda_flex.split_backward(*grads, *inputs, *opts)

@@ -54,6 +54,12 @@ def kernel_for(device: torch.device, head_dim: int, square: bool) -> str:
     return "cudnn" if cudnn else "flash"
 
 
+def padded_kernel(kernel: str, head_dim: int) -> str:
+    """The op for a backward whose head dim was padded to ``head_dim``: the forward's, except that cuDNN
+    takes only the head dims of :data:`CUDNN_HEAD_DIMS` (FlashAttention the others)."""
+    return "flash" if kernel == "cudnn" and head_dim not in CUDNN_HEAD_DIMS else kernel
+
+
 def lse_view(lse: Tensor) -> Tensor:
     """An op's lse as a (B, H, T) view."""
     return lse[..., 0] if lse.dim() == 4 else lse
