@@ -50,8 +50,8 @@ MODES = ("eager", "compiled", "reduce-overhead")
 # of the baseline's attention), our kernels (the fused MoDA kernels, which also do the sequence part, and the
 # split path's depth and NaN kernels; the merge is fused into its depth forward), cuBLAS's products, the rest.
 KERNEL_KINDS = (
-    ("sequence", ("flash", "fmha", "cudnn", "attention")),  # first: FlashAttention has a "convert_dq_kernel"
-    ("depth", ("forward_kernel", "dq_kernel", "dkdv_kernel", "_depth_", "_sanitize_kv", "_prepare_backward")),
+    ("vendor attention", ("flash", "fmha", "cudnn", "attention")),  # first: FlashAttention has a "convert_dq_kernel"
+    ("moda kernels", ("forward_kernel", "dq_kernel", "dkdv_kernel", "_depth_", "_sanitize_kv", "_prepare_backward")),
     ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "ampere", "sm90")),
 )
 

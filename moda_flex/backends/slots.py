@@ -9,20 +9,33 @@ so neither form is copied.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from ..depth import is_slab
 
 
-def slot_table(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device):
-    """Addresses of the L key slots then the L value slots, (2L,) int64 on the device, and each side's strides.
+# A table whose every slot address is a multiple of this many bytes lets the kernels load slots in 16-byte vectors.
+SLOT_ALIGNMENT = 16
 
-    Returns:
-        table, key strides (b, h, t, d), value strides (b, h, t, d), and the
-        tensors the addresses point into. Entries of one side that disagree on
-        strides are copied to contiguous ones first: the caller must hold the
-        returned tensors until the kernel is launched.
+
+class SlotTable(NamedTuple):
+    """The depth slots' addresses and strides, as the kernels read them."""
+
+    table: Tensor  # (2L,) int64 on the device: the L key slots' addresses, then the L value slots'
+    key_strides: tuple  # (b, h, t, d), in elements
+    value_strides: tuple
+    held: list  # the tensors the addresses point into: hold them until the kernel is launched
+    aligned: bool  # every address a multiple of SLOT_ALIGNMENT bytes
+
+
+def slot_table(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device) -> SlotTable:
+    """The address table of the L key slots and the L value slots, and each side's strides.
+
+    Entries of one side that disagree on strides are copied to contiguous
+    ones first; the table then points into the copies, which ``held`` holds.
     """
     addresses, strides, held = [], [], []
     for depth in (depth_k, depth_v):
@@ -39,7 +52,8 @@ def slot_table(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: tor
         addresses += [t.data_ptr() for t in depth]
         strides.append(strides_seen.pop() if strides_seen else (0, 0, 0, 0))
         held.append(depth)
-    return device_table(tuple(addresses or [0]), device), strides[0], strides[1], held
+    aligned = all(address % SLOT_ALIGNMENT == 0 for address in addresses)
+    return SlotTable(device_table(tuple(addresses or [0]), device), strides[0], strides[1], held, aligned)
 
 
 # Pinned host copies of the slot tables, by device and addresses. A CUDA graph captures a table's copy from
@@ -60,7 +74,10 @@ def device_table(addresses: tuple, device: torch.device) -> Tensor:
 
 
 def depth_args(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device) -> tuple[dict, list]:
-    """The kernels' depth arguments, ``DK_TAB``, ``DV_TAB`` (the key and value slots' addresses) and ``sdk``,
-    ``sdv`` (their (b, h, t, d) strides), and the tensors to hold until the launch."""
-    table, sdk, sdv, held = slot_table(depth_k, depth_v, L, device)
-    return dict(DK_TAB=table, DV_TAB=table[L:], sdk=sdk, sdv=sdv), held
+    """The kernels' depth arguments, ``DK_TAB``, ``DV_TAB`` (the key and value slots' addresses), ``sdk``,
+    ``sdv`` (their (b, h, t, d) strides) and ``SLOTS_ALIGNED`` (:attr:`SlotTable.aligned`), and the tensors to
+    hold until the launch."""
+    slots = slot_table(depth_k, depth_v, L, device)
+    table = slots.table
+    return dict(DK_TAB=table, DV_TAB=table[L:], sdk=slots.key_strides, sdv=slots.value_strides,
+                SLOTS_ALIGNED=slots.aligned), slots.held  # fmt: skip

@@ -98,7 +98,7 @@ def _sanitize_kv_kernel(
 
 
 @triton.jit
-def _slot_tiles(DK_TAB, DV_TAB, cols, L, offset, sdk, sdv, d, tile, ELEM: tl.constexpr):
+def _slot_tiles(DK_TAB, DV_TAB, cols, L, offset, sdk, sdv, d, tile, ELEM: tl.constexpr, ALIGNED: tl.constexpr):
     """Token ``offset``'s depth keys and values in slots ``cols``, (BLOCK_L, DP) each, zero off ``tile``.
 
     Slot ``l`` lives at address ``DK_TAB[l]`` (``DV_TAB[l]``); ``offset`` is the
@@ -108,6 +108,9 @@ def _slot_tiles(DK_TAB, DV_TAB, cols, L, offset, sdk, sdv, d, tile, ELEM: tl.con
     ok = cols < L
     k_slot = tl.load(DK_TAB + cols, mask=ok, other=0).to(tl.pointer_type(ELEM))
     v_slot = tl.load(DV_TAB + cols, mask=ok, other=0).to(tl.pointer_type(ELEM))
+    if ALIGNED:  # every slot at a multiple of 16 bytes: loads in 16-byte vectors (see triton's common.slot_bases)
+        k_slot = tl.multiple_of(k_slot, 16)
+        v_slot = tl.multiple_of(v_slot, 16)
     kd = tl.load(k_slot[:, None] + offset[0] + d[None, :] * sdk[3], mask=tile, other=0.0)
     vd = tl.load(v_slot[:, None] + offset[1] + d[None, :] * sdv[3], mask=tile, other=0.0)
     return kd, vd
@@ -126,6 +129,7 @@ def _depth_forward_kernel(
     DP: tl.constexpr,
     HAS_SEQ: tl.constexpr,
     CAUSAL: tl.constexpr,
+    SLOTS_ALIGNED: tl.constexpr,
 ):  # fmt: skip
     """out, lse of ``[sequence | depth]`` from the sequence part (``OS``, ``LS``) and the depth slots.
 
@@ -167,7 +171,8 @@ def _depth_forward_kernel(
             cols = l0 + slot_ids
             visible = cols < slots_end
             tile = visible[:, None] & d_ok[None, :]
-            kd, vd = _slot_tiles(DK_TAB, DV_TAB, cols, L, offset, sdk, sdv, d, tile, ELEM=Q.dtype.element_ty)
+            kd, vd = _slot_tiles(DK_TAB, DV_TAB, cols, L, offset, sdk, sdv, d, tile, ELEM=Q.dtype.element_ty,
+                                  ALIGNED=SLOTS_ALIGNED)
             kd_ok = _finite(kd)
             vd_ok = _finite(vd)
             slot_bad = tl.sum((~kd_ok | ~vd_ok).to(tl.int32), 1) > 0
@@ -231,6 +236,7 @@ def _depth_backward_kernel(
     DP: tl.constexpr,
     DQ_ADD: tl.constexpr,
     HAS_GLSE: tl.constexpr,
+    SLOTS_ALIGNED: tl.constexpr,
 ):  # fmt: skip
     """The depth part's gradients from the merged out and lse of the silenced inputs.
 
@@ -266,7 +272,8 @@ def _depth_backward_kernel(
             stored = cols < slots_end
             visible = stored & (cols >= depth_first)
             tile = visible[:, None] & d_ok[None, :]
-            kd, vd = _slot_tiles(DK_TAB, DV_TAB, cols, L, offset, sdk, sdv, d, tile, ELEM=Q.dtype.element_ty)
+            kd, vd = _slot_tiles(DK_TAB, DV_TAB, cols, L, offset, sdk, sdv, d, tile, ELEM=Q.dtype.element_ty,
+                                  ALIGNED=SLOTS_ALIGNED)
             # masked slots' products still meet other rows' p = 0: read their non-finite entries as zero
             kd = tl.where(_finite(kd), kd, 0.0)
             vd = tl.where(_finite(vd), vd, 0.0)

@@ -129,7 +129,7 @@ def _depth(
     acc, m_i, l_i, q, DK_TAB, DV_TAB, BIAS, b, hk, t0, offs_d, sdk, sdv, sbias, Tq, L, depth_first, qk_scale, softcap,
     G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_FIRST: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_FIRST: tl.constexpr, SLOTS_ALIGNED: tl.constexpr,
 ):  # fmt: skip
     """The depth phase (Alg. 1 lines 24-29): each tile of DEPTH_ROWS rows against its own tokens' slots.
 
@@ -149,7 +149,7 @@ def _depth(
     for l0 in range(depth_first, L, BLOCK_S):
         slot = l0 + col_slot  # (BLOCK_C,)
         col_ok = (col_token < Tq) & (slot < L)[None, :]  # (U, BLOCK_C)
-        dk_slot, dv_slot = slot_bases(DK_TAB, DV_TAB, slot, L, ELEM=q.dtype)
+        dk_slot, dv_slot = slot_bases(DK_TAB, DV_TAB, slot, L, ELEM=q.dtype, ALIGNED=SLOTS_ALIGNED)
         dkT = tl.load(dk_slot[None, None, :] + dk_offs, mask=col_ok[:, None, :], other=0.0)
         x = tl.dot(q3, dkT) * qk_scale  # (U, DEPTH_ROWS, BLOCK_C)
         bias = 0.0
@@ -178,7 +178,7 @@ def forward_kernel(
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_DEPTH: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_FIRST: tl.constexpr,
-    TMA: tl.constexpr, LOOP_STAGES: tl.constexpr, WS: tl.constexpr,
+    TMA: tl.constexpr, LOOP_STAGES: tl.constexpr, WS: tl.constexpr, SLOTS_ALIGNED: tl.constexpr,
 ):  # fmt: skip
     """Fused MoDA forward: writes O (B, Hq, Tq, D) and LSE (B, Hq, Tq).
 
@@ -226,7 +226,7 @@ def forward_kernel(
             acc, m_i, l_i, q, DK_TAB=DK_TAB, DV_TAB=DV_TAB, BIAS=BIAS + hk * G * sbias[0], b=b, hk=hk, t0=t0,
             offs_d=offs_d, sdk=sdk, sdv=sdv, sbias=sbias, Tq=Tq, L=L, depth_first=depth_first, qk_scale=qk_scale,
             softcap=softcap, G=G, GP=GP, DEPTH_ROWS=DEPTH_ROWS, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_C=BLOCK_C,
-            HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, BIAS_FIRST=BIAS_FIRST,
+            HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, BIAS_FIRST=BIAS_FIRST, SLOTS_ALIGNED=SLOTS_ALIGNED,
         )
 
     # A non-finite value in an unmasked block reached acc unsanitized (p * NaN, 0 * Inf):
