@@ -9,13 +9,16 @@ case: every launch compiles its kernel to a cubin with the ptxas that Triton's
 wheel ships. Outputs are never read (no kernel runs).
 
 Run by ``tests/test_kernels_compile.py`` in a process of its own: the kernels
-must be imported with ``TRITON_INTERPRET`` unset. Prints one line per case,
-``name: kernel kernel ...``, and exits non-zero at the first failure.
+must be imported with ``TRITON_INTERPRET`` unset. Prints one JSON line per
+case, ``{"case": name, "kernels": {kernel: scalar 16-bit global loads in its
+PTX}}``, and exits non-zero at the first failure.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
@@ -63,13 +66,15 @@ class CompileOnly(DriverBase):
         return 0
 
 
-def compile_launches(compiled: list) -> None:
-    """Make every kernel launch compile only (``warmup``), recording the kernel's name in ``compiled``."""
+def compile_launches(compiled: dict) -> None:
+    """Make every kernel launch compile only (``warmup``), recording in ``compiled`` each kernel's count of
+    scalar 16-bit global loads (a tile the compiler could not load in vectors)."""
     launch = JITFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
-        compiled.append(self.fn.__name__)
-        return launch(self, *args, grid=grid, warmup=True, **kwargs)
+        kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled[self.fn.__name__] = len(re.findall(r"\bld\.global(?:\.\w+)*\.b16\b", kernel.asm["ptx"]))
+        return kernel
 
     JITFunction.run = run
 
@@ -84,14 +89,21 @@ def split_takes_any_float() -> None:
     split.unsupported_reason = unsupported_reason
 
 
-def _inputs(B, Hq, Hk, Tq, Tk, L, D, dtype, entries=False):
+def _inputs(B, Hq, Hk, Tq, Tk, L, D, dtype, entries=False, unaligned=False):
+    """q, k, v and depth K/V: a slab, L entries, or (``unaligned``) a slab whose slots sit 2 bytes off 16."""
+
     def t(*shape):
         return torch.randn(*shape, dtype=dtype, requires_grad=True)
+
+    def slab():
+        if not unaligned:
+            return t(B, Hk, Tq, L, D)
+        return torch.randn(B, Hk, Tq, L * D + 1, dtype=dtype)[..., 1:].view(B, Hk, Tq, L, D).requires_grad_()
 
     q, k, v = t(B, Hq, Tq, D), t(B, Hk, Tk, D), t(B, Hk, Tk, D)
     if entries:
         return q, k, v, [t(B, Hk, Tq, D) for _ in range(L)], [t(B, Hk, Tq, D) for _ in range(L)]
-    return q, k, v, t(B, Hk, Tq, L, D), t(B, Hk, Tq, L, D)
+    return q, k, v, slab(), slab()
 
 
 def cases():
@@ -107,6 +119,7 @@ def cases():
             variants.depth_window(2), True
         yield f"{backend} depth_only", backend, _inputs(1, 4, 2, 32, 32, 3, 64, bf16), variants.depth_only(), False
         yield f"{backend} L=0", backend, _inputs(1, 4, 2, 32, 32, 0, 64, bf16), "causal", False
+        yield f"{backend} unaligned", backend, _inputs(1, 4, 2, 32, 32, 3, 64, bf16, unaligned=True), "causal", False
     yield "triton fp32", "triton", _inputs(1, 4, 2, 32, 32, 3, 64, fp32), "causal", False
     yield "triton D=48 Tq<Tk", "triton", _inputs(1, 4, 2, 17, 32, 3, 48, bf16), "causal", True
     yield "triton window", "triton", _inputs(1, 4, 2, 32, 32, 3, 64, bf16), variants.sliding_window(5), False
@@ -117,7 +130,7 @@ def cases():
 
 def main() -> int:
     driver.set_active(CompileOnly())
-    compiled: list = []
+    compiled: dict = {}
     compile_launches(compiled)
     split_takes_any_float()
     for name, backend, (q, k, v, dk, dv), variant, return_lse in cases():
@@ -126,7 +139,7 @@ def main() -> int:
         out, lse = result if return_lse else (result, None)
         loss = out.float().sum() + (lse.sum() if lse is not None else 0)
         loss.backward()
-        print(f"{name}: {' '.join(compiled)}", flush=True)
+        print(json.dumps({"case": name, "kernels": compiled}), flush=True)
     return 0
 
 
