@@ -89,8 +89,9 @@ def measure(config: GPTConfig, batch: int, seq: int, mode: str, steps: int, warm
             profile: bool = False, host_profile: bool = False) -> dict:  # fmt: skip
     """Median step time (ms) and peak memory (MiB) of one model.
 
-    ``profile`` prints its top kernels (torch.profiler) and the step's time by
-    kind (:func:`time_split`: sequence, depth, matmul, other, host gap),
+    ``profile`` prints its top kernels (torch.profiler), its kernel launches
+    per step and the step's time by kind (:func:`time_split`: vendor
+    attention, moda kernels, matmul, other, host gap),
     ``host_profile`` its top Python functions by own time (cProfile), both
     over 3 steps.
     """
@@ -129,9 +130,11 @@ def measure(config: GPTConfig, batch: int, seq: int, mode: str, steps: int, warm
                 step()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
-        kernels = {e.key: e.self_device_time_total for e in prof.key_averages() if e.self_device_time_total > 0}
-        split = time_split(kernels, 3, ms)
-        print("  per step: " + ", ".join(f"{kind} {t:.2f} ms" for kind, t in split.items()), flush=True)
+        gpu_events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+        split = time_split({e.key: e.self_device_time_total for e in gpu_events}, 3, ms)
+        launches = sum(e.count for e in gpu_events) / 3
+        print(f"  per step: {launches:.0f} kernels; " + ", ".join(f"{kind} {t:.2f} ms" for kind, t in split.items()),
+              flush=True)
     if host_profile:
         profiler = cProfile.Profile()
         profiler.enable()
