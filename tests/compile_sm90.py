@@ -33,6 +33,7 @@ import moda_flex.backends.split.kernels  # noqa: E402,F401  (decorated as compil
 import moda_flex.backends.triton.kernels  # noqa: E402,F401
 from moda_flex import moda_attention, scores, variants  # noqa: E402
 from moda_flex.backends import split  # noqa: E402
+from moda_flex.backends.triton import configs, triton_attention  # noqa: E402
 
 # The kernels are imported as compiled ones; the support checks, read per call, take CPU tensors under this.
 os.environ["TRITON_INTERPRET"] = "1"
@@ -128,6 +129,21 @@ def cases():
         variants.causal() & (scores.softcap(20.0) & scores.depth_bias(bias)), False
 
 
+def hopper_cases():
+    """(name, inputs, variant, DQ_ATOMIC): the triton backend's Hopper path (tensor descriptors), which
+    ``MODA_FLEX_TRITON_PATH=hopper`` selects, with dQ from its kernel or added by the dK/dV kernel."""
+    for dq_atomic in (0, 1):
+        yield f"hopper causal G=4 DQ_ATOMIC={dq_atomic}", _inputs(1, 8, 2, 37, 37, 5, 64, torch.bfloat16), \
+            variants.causal(), dq_atomic
+        yield f"hopper decode G=2 DQ_ATOMIC={dq_atomic}", _inputs(1, 4, 2, 1, 29, 3, 32, torch.bfloat16), \
+            variants.full(), dq_atomic
+
+
+def _backward(result) -> None:
+    out, lse = result if isinstance(result, tuple) else (result, None)
+    (out.float().sum() + (lse.sum() if lse is not None else 0)).backward()
+
+
 def main() -> int:
     driver.set_active(CompileOnly())
     compiled: dict = {}
@@ -135,10 +151,16 @@ def main() -> int:
     split_takes_any_float()
     for name, backend, (q, k, v, dk, dv), variant, return_lse in cases():
         compiled.clear()
-        result = moda_attention(q, k, v, dk, dv, variant=variant, backend=backend, return_lse=return_lse)
-        out, lse = result if return_lse else (result, None)
-        loss = out.float().sum() + (lse.sum() if lse is not None else 0)
-        loss.backward()
+        _backward(moda_attention(q, k, v, dk, dv, variant=variant, backend=backend, return_lse=return_lse))
+        print(json.dumps({"case": name, "kernels": compiled}), flush=True)
+    os.environ[configs.PATH_ENV] = "hopper"
+    for name, (q, k, v, dk, dv), variant, dq_atomic in hopper_cases():
+        compiled.clear()
+
+        def config(kernel, default, dq_atomic=dq_atomic):
+            return {**default, "DQ_ATOMIC": dq_atomic} if kernel == "dkdv" else default
+
+        _backward(triton_attention(q, k, v, dk, dv, variant, q.shape[-1] ** -0.5, config=config))
         print(json.dumps({"case": name, "kernels": compiled}), flush=True)
     return 0
 
