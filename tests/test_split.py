@@ -6,6 +6,7 @@ the same tests run the cuDNN or FlashAttention op in bfloat16 and float16.
 """
 
 import types
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -110,9 +111,11 @@ def test_a_loss_of_the_lse_alone():
 
 
 @pytest.mark.parametrize("with_lse", [False, True])
-def test_the_backward_runs_on_the_forwards_kernel(with_lse, monkeypatch):
+@pytest.mark.parametrize("forward_on", ["flash", "default"])
+def test_the_backward_runs_on_the_forwards_kernel(with_lse, forward_on, monkeypatch):
     """The vendor's op is chosen once, in the forward: a backward run after SDPA's switches changed (the forward
     under ``sdpa_kernel([FLASH_ATTENTION])``, the backward outside it) still takes the forward's op and its lse.
+    ``default``: at D=64 on an H100 the forward runs on cuDNN, and the lse's gradient on FlashAttention.
 
     On CPU the switch is simulated: after the forward, choosing an op fails.
     """
@@ -120,7 +123,8 @@ def test_the_backward_runs_on_the_forwards_kernel(with_lse, monkeypatch):
 
     shape = MoDAShape(batch=1, q_heads=4, kv_heads=2, q_len=12, kv_len=12, slots=3, head_dim=64)
     inputs = make_inputs(shape, dtype=DTYPES[0], device=DEVICE)
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
+    switches = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]) if forward_on == "flash" else nullcontext()
+    with switches:
         out, lse = moda_attention(**inputs, backend="split", return_lse=True)
     if DEVICE == "cpu":
         def refuse(*args):
