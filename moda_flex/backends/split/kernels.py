@@ -32,6 +32,8 @@ are read where they lie, through their address table
 import triton
 import triton.language as tl
 
+from ..slot_pointers import slot_bases
+
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
 
@@ -105,12 +107,7 @@ def _slot_tiles(DK_TAB, DV_TAB, cols, L, offset, sdk, sdv, d, tile, ELEM: tl.con
     token's (b, h, t) offset inside a slot, in elements of the two sides'
     strides ``sdk``, ``sdv`` (b, h, t, d), as a (key, value) pair.
     """
-    ok = cols < L
-    k_slot = tl.load(DK_TAB + cols, mask=ok, other=0).to(tl.pointer_type(ELEM))
-    v_slot = tl.load(DV_TAB + cols, mask=ok, other=0).to(tl.pointer_type(ELEM))
-    if ALIGNED:  # every slot at a multiple of 16 bytes: loads in 16-byte vectors (see triton's common.slot_bases)
-        k_slot = tl.multiple_of(k_slot, 16)
-        v_slot = tl.multiple_of(v_slot, 16)
+    k_slot, v_slot = slot_bases(DK_TAB, DV_TAB, cols, L, ELEM=ELEM, ALIGNED=ALIGNED)
     kd = tl.load(k_slot[:, None] + offset[0] + d[None, :] * sdk[3], mask=tile, other=0.0)
     vd = tl.load(v_slot[:, None] + offset[1] + d[None, :] * sdv[3], mask=tile, other=0.0)
     return kd, vd

@@ -3,9 +3,10 @@
 import triton
 import triton.language as tl
 
+from ...slot_pointers import slot_bases
 from .common import (
     batch_head, bias_tile, block_rows, depth_offsets, depth_tiles, documents, finite, head_lanes, key_columns,
-    load_rows, query_block, query_keys, row_lse2, score, sequence_score, slot_bases, store_rows, visible,
+    load_rows, query_block, query_keys, row_lse2, score, sequence_score, store_rows, visible,
 )  # fmt: skip
 
 
