@@ -34,6 +34,7 @@ import moda_flex.backends.triton.kernels  # noqa: E402,F401
 from moda_flex import moda_attention, scores, variants  # noqa: E402
 from moda_flex.backends import split  # noqa: E402
 from moda_flex.backends.triton import configs, triton_attention  # noqa: E402
+from moda_flex.testing import MoDAShape, make_inputs  # noqa: E402
 
 # The kernels are imported as compiled ones; the support checks, read per call, take CPU tensors under this.
 os.environ["TRITON_INTERPRET"] = "1"
@@ -91,20 +92,13 @@ def split_takes_any_float() -> None:
 
 
 def _inputs(B, Hq, Hk, Tq, Tk, L, D, dtype, entries=False, unaligned=False):
-    """q, k, v and depth K/V: a slab, L entries, or (``unaligned``) a slab whose slots sit 2 bytes off 16."""
-
-    def t(*shape):
-        return torch.randn(*shape, dtype=dtype, requires_grad=True)
-
-    def slab():
-        if not unaligned:
-            return t(B, Hk, Tq, L, D)
-        return torch.randn(B, Hk, Tq, L * D + 1, dtype=dtype)[..., 1:].view(B, Hk, Tq, L, D).requires_grad_()
-
-    q, k, v = t(B, Hq, Tq, D), t(B, Hk, Tk, D), t(B, Hk, Tk, D)
-    if entries:
-        return q, k, v, [t(B, Hk, Tq, D) for _ in range(L)], [t(B, Hk, Tq, D) for _ in range(L)]
-    return q, k, v, slab(), slab()
+    """:func:`moda_flex.testing.make_inputs`' five tensors; with ``unaligned`` a depth slab whose slots sit 2 bytes
+    off a 16-byte boundary."""
+    q, k, v, dk, dv = make_inputs(MoDAShape(B, Hq, Hk, Tq, Tk, L, D), dtype=dtype, depth_entries=entries).values()
+    if unaligned:
+        dk, dv = (torch.randn(B, Hk, Tq, L * D + 1, dtype=dtype)[..., 1:].view(B, Hk, Tq, L, D).requires_grad_()
+                  for _ in range(2))  # fmt: skip
+    return q, k, v, dk, dv
 
 
 def cases():
