@@ -44,6 +44,13 @@ def is_slab(depth: list[Tensor]) -> bool:
     return len(depth) == 1 and depth[0].dim() == 5
 
 
+def empty_grads(q: Tensor, k: Tensor, depth: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """A kernel call's depth gradients, unwritten: two (B, Hk, Tq, L, D) tensors of q's dtype, whatever the form
+    of ``depth`` (the ops' list), for q (B, Hq, Tq, D) and k (B, Hk, Tk, D)."""
+    shape = (k.shape[0], k.shape[1], q.shape[2], slot_count(depth), q.shape[3])
+    return q.new_empty(shape), q.new_empty(shape)
+
+
 def grads_like(grad: Tensor, depth: list[Tensor]) -> list[Tensor]:
     """A (B, Hk, Tq, L, D) depth gradient in the ops' list form of ``depth``: itself, or one view per entry."""
     return [grad] if is_slab(depth) else list(grad.unbind(3))

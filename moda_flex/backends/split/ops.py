@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...depth import as_list, grads_like, slot_count
+from ...depth import as_list, empty_grads, grads_like, slot_count
 from ..blocks import cdiv, next_pow2
 from ..first_order import refuse_create_graph
 from ..records import ATTENTION, define, restored, saved, unpack
@@ -175,13 +175,6 @@ def _sequence_backward_with_lse(q, k, v, out, grad_out, lse, grad_lse, opts: Opt
     return dq[..., :D], dk[..., :D], dv[..., :D]
 
 
-def _depth_gradients(q: Tensor, k: Tensor, depth_k: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """The depth gradients, unwritten (the launch's and the op's fake): two (B, Hk, Tq, L, D) tensors, whatever
-    form the depth came in."""
-    shape = (k.shape[0], k.shape[1], q.shape[2], slot_count(depth_k), q.shape[3])
-    return q.new_empty(shape), q.new_empty(shape)
-
-
 def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Options):
     """dq (B, Hq, Tq, D), dk, dv (B, Hk, Tk, D), and the depth gradients, two (B, Hk, Tq, L, D) tensors.
 
@@ -195,7 +188,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     grad_out = torch.zeros_like(out) if grad_out is None else grad_out
     if grad_out.stride() != out.stride():  # the vendor's backward reads dO in out's layout
         grad_out = torch.empty_like(out).copy_(grad_out)
-    ddk, ddv = _depth_gradients(q, k, depth_k)
+    ddk, ddv = empty_grads(q, k, depth_k)
     if q.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), ddk.zero_(), ddv.zero_()
     q_c, out_c, grad_c, lse_c = _silenced(q, out, grad_out, lse)
@@ -262,7 +255,7 @@ def _backward_op(*args):
 @torch.library.register_fake("moda_flex::split_backward")
 def _backward_fake(*args):
     _, (q, k, v, depth_k, _), _ = unpack(args, Grads, Inputs, Options)
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), *_depth_gradients(q, k, depth_k))
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), *empty_grads(q, k, depth_k))
 
 
 def _setup_context(ctx, inputs, output):

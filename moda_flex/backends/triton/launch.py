@@ -17,7 +17,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ...depth import slot_count
+from ...depth import empty_grads, slot_count
 from ..blocks import cdiv
 from ..records import ATTENTION
 from ..slots import depth_args
@@ -128,9 +128,8 @@ def gradients(inputs: Inputs, bias_grad: bool) -> tuple[Tensor, ...]:
     and the bias's gradient in its shape and dtype with ``bias_grad``, else an empty tensor."""
     q, k, v, depth_k, _, _, bias = inputs
     fmt = torch.contiguous_format
-    depth_shape = (k.shape[0], k.shape[1], q.shape[2], slot_count(depth_k), q.shape[3])
     return (torch.empty_like(q, memory_format=fmt), torch.empty_like(k, memory_format=fmt),
-            torch.empty_like(v, memory_format=fmt), q.new_empty(depth_shape), q.new_empty(depth_shape),
+            torch.empty_like(v, memory_format=fmt), *empty_grads(q, k, depth_k),
             torch.empty_like(bias) if bias_grad else q.new_empty(0))  # fmt: skip
 
 
