@@ -79,35 +79,37 @@ def test_depth_read_in_place_whatever_its_strides(form):
     assert_matches_reference(inputs, backend="split", variant=v.causal())
 
 
+def _assert_gradients_match_reference(inputs: dict, out, lse, variant, loss) -> None:
+    """Every input's gradient of ``loss(out, lse)`` against the float64 reference's; zero where the reference's
+    loss does not depend on an input."""
+    ref_inputs = {name: t.detach().double().requires_grad_() for name, t in inputs.items()}
+    ref_out, ref_lse = reference_attention(*ref_inputs.values(), variant, inputs["q"].shape[-1] ** -0.5)
+    grads = torch.autograd.grad(loss(out.float(), lse), list(inputs.values()))
+    ref_grads = torch.autograd.grad(loss(ref_out, ref_lse), list(ref_inputs.values()), allow_unused=True)
+    for name, grad, ref in zip(inputs, grads, ref_grads):
+        if ref is None:
+            assert not grad.any(), name
+        else:
+            assert relative_error(grad, ref) <= tolerance(DTYPES[0], DEVICE), name
+
+
 @pytest.mark.parametrize("variant", [v.causal(), v.full(), v.depth_window(2), v.depth_only()], ids=lambda x: x.name)
 def test_the_lse_gradient(variant):
     """A loss of out and lse: the lse's gradient reaches the vendor's backward through its extra head lanes."""
     shape = MoDAShape(batch=2, q_heads=6, kv_heads=2, q_len=9, kv_len=9, slots=5, head_dim=16)
     inputs = make_inputs(shape, dtype=DTYPES[0], device=DEVICE)
-    ref_inputs = {name: t.detach().double().requires_grad_() for name, t in inputs.items()}
     out, lse = moda_attention(**inputs, variant=variant, backend="split", return_lse=True)
-    ref_out, ref_lse = reference_attention(*ref_inputs.values(), variant, shape.head_dim**-0.5)
-    weights = torch.randn_like(ref_lse)
-    grads = torch.autograd.grad((out.float().sum(-1) * 0.3 + lse * weights.float()).sum(), list(inputs.values()))
-    ref_grads = torch.autograd.grad((ref_out.sum(-1) * 0.3 + ref_lse * weights).sum(), list(ref_inputs.values()))
-    for name, grad, ref in zip(inputs, grads, ref_grads):
-        assert relative_error(grad, ref) <= tolerance(DTYPES[0], DEVICE), name
+    weights = torch.randn(lse.shape, dtype=torch.float64, device=DEVICE)
+    _assert_gradients_match_reference(inputs, out, lse, variant,
+                                      lambda o, l: (o.sum(-1) * 0.3 + l * weights.to(l.dtype)).sum())  # fmt: skip
 
 
 def test_a_loss_of_the_lse_alone():
-    """No gradient reaches the output: the backward reads the lse's gradient only."""
+    """No gradient reaches the output: the backward reads the lse's gradient only (the values' is zero)."""
     shape = MoDAShape(batch=1, q_heads=2, kv_heads=1, q_len=5, kv_len=5, slots=3, head_dim=8)
     inputs = make_inputs(shape, dtype=DTYPES[0], device=DEVICE)
-    ref_inputs = {name: t.detach().double().requires_grad_() for name, t in inputs.items()}
-    _, lse = moda_attention(**inputs, backend="split", return_lse=True)
-    _, ref_lse = reference_attention(*ref_inputs.values(), v.causal(), shape.head_dim**-0.5)
-    grads = torch.autograd.grad(lse.sum(), list(inputs.values()))
-    ref_grads = torch.autograd.grad(ref_lse.sum(), list(ref_inputs.values()), allow_unused=True)
-    for name, grad, ref in zip(inputs, grads, ref_grads):
-        if ref is None:  # the values: the lse does not depend on them
-            assert not grad.any(), name
-        else:
-            assert relative_error(grad, ref) <= tolerance(DTYPES[0], DEVICE), name
+    out, lse = moda_attention(**inputs, backend="split", return_lse=True)
+    _assert_gradients_match_reference(inputs, out, lse, v.causal(), lambda o, l: l.sum())
 
 
 @pytest.mark.parametrize("with_lse", [False, True])
@@ -131,13 +133,8 @@ def test_the_backward_runs_on_the_forwards_kernel(with_lse, forward_on, monkeypa
             raise AssertionError("the backward chose the vendor's op again")
 
         monkeypatch.setattr(split.sequence, "kernel_for", refuse)
-    loss = out.float().sum() + (lse.sum() if with_lse else 0)
-    grads = torch.autograd.grad(loss, list(inputs.values()))
-    ref_inputs = {name: t.detach().double().requires_grad_() for name, t in inputs.items()}
-    ref_out, ref_lse = reference_attention(*ref_inputs.values(), v.causal(), shape.head_dim**-0.5)
-    ref_grads = torch.autograd.grad(ref_out.sum() + (ref_lse.sum() if with_lse else 0), list(ref_inputs.values()))
-    for name, grad, ref in zip(inputs, grads, ref_grads):
-        assert relative_error(grad, ref) <= tolerance(DTYPES[0], DEVICE), name
+    _assert_gradients_match_reference(inputs, out, lse, v.causal(),
+                                      lambda o, l: o.sum() + (l.sum() if with_lse else 0))  # fmt: skip
 
 
 def test_no_second_derivative():
