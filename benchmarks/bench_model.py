@@ -19,6 +19,7 @@ Usage::
     python benchmarks/bench_model.py --shape table6          # 24 layers, width 384, 6/2 heads, B=32, T=512
     python benchmarks/bench_model.py --shape gpt2s           # 12 layers, width 768, 12/4 heads, B=8, T=1024
     python benchmarks/bench_model.py --shape table6 --modes compiled --arms none,attn+ffn
+    python benchmarks/bench_model.py --shape table6 --arms attn+ffn --backend split   # MoDA's attention on one backend
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first, compilation included")
     p.add_argument("--profile", action="store_true", help="print each row's top kernels and its time by kind over 3 steps (torch.profiler)")
     p.add_argument("--host-profile", action="store_true", help="print each row's top Python functions (cProfile)")
+    cli.add_backend(p)
     args = p.parse_args(argv)
     cli.require_cuda(p, "bench_model.py")
     shape = SHAPES[args.shape]
@@ -165,12 +167,12 @@ def main(argv=None) -> None:
     bandwidth = copy_bandwidth()
     B, T = shape["batch"], shape["seq"]
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, shape {args.shape} "
-          f"{shape['config']} B={B} T={T}, bf16, copy bandwidth {bandwidth / 1e12:.2f} TB/s")  # fmt: skip
+          f"{shape['config']} B={B} T={T}, bf16, backend {args.backend}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")  # fmt: skip
 
     rows = []
     for arm in arms:
         for mode in modes:
-            config = GPTConfig(**shape["config"], depth_kv=arm, block_size=T)
+            config = GPTConfig(**shape["config"], depth_kv=arm, block_size=T, backend=args.backend)
             result = measure(config, B, T, mode, args.steps, args.warmup, args.profile, args.host_profile)
             Hk, D = config.n_kv_head, config.n_embd // config.n_head
             floor_bytes = 6 * depth_reads(config) * B * Hk * T * D * 2

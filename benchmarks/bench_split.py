@@ -1,9 +1,11 @@
 """One MoDA call, forward + backward: the split path against the fused kernel and SDPA's sequence-only kernels.
 
 Rows (bf16, causal, random inputs, median ms of ``triton.testing.do_bench``
-after its warm-up, all in one run):
+after its warm-up, all in one run; with ``--graph``, of
+``triton.testing.do_bench_cudagraph``: each call captured in a CUDA graph and
+replayed, so the GPU's time without the host's, as a CUDA-graphed step sees it):
 
-- ``split``: ``backend="auto"``, the sequence part on cuDNN (compute capability 9.x);
+- ``split``: ``backend="split"``, the sequence part on cuDNN (compute capability 9.x);
 - ``split/flash``: the same with cuDNN switched off (``sdpa_kernel``), the sequence part on FlashAttention;
 - ``triton``: the fused kernel (``backend="triton"``);
 - ``cudnn``, ``flash``: SDPA without depth (``enable_gqa=True``), the attention a user compares against;
@@ -15,6 +17,7 @@ Usage::
     python benchmarks/bench_split.py                   # the shapes of the issue's table
     python benchmarks/bench_split.py --shapes table6,1k
     python benchmarks/bench_split.py --shapes table6 --profile   # the split row's kernels (torch.profiler)
+    python benchmarks/bench_split.py --shapes table6,1k --graph  # GPU time: calls replayed from CUDA graphs
 """
 
 from __future__ import annotations
@@ -43,13 +46,17 @@ SHAPES = {  # B, Hq, Hk, T, D, L
 }
 
 
-def _bench(fn) -> float:
+def _bench(fn, graph: bool = False) -> float:
+    """Median ms of ``fn``; with ``graph``, of its replays from a CUDA graph (the host's time left out)."""
     import triton.testing
 
+    if graph:
+        fn()  # the first call builds what a capture may not: compiled kernels, cached tables
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def measure(shape: tuple, bandwidth: float, profile: bool = False) -> dict:
+def measure(shape: tuple, bandwidth: float, profile: bool = False, graph: bool = False) -> dict:
     B, Hq, Hk, T, D, L = shape
     torch.manual_seed(0)
 
@@ -80,7 +87,7 @@ def measure(shape: tuple, bandwidth: float, profile: bool = False) -> dict:
             return moda_attention(*tensors, backend="split")
 
     rows = {
-        "split": step(lambda *t: moda_attention(*t), leaves),
+        "split": step(lambda *t: moda_attention(*t, backend="split"), leaves),
         "split/flash": step(flash_split, leaves),
         "triton": step(lambda *t: moda_attention(*t, backend="triton"), leaves),
         "cudnn": step(sdpa(SDPBackend.CUDNN_ATTENTION), (q, k, v)),
@@ -96,7 +103,7 @@ def measure(shape: tuple, bandwidth: float, profile: bool = False) -> dict:
     ms = {}
     for name, call in rows.items():
         try:
-            ms[name] = _bench(call)
+            ms[name] = _bench(call, graph)
         except Exception as error:  # a row that cannot run on this card says why, the others still run
             print(f"  {name}: {type(error).__name__}: {str(error)[:200]}")
             ms[name] = math.nan
@@ -109,16 +116,18 @@ def main(argv=None) -> None:
     p = cli.parser(__doc__)
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {', '.join(SHAPES)}")
     p.add_argument("--profile", action="store_true", help="print the split row's top kernels over 3 calls")
+    p.add_argument("--graph", action="store_true", help="time replays of each call from a CUDA graph: GPU time")
     args = p.parse_args(argv)
     cli.require_cuda(p, "bench_split.py")
     bandwidth = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
-          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; bf16, causal, fwd+bwd, median ms")
+          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; bf16, causal, fwd+bwd, median ms"
+          + (" of CUDA graph replays" if args.graph else ""))
     print("| shape | split | split/flash | triton | cudnn | flash | split / cudnn | triton / split | depth | depth floor "
           "| depth / floor |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.shapes.split(","):
-        m = measure(SHAPES[name], bandwidth, args.profile)
+        m = measure(SHAPES[name], bandwidth, args.profile, args.graph)
         print(f"| {name} {SHAPES[name]} | {m['split']:.3f} | {m['split/flash']:.3f} | {m['triton']:.3f} | "
               f"{m['cudnn']:.3f} | {m['flash']:.3f} | {m['split'] / m['cudnn']:.2f} | {m['triton'] / m['split']:.2f} | "
               f"{m['depth']:.3f} | {m['depth floor']:.3f} | {m['depth'] / m['depth floor']:.2f} |", flush=True)

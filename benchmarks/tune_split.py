@@ -1,15 +1,18 @@
 """Launch options of the split path's depth kernels: forward + backward of one call per option, one table.
 
 Each row times ``backend="split"`` (bf16, causal) with the depth kernels'
-tokens per program (a multiple of the least that fills 16 rows), warps and
-stages overridden; the sequence part is the same in every row. Median ms of
-``triton.testing.do_bench``. Every option compiles both depth kernels again,
-so keep the grid small (the default's is 9 options a shape).
+tokens per program (a multiple of the least that fills 16 rows), warps,
+stages and slot chunk overridden; the sequence part is the same in every row.
+Median ms of ``triton.testing.do_bench``, or with ``--graph`` of replays from
+a CUDA graph (GPU time: what a CUDA-graphed step pays, where a short call's
+host time would hide the kernels'). Every option compiles both depth kernels
+again, so keep the grid small (the default's is 9 options a shape).
 
 Usage::
 
     python benchmarks/tune_split.py --shapes table6,16k
     python benchmarks/tune_split.py --shapes 64k --tokens 1,2 --warps 2,4 --stages 1,2
+    python benchmarks/tune_split.py --shapes table6 --slots 12,47 --chunks 16,32,64 --stages 1,2,3 --graph
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moda_flex import moda_attention
 from moda_flex.backends.split import ops
@@ -35,12 +40,16 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=cli.int_list, default="1,2,4", help="multiples of the least tokens a program")
     p.add_argument("--warps", type=cli.int_list, default="2,4,8", help="warps a program")
     p.add_argument("--stages", type=cli.int_list, default="1", help="software pipeline stages")
+    p.add_argument("--chunks", type=cli.int_list, default="0", help="depth slots a step (BLOCK_L); 0: the default")
+    p.add_argument("--slots", type=cli.int_list, default="0", help="L of each shape's calls; 0: the shape's")
+    p.add_argument("--graph", action="store_true", help="time replays from a CUDA graph: GPU time")
     args = p.parse_args(argv)
     cli.require_cuda(p, "tune_split.py")
     default_layout = ops._layout
-    print(f"device: {torch.cuda.get_device_name()}; split fwd+bwd, median ms")
-    for name in args.shapes.split(","):
+    print(f"device: {torch.cuda.get_device_name()}; split fwd+bwd, median ms" + (" of graph replays" if args.graph else ""))
+    for name, slots in itertools.product(args.shapes.split(","), args.slots):
         B, Hq, Hk, T, D, L = SHAPES[name]
+        L = slots or L
         torch.manual_seed(0)
         tensors = [torch.randn(*size, device="cuda", dtype=torch.bfloat16).requires_grad_()
                    for size in ((B, Hq, T, D), (B, Hk, T, D), (B, Hk, T, D), (B, Hk, T, L, D), (B, Hk, T, L, D))]
@@ -49,22 +58,34 @@ def main(argv=None) -> None:
         def call():
             torch.autograd.grad(moda_attention(*tensors, backend="split"), tensors, grad)
 
+        def sequence_only():  # the vendor's part alone: a row's depth part is its time minus this
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                out = F.scaled_dot_product_attention(*tensors[:3], is_causal=True, enable_gqa=True)
+            torch.autograd.grad(out, tensors[:3], grad)
+
         results = []
-        for tokens, warps, stages in itertools.product(args.tokens, args.warps, args.stages):
-            def layout(*a, tokens=tokens, warps=warps, stages=stages):
+        for option in itertools.product(args.tokens, args.warps, args.stages, args.chunks):
+            def layout(*a, option=option):
+                tokens, warps, stages, chunk = option
                 chosen = default_layout(*a)
-                return dict(chosen, BLOCK_T=chosen["BLOCK_T"] * tokens, num_warps=warps, num_stages=stages)
+                return dict(chosen, BLOCK_T=chosen["BLOCK_T"] * tokens, num_warps=warps, num_stages=stages,
+                            BLOCK_L=chunk or chosen["BLOCK_L"])  # fmt: skip
 
             ops._layout = layout
             try:
-                results.append((_bench(call), tokens, warps, stages))
+                results.append((_bench(call, args.graph), *option))
             except Exception as error:
-                print(f"  tokens x{tokens} warps {warps} stages {stages}: {type(error).__name__}")
+                print(f"  {_describe(option)}: {type(error).__name__}: {str(error)[:160]}")
         ops._layout = default_layout
-        default = _bench(call)
+        default, vendor = _bench(call, args.graph), _bench(sequence_only, args.graph)
         results.sort()
-        print(f"{name} {SHAPES[name]}: default {default:.3f} ms; best: "
-              + "; ".join(f"{ms:.3f} (tokens x{t}, {w} warps, {s} stages)" for ms, t, w, s in results[:5]), flush=True)
+        print(f"{name} L={L}: default {default:.3f} ms, cuDNN sequence-only {vendor:.3f}; best: "
+              + "; ".join(f"{ms:.3f} ({_describe(option)})" for ms, *option in results[:8]), flush=True)
+
+
+def _describe(option: tuple) -> str:
+    tokens, warps, stages, chunk = option
+    return f"tokens x{tokens}, {warps} warps, {stages} stages, chunk {chunk or 'default'}"
 
 
 if __name__ == "__main__":

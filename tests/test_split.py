@@ -79,6 +79,21 @@ def test_depth_read_in_place_whatever_its_strides(form):
     assert_matches_reference(inputs, backend="split", variant=v.causal())
 
 
+@pytest.mark.parametrize("variant", [v.causal(), v.depth_window(20)], ids=lambda x: x.name)
+def test_slots_in_several_chunks_and_tokens_a_program(variant, monkeypatch):
+    """The depth kernels' one loop over (token, slot chunk) pairs: L=37 slots in 16-slot chunks (the last
+    partial; a depth window starts mid-chunk), twice the least tokens a program, a ragged last block."""
+    chosen = split.ops._layout
+
+    def layout(*args):
+        default = chosen(*args)
+        return dict(default, BLOCK_T=2 * default["BLOCK_T"], BLOCK_L=16)
+
+    monkeypatch.setattr(split.ops, "_layout", layout)
+    shape = MoDAShape(batch=1, q_heads=6, kv_heads=2, q_len=11, kv_len=11, slots=37, head_dim=16)
+    assert_matches_reference(make_inputs(shape, dtype=DTYPES[0], device=DEVICE), backend="split", variant=variant)
+
+
 def _assert_gradients_match_reference(inputs: dict, out, lse, variant, loss) -> None:
     """Every input's gradient of ``loss(out, lse)`` against the float64 reference's; zero where the reference's
     loss does not depend on an input."""

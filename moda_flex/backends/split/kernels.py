@@ -7,12 +7,13 @@ rows fold the G query heads of that KV head into rows: row ``r`` is token
 a power of two; rows with ``r % GP >= G`` are padding, never stored). ``R``
 is at least 16, the least M of a Tensor Core dot.
 
-Depth phase: step ``j`` multiplies all R rows by the slots of token
-``t0 + j`` and keeps the rows of that token, so a token's G rows meet only
-its own L depth keys, read where they lie through their strides. The
-softmax state ``(m, l, acc)`` starts from the sequence part, ``m = lse_s``,
-``l = 1``, ``acc = o_s``: after the last slot, ``acc / l`` and ``m + log l``
-are the output and lse of the one softmax over ``[sequence | depth]``.
+Depth phase: one loop over (token, slot chunk) pairs; the step of token
+``t0 + j`` multiplies all R rows by a chunk of its slots and keeps the rows
+of that token, so a token's G rows meet only its own L depth keys, read
+where they lie through their strides. The softmax state ``(m, l, acc)``
+starts from the sequence part, ``m = lse_s``, ``l = 1``, ``acc = o_s``:
+after the last slot, ``acc / l`` and ``m + log l`` are the output and lse of
+the one softmax over ``[sequence | depth]``.
 
 NaN and Inf (the rule of :mod:`moda_flex.nonfinite`): the vendor's kernels
 give a masked key a zero weight, and ``0 * NaN = NaN``, so they get keys and
@@ -159,33 +160,36 @@ def _depth_forward_kernel(
 
     slot_ids = tl.arange(0, BLOCK_L)
     b64, hk64 = b.to(tl.int64), hk.to(tl.int64)  # a slab's offsets may pass 2**31
-    for j in tl.static_range(BLOCK_T):
+    chunks = tl.cdiv(tl.maximum(L - depth_first, 0), BLOCK_L)
+    # one loop over (token, slot chunk) pairs, so that the pipeliner may load the next token's slots early
+    for step in range(0, BLOCK_T * chunks):
+        j = step // chunks
+        l0 = depth_first + (step - j * chunks) * BLOCK_L
         tj = t0 + j
         own = rt == j
         slots_end = tl.where(tj < Tq, L, 0)  # a token past Tq has no slots
         offset = (b64 * sdk[0] + hk64 * sdk[1] + tj * sdk[2], b64 * sdv[0] + hk64 * sdv[1] + tj * sdv[2])
-        for l0 in range(depth_first, L, BLOCK_L):
-            cols = l0 + slot_ids
-            visible = cols < slots_end
-            tile = visible[:, None] & d_ok[None, :]
-            kd, vd = _slot_tiles(DK_TAB, DV_TAB, cols, L, offset, sdk, sdv, d, tile, ELEM=Q.dtype.element_ty,
-                                  ALIGNED=SLOTS_ALIGNED)
-            kd_ok = _finite(kd)
-            vd_ok = _finite(vd)
-            slot_bad = tl.sum((~kd_ok | ~vd_ok).to(tl.int32), 1) > 0
-            dead |= own & (tl.sum((visible & slot_bad).to(tl.int32), 0) > 0)
-            kd = tl.where(kd_ok, kd, 0.0)
-            vd = tl.where(vd_ok, vd, 0.0)
-            # rescale the running max and denominator, as in a FlashAttention step
-            s = tl.dot(q, tl.trans(kd)) * qk_scale
-            s = tl.where(own[:, None] & visible[None, :], s, ninf)
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_safe = tl.where(m_new == ninf, 0.0, m_new)
-            alpha = tl.math.exp2(m - m_safe)
-            p = tl.math.exp2(s - m_safe[:, None])
-            l_sum = l_sum * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vd.dtype), vd)
-            m = m_new
+        cols = l0 + slot_ids
+        visible = cols < slots_end
+        tile = visible[:, None] & d_ok[None, :]
+        kd, vd = _slot_tiles(DK_TAB, DV_TAB, cols, L, offset, sdk, sdv, d, tile, ELEM=Q.dtype.element_ty,
+                              ALIGNED=SLOTS_ALIGNED)
+        kd_ok = _finite(kd)
+        vd_ok = _finite(vd)
+        slot_bad = tl.sum((~kd_ok | ~vd_ok).to(tl.int32), 1) > 0
+        dead |= own & (tl.sum((visible & slot_bad).to(tl.int32), 0) > 0)
+        kd = tl.where(kd_ok, kd, 0.0)
+        vd = tl.where(vd_ok, vd, 0.0)
+        # rescale the running max and denominator, as in a FlashAttention step
+        s = tl.dot(q, tl.trans(kd)) * qk_scale
+        s = tl.where(own[:, None] & visible[None, :], s, ninf)
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == ninf, 0.0, m_new)
+        alpha = tl.math.exp2(m - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vd.dtype), vd)
+        m = m_new
 
     seen = l_sum > 0.0
     lse = tl.where(seen, (m + tl.math.log2(tl.where(seen, l_sum, 1.0))) * _LN2, ninf)
@@ -259,31 +263,32 @@ def _depth_backward_kernel(
     b64, hk64 = b.to(tl.int64), hk.to(tl.int64)  # a slab's offsets may pass 2**31
     gkbase = DDK + b64 * sgk[0] + hk64 * sgk[1]
     gvbase = DDV + b64 * sgv[0] + hk64 * sgv[1]
-    for j in tl.static_range(BLOCK_T):
+    chunks = tl.cdiv(L, BLOCK_L)
+    for step in range(0, BLOCK_T * chunks):  # (token, slot chunk) pairs, as in the forward
+        j = step // chunks
         tj = t0 + j
         own = (rt == j) & row_ok
         slots_end = tl.where(tj < Tq, L, 0)  # a token past Tq has no slots
         offset = (b64 * sdk[0] + hk64 * sdk[1] + tj * sdk[2], b64 * sdv[0] + hk64 * sdv[1] + tj * sdv[2])
-        for l0 in range(0, L, BLOCK_L):
-            cols = l0 + slot_ids
-            stored = cols < slots_end
-            visible = stored & (cols >= depth_first)
-            tile = visible[:, None] & d_ok[None, :]
-            kd, vd = _slot_tiles(DK_TAB, DV_TAB, cols, L, offset, sdk, sdv, d, tile, ELEM=Q.dtype.element_ty,
-                                  ALIGNED=SLOTS_ALIGNED)
-            # masked slots' products still meet other rows' p = 0: read their non-finite entries as zero
-            kd = tl.where(_finite(kd), kd, 0.0)
-            vd = tl.where(_finite(vd), vd, 0.0)
-            s = tl.dot(q, tl.trans(kd)) * qk_scale
-            p = tl.where(own[:, None] & visible[None, :], tl.math.exp2(s - lse[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(vd))
-            ds = (p * (dp - delta[:, None])).to(q.dtype)
-            dq += tl.dot(ds, kd)
-            ddv = tl.dot(tl.trans(p.to(do.dtype)), do)
-            ddk = tl.dot(tl.trans(ds), q) * scale
-            out = stored[:, None] & d_ok[None, :]
-            tl.store(gvbase + tj * sgv[2] + cols[:, None] * sgv[3] + d[None, :], ddv.to(DDV.dtype.element_ty), mask=out)
-            tl.store(gkbase + tj * sgk[2] + cols[:, None] * sgk[3] + d[None, :], ddk.to(DDK.dtype.element_ty), mask=out)
+        cols = (step - j * chunks) * BLOCK_L + slot_ids
+        stored = cols < slots_end
+        visible = stored & (cols >= depth_first)
+        tile = visible[:, None] & d_ok[None, :]
+        kd, vd = _slot_tiles(DK_TAB, DV_TAB, cols, L, offset, sdk, sdv, d, tile, ELEM=Q.dtype.element_ty,
+                              ALIGNED=SLOTS_ALIGNED)
+        # masked slots' products still meet other rows' p = 0: read their non-finite entries as zero
+        kd = tl.where(_finite(kd), kd, 0.0)
+        vd = tl.where(_finite(vd), vd, 0.0)
+        s = tl.dot(q, tl.trans(kd)) * qk_scale
+        p = tl.where(own[:, None] & visible[None, :], tl.math.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(vd))
+        ds = (p * (dp - delta[:, None])).to(q.dtype)
+        dq += tl.dot(ds, kd)
+        ddv = tl.dot(tl.trans(p.to(do.dtype)), do)
+        ddk = tl.dot(tl.trans(ds), q) * scale
+        out = stored[:, None] & d_ok[None, :]
+        tl.store(gvbase + tj * sgv[2] + cols[:, None] * sgv[3] + d[None, :], ddv.to(DDV.dtype.element_ty), mask=out)
+        tl.store(gkbase + tj * sgk[2] + cols[:, None] * sgk[3] + d[None, :], ddk.to(DDK.dtype.element_ty), mask=out)
 
     dq = dq * scale
     dq_ptr = DQ + b * sdq[0] + h[:, None] * sdq[1] + tok[:, None] * sdq[2] + d[None, :]
