@@ -40,7 +40,7 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=cli.int_list, default="1,2,4", help="multiples of the least tokens a program")
     p.add_argument("--warps", type=cli.int_list, default="2,4,8", help="warps a program")
     p.add_argument("--stages", type=cli.int_list, default="1", help="software pipeline stages")
-    p.add_argument("--chunks", type=cli.int_list, default="0", help="depth slots a step (BLOCK_L); 0: the default")
+    p.add_argument("--chunks", type=cli.int_list, default="0", help="(token, slot) columns a step (BLOCK_C); 0: the default")
     p.add_argument("--slots", type=cli.int_list, default="0", help="L of each shape's calls; 0: the shape's")
     p.add_argument("--graph", action="store_true", help="time replays from a CUDA graph: GPU time")
     args = p.parse_args(argv)
@@ -69,7 +69,7 @@ def main(argv=None) -> None:
                 tokens, warps, stages, chunk = option
                 chosen = default_layout(*a)
                 return dict(chosen, BLOCK_T=chosen["BLOCK_T"] * tokens, num_warps=warps, num_stages=stages,
-                            BLOCK_L=chunk or chosen["BLOCK_L"])  # fmt: skip
+                            BLOCK_C=chunk or chosen["BLOCK_C"])  # fmt: skip
 
             ops._layout = layout
             try:

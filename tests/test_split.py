@@ -80,14 +80,15 @@ def test_depth_read_in_place_whatever_its_strides(form):
 
 
 @pytest.mark.parametrize("variant", [v.causal(), v.depth_window(20)], ids=lambda x: x.name)
-def test_slots_in_several_chunks_and_tokens_a_program(variant, monkeypatch):
-    """The depth kernels' one loop over (token, slot chunk) pairs: L=37 slots in 16-slot chunks (the last
-    partial; a depth window starts mid-chunk), twice the least tokens a program, a ragged last block."""
+def test_slots_in_several_steps_and_tokens_a_program(variant, monkeypatch):
+    """The depth kernels' (token, slot) columns: twice the least tokens a program, L=37 slots, 16 columns a
+    step (a token's slots span steps, a step holds two tokens' slots, the last one partial; a depth window
+    starts mid-step), a ragged last block of tokens."""
     chosen = split.ops._layout
 
     def layout(*args):
         default = chosen(*args)
-        return dict(default, BLOCK_T=2 * default["BLOCK_T"], BLOCK_L=16)
+        return dict(default, BLOCK_T=2 * default["BLOCK_T"], BLOCK_C=16)
 
     monkeypatch.setattr(split.ops, "_layout", layout)
     shape = MoDAShape(batch=1, q_heads=6, kv_heads=2, q_len=11, kv_len=11, slots=37, head_dim=16)

@@ -7,13 +7,16 @@ rows fold the G query heads of that KV head into rows: row ``r`` is token
 a power of two; rows with ``r % GP >= G`` are padding, never stored). ``R``
 is at least 16, the least M of a Tensor Core dot.
 
-Depth phase: one loop over (token, slot chunk) pairs; the step of token
-``t0 + j`` multiplies all R rows by a chunk of its slots and keeps the rows
-of that token, so a token's G rows meet only its own L depth keys, read
-where they lie through their strides. The softmax state ``(m, l, acc)``
-starts from the sequence part, ``m = lse_s``, ``l = 1``, ``acc = o_s``:
-after the last slot, ``acc / l`` and ``m + log l`` are the output and lse of
-the one softmax over ``[sequence | depth]``.
+Depth phase: the program's (token, slot) pairs, token-major, are its
+columns, ``BLOCK_C`` a step: column ``c`` is slot ``c % span`` (from the
+first visible one) of token ``t0 + c // span``. Every row meets every
+column of a step, and keeps the columns of its own token, so a token's G rows
+meet only its own depth keys, read where they lie through their strides;
+short depth (a model's early layers) fills a step with several tokens' slots
+instead of a step each. The softmax state ``(m, l, acc)`` starts from the
+sequence part, ``m = lse_s``, ``l = 1``, ``acc = o_s``: after the last
+column, ``acc / l`` and ``m + log l`` are the output and lse of the one
+softmax over ``[sequence | depth]``.
 
 NaN and Inf (the rule of :mod:`moda_flex.nonfinite`): the vendor's kernels
 give a masked key a zero weight, and ``0 * NaN = NaN``, so they get keys and
@@ -101,16 +104,27 @@ def _sanitize_kv_kernel(
 
 
 @triton.jit
-def _slot_tiles(DK_TAB, DV_TAB, cols, L, offset, sdk, sdv, d, tile, ELEM: tl.constexpr, ALIGNED: tl.constexpr):
-    """Token ``offset``'s depth keys and values in slots ``cols``, (BLOCK_L, DP) each, zero off ``tile``.
+def _pair_columns(c0, span, first, t0, Tq, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Step ``c0``'s columns: each one's token within the block (j) and in the sequence (tok), its slot, and
+    which columns are pairs of this program's real tokens (the last step's tail is not: its j passes BLOCK_T,
+    into the next program's tokens). The program has ``BLOCK_T * span`` pairs; ``span > 0``."""
+    c = c0 + tl.arange(0, BLOCK_C)
+    j = c // span
+    tok = t0 + j
+    return j, tok, first + c - j * span, (j < BLOCK_T) & (tok < Tq)
 
-    Slot ``l`` lives at address ``DK_TAB[l]`` (``DV_TAB[l]``); ``offset`` is the
-    token's (b, h, t) offset inside a slot, in elements of the two sides'
-    strides ``sdk``, ``sdv`` (b, h, t, d), as a (key, value) pair.
-    """
-    k_slot, v_slot = slot_bases(DK_TAB, DV_TAB, cols, L, ELEM=ELEM, ALIGNED=ALIGNED)
-    kd = tl.load(k_slot[:, None] + offset[0] + d[None, :] * sdk[3], mask=tile, other=0.0)
-    vd = tl.load(v_slot[:, None] + offset[1] + d[None, :] * sdv[3], mask=tile, other=0.0)
+
+@triton.jit
+def _slot_tiles(DK_TAB, DV_TAB, slot, L, b, hk, tok, sdk, sdv, d, tile, ELEM: tl.constexpr, ALIGNED: tl.constexpr):
+    """The depth keys and values of the (token ``tok``, slot ``slot``) pairs, (BLOCK_C, DP) each, zero off
+    ``tile``. Slot ``l`` lives at address ``DK_TAB[l]`` (``DV_TAB[l]``), a token at its (b, h, t, d) strides
+    ``sdk``, ``sdv`` in it."""
+    k_slot, v_slot = slot_bases(DK_TAB, DV_TAB, slot, L, ELEM=ELEM, ALIGNED=ALIGNED)
+    b64, hk64, tok64 = b.to(tl.int64), hk.to(tl.int64), tok.to(tl.int64)  # a slab's offsets may pass 2**31
+    k_row = k_slot + b64 * sdk[0] + hk64 * sdk[1] + tok64 * sdk[2]
+    v_row = v_slot + b64 * sdv[0] + hk64 * sdv[1] + tok64 * sdv[2]
+    kd = tl.load(k_row[:, None] + d[None, :] * sdk[3], mask=tile, other=0.0)
+    vd = tl.load(v_row[:, None] + d[None, :] * sdv[3], mask=tile, other=0.0)
     return kd, vd
 
 
@@ -122,7 +136,7 @@ def _depth_forward_kernel(
     G: tl.constexpr,
     GP: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    BLOCK_L: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     D: tl.constexpr,
     DP: tl.constexpr,
     HAS_SEQ: tl.constexpr,
@@ -158,31 +172,22 @@ def _depth_forward_kernel(
         acc = tl.zeros((R, DP), tl.float32)
         l_sum = tl.zeros((R,), tl.float32)
 
-    slot_ids = tl.arange(0, BLOCK_L)
-    b64, hk64 = b.to(tl.int64), hk.to(tl.int64)  # a slab's offsets may pass 2**31
-    chunks = tl.cdiv(tl.maximum(L - depth_first, 0), BLOCK_L)
-    # one loop over (token, slot chunk) pairs, so that the pipeliner may load the next token's slots early
-    for step in range(0, BLOCK_T * chunks):
-        j = step // chunks
-        l0 = depth_first + (step - j * chunks) * BLOCK_L
-        tj = t0 + j
-        own = rt == j
-        slots_end = tl.where(tj < Tq, L, 0)  # a token past Tq has no slots
-        offset = (b64 * sdk[0] + hk64 * sdk[1] + tj * sdk[2], b64 * sdv[0] + hk64 * sdv[1] + tj * sdv[2])
-        cols = l0 + slot_ids
-        visible = cols < slots_end
+    span = L - depth_first  # visible slots a token
+    for c0 in range(0, BLOCK_T * tl.maximum(span, 0), BLOCK_C):
+        j, col_tok, slot, visible = _pair_columns(c0, span, depth_first, t0, Tq, BLOCK_T, BLOCK_C)
         tile = visible[:, None] & d_ok[None, :]
-        kd, vd = _slot_tiles(DK_TAB, DV_TAB, cols, L, offset, sdk, sdv, d, tile, ELEM=Q.dtype.element_ty,
-                              ALIGNED=SLOTS_ALIGNED)
+        kd, vd = _slot_tiles(DK_TAB, DV_TAB, slot, L, b, hk, col_tok, sdk, sdv, d, tile, ELEM=Q.dtype.element_ty,
+                             ALIGNED=SLOTS_ALIGNED)  # fmt: skip
+        sees = (rt[:, None] == j[None, :]) & visible[None, :]
         kd_ok = _finite(kd)
         vd_ok = _finite(vd)
         slot_bad = tl.sum((~kd_ok | ~vd_ok).to(tl.int32), 1) > 0
-        dead |= own & (tl.sum((visible & slot_bad).to(tl.int32), 0) > 0)
+        dead |= tl.sum((sees & slot_bad[None, :]).to(tl.int32), 1) > 0
         kd = tl.where(kd_ok, kd, 0.0)
         vd = tl.where(vd_ok, vd, 0.0)
         # rescale the running max and denominator, as in a FlashAttention step
         s = tl.dot(q, tl.trans(kd)) * qk_scale
-        s = tl.where(own[:, None] & visible[None, :], s, ninf)
+        s = tl.where(sees, s, ninf)
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == ninf, 0.0, m_new)
         alpha = tl.math.exp2(m - m_safe)
@@ -232,7 +237,7 @@ def _depth_backward_kernel(
     G: tl.constexpr,
     GP: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    BLOCK_L: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     D: tl.constexpr,
     DP: tl.constexpr,
     DQ_ADD: tl.constexpr,
@@ -259,36 +264,32 @@ def _depth_backward_kernel(
     lse = tl.load(LSE + b * sl[0] + h * sl[1] + tok * sl[2], mask=row_ok, other=float("inf")) * _LOG2E
     dq = tl.zeros((R, DP), tl.float32)
 
-    slot_ids = tl.arange(0, BLOCK_L)
     b64, hk64 = b.to(tl.int64), hk.to(tl.int64)  # a slab's offsets may pass 2**31
     gkbase = DDK + b64 * sgk[0] + hk64 * sgk[1]
     gvbase = DDV + b64 * sgv[0] + hk64 * sgv[1]
-    chunks = tl.cdiv(L, BLOCK_L)
-    for step in range(0, BLOCK_T * chunks):  # (token, slot chunk) pairs, as in the forward
-        j = step // chunks
-        tj = t0 + j
-        own = (rt == j) & row_ok
-        slots_end = tl.where(tj < Tq, L, 0)  # a token past Tq has no slots
-        offset = (b64 * sdk[0] + hk64 * sdk[1] + tj * sdk[2], b64 * sdv[0] + hk64 * sdv[1] + tj * sdv[2])
-        cols = (step - j * chunks) * BLOCK_L + slot_ids
-        stored = cols < slots_end
-        visible = stored & (cols >= depth_first)
+    for c0 in range(0, BLOCK_T * L, BLOCK_C):  # every slot's pair: those before depth_first get zeros
+        j, col_tok, slot, stored = _pair_columns(c0, L, 0, t0, Tq, BLOCK_T, BLOCK_C)
+        visible = stored & (slot >= depth_first)
         tile = visible[:, None] & d_ok[None, :]
-        kd, vd = _slot_tiles(DK_TAB, DV_TAB, cols, L, offset, sdk, sdv, d, tile, ELEM=Q.dtype.element_ty,
-                              ALIGNED=SLOTS_ALIGNED)
+        kd, vd = _slot_tiles(DK_TAB, DV_TAB, slot, L, b, hk, col_tok, sdk, sdv, d, tile, ELEM=Q.dtype.element_ty,
+                             ALIGNED=SLOTS_ALIGNED)  # fmt: skip
         # masked slots' products still meet other rows' p = 0: read their non-finite entries as zero
         kd = tl.where(_finite(kd), kd, 0.0)
         vd = tl.where(_finite(vd), vd, 0.0)
         s = tl.dot(q, tl.trans(kd)) * qk_scale
-        p = tl.where(own[:, None] & visible[None, :], tl.math.exp2(s - lse[:, None]), 0.0)
+        sees = (rt[:, None] == j[None, :]) & row_ok[:, None] & visible[None, :]
+        p = tl.where(sees, tl.math.exp2(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(vd))
         ds = (p * (dp - delta[:, None])).to(q.dtype)
         dq += tl.dot(ds, kd)
         ddv = tl.dot(tl.trans(p.to(do.dtype)), do)
         ddk = tl.dot(tl.trans(ds), q) * scale
+        col_tok64 = col_tok.to(tl.int64)
         out = stored[:, None] & d_ok[None, :]
-        tl.store(gvbase + tj * sgv[2] + cols[:, None] * sgv[3] + d[None, :], ddv.to(DDV.dtype.element_ty), mask=out)
-        tl.store(gkbase + tj * sgk[2] + cols[:, None] * sgk[3] + d[None, :], ddk.to(DDK.dtype.element_ty), mask=out)
+        tl.store(gvbase + (col_tok64 * sgv[2] + slot * sgv[3])[:, None] + d[None, :], ddv.to(DDV.dtype.element_ty),
+                 mask=out)  # fmt: skip
+        tl.store(gkbase + (col_tok64 * sgk[2] + slot * sgk[3])[:, None] + d[None, :], ddk.to(DDK.dtype.element_ty),
+                 mask=out)  # fmt: skip
 
     dq = dq * scale
     dq_ptr = DQ + b * sdq[0] + h[:, None] * sdq[1] + tok[:, None] * sdq[2] + d[None, :]

@@ -66,13 +66,14 @@ class Options(NamedTuple):
 
 def _layout(q: Tensor, kv_heads: int, slots: int) -> dict:
     """The depth kernels' constants and launch options: G heads per KV head padded to GP, BLOCK_T tokens a
-    program, the slot chunk, the head dim's lanes; two warps and 32-slot chunks for the 16-row tiles of G >= 8
-    at D <= 64, else four warps and 64-slot chunks; one stage (chosen on an H100 with ``tune_split.py --graph``:
-    T=16384 at G=8 and the Table 6 call at G=3; more stages were slower at both)."""
+    program, the (token, slot) columns a step, the head dim's lanes; two warps and 32 columns for the 16-row
+    tiles of G >= 8 at D <= 64, else four warps and 64 columns; one stage (chosen on an H100 with
+    ``tune_split.py --graph``: T=16384 at G=8 and the Table 6 call at G=3; more stages were slower at both)."""
     G, D = q.shape[1] // kv_heads, q.shape[-1]
     GP, DP = next_pow2(G), max(16, next_pow2(D))
+    BLOCK_T = max(1, _MIN_DOT_ROWS // GP)
     warps = 2 if GP >= 8 and DP <= 64 else 4
-    return dict(G=G, GP=GP, BLOCK_T=max(1, _MIN_DOT_ROWS // GP), BLOCK_L=min(16 * warps, max(16, next_pow2(slots))),
+    return dict(G=G, GP=GP, BLOCK_T=BLOCK_T, BLOCK_C=min(16 * warps, max(16, next_pow2(BLOCK_T * slots))),
                 D=D, DP=DP, num_warps=warps, num_stages=1)  # fmt: skip
 
 
