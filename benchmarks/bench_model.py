@@ -19,7 +19,7 @@ Usage::
     python benchmarks/bench_model.py --shape table6          # 24 layers, width 384, 6/2 heads, B=32, T=512
     python benchmarks/bench_model.py --shape gpt2s           # 12 layers, width 768, 12/4 heads, B=8, T=1024
     python benchmarks/bench_model.py --shape table6 --modes compiled --arms none,attn+ffn
-    python benchmarks/bench_model.py --shape table6 --arms attn+ffn --backend split   # MoDA's attention on one backend
+    python benchmarks/bench_model.py --shape table6 --arms attn+ffn --backend split   # MoDA's layers on one backend
 """
 
 from __future__ import annotations
@@ -167,12 +167,14 @@ def main(argv=None) -> None:
     bandwidth = copy_bandwidth()
     B, T = shape["batch"], shape["seq"]
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, shape {args.shape} "
-          f"{shape['config']} B={B} T={T}, bf16, backend {args.backend}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")  # fmt: skip
+          f"{shape['config']} B={B} T={T}, bf16, MoDA backend {args.backend}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")  # fmt: skip
 
     rows = []
     for arm in arms:
         for mode in modes:
-            config = GPTConfig(**shape["config"], depth_kv=arm, block_size=T, backend=args.backend)
+            # the baseline keeps auto (SDPA), the attention a user compares against
+            backend = "auto" if arm == "none" else args.backend
+            config = GPTConfig(**shape["config"], depth_kv=arm, block_size=T, backend=backend)
             result = measure(config, B, T, mode, args.steps, args.warmup, args.profile, args.host_profile)
             Hk, D = config.n_kv_head, config.n_embd // config.n_head
             floor_bytes = 6 * depth_reads(config) * B * Hk * T * D * 2
