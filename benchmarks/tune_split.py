@@ -41,6 +41,7 @@ def main(argv=None) -> None:
     p.add_argument("--warps", type=cli.int_list, default="2,4,8", help="warps a program")
     p.add_argument("--stages", type=cli.int_list, default="1", help="software pipeline stages")
     p.add_argument("--chunks", type=cli.int_list, default="0", help="(token, slot) columns a step (BLOCK_C); 0: the default")
+    p.add_argument("--maxnreg", type=cli.int_list, default="0", help="register caps a thread; 0: the compiler's choice")
     p.add_argument("--slots", type=cli.int_list, default="0", help="L of each shape's calls; 0: the shape's")
     p.add_argument("--graph", action="store_true", help="time replays from a CUDA graph: GPU time")
     args = p.parse_args(argv)
@@ -64,12 +65,12 @@ def main(argv=None) -> None:
             torch.autograd.grad(out, tensors[:3], grad)
 
         results = []
-        for option in itertools.product(args.tokens, args.warps, args.stages, args.chunks):
+        for option in itertools.product(args.tokens, args.warps, args.stages, args.chunks, args.maxnreg):
             def layout(*a, option=option):
-                tokens, warps, stages, chunk = option
+                tokens, warps, stages, chunk, maxnreg = option
                 chosen = default_layout(*a)
                 return dict(chosen, BLOCK_T=chosen["BLOCK_T"] * tokens, num_warps=warps, num_stages=stages,
-                            BLOCK_C=chunk or chosen["BLOCK_C"])  # fmt: skip
+                            BLOCK_C=chunk or chosen["BLOCK_C"], **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
 
             ops._layout = layout
             try:
@@ -84,8 +85,8 @@ def main(argv=None) -> None:
 
 
 def _describe(option: tuple) -> str:
-    tokens, warps, stages, chunk = option
-    return f"tokens x{tokens}, {warps} warps, {stages} stages, chunk {chunk or 'default'}"
+    tokens, warps, stages, chunk, maxnreg = option
+    return f"tokens x{tokens}, {warps} warps, {stages} stages, chunk {chunk or 'default'}, maxnreg {maxnreg or '-'}"
 
 
 if __name__ == "__main__":

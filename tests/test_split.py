@@ -153,6 +153,27 @@ def test_the_backward_runs_on_the_forwards_kernel(with_lse, forward_on, monkeypa
                                       lambda o, l: o.sum() + (l.sum() if with_lse else 0))  # fmt: skip
 
 
+@pytest.mark.parametrize("layout", ["heads_last", "strided_lanes"])
+def test_an_output_gradient_in_any_layout(layout):
+    """dO need not have out's layout: one whose (T, Hq) axes are swapped in memory, and one whose head dim
+    has stride 2, give the reference's gradients."""
+    shape = MoDAShape(batch=2, q_heads=6, kv_heads=2, q_len=9, kv_len=9, slots=4, head_dim=16)
+    inputs = make_inputs(shape, dtype=DTYPES[0], device=DEVICE)
+    out = moda_attention(**inputs, backend="split")
+    B, Hq, T, D = out.shape
+    if layout == "heads_last":
+        grad = torch.randn(B, T, Hq, D, device=DEVICE, dtype=out.dtype).transpose(1, 2)
+    else:
+        grad = torch.randn(B, Hq, T, 2 * D, device=DEVICE, dtype=out.dtype)[..., ::2]
+    assert grad.stride() != out.stride()
+    ref_inputs = {name: t.detach().double().requires_grad_() for name, t in inputs.items()}
+    ref_out, _ = reference_attention(*ref_inputs.values(), v.causal(), D**-0.5)
+    grads = torch.autograd.grad(out, list(inputs.values()), grad)
+    ref_grads = torch.autograd.grad(ref_out, list(ref_inputs.values()), grad.double())
+    for name, got, ref in zip(inputs, grads, ref_grads):
+        assert relative_error(got, ref) <= tolerance(DTYPES[0], DEVICE), name
+
+
 def test_no_second_derivative():
     """The kernels' gradients have no graph: a backward that builds one is refused, not silently wrong."""
     inputs = make_inputs(MoDAShape(1, 2, 1, 4, 4, 2, 8), dtype=DTYPES[0], device=DEVICE)
