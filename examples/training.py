@@ -125,6 +125,7 @@ def evaluate(model: torch.nn.Module, data: Batches, iters: int, autocast: Abstra
     total = 0.0
     for _ in range(iters):
         x, y = data.get(data.val, generator)
+        torch.compiler.cudagraph_mark_step_begin()  # under CUDA graphs: the last call's outputs are consumed
         with autocast:
             total += data.ranks.mean(model(x, y)[1])
     model.train()
@@ -261,6 +262,7 @@ class Training:
             for group in self.optimizer.param_groups:
                 group["lr"] = self.schedule(step)
             x, y = self.data.get(self.data.train, self.generator)
+            torch.compiler.cudagraph_mark_step_begin()  # a new step: CUDA graphs may overwrite the last one's outputs
             with self.autocast:
                 _, loss = self.run(x, y)
             loss.backward()

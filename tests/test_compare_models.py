@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+import torch
 
 import comparison
 import compare_models
@@ -56,6 +57,24 @@ def test_the_study_resumes_where_it_stopped(tmp_path, data, capsys):
     compare_models.main([*flags, "--report"])
     text = (tmp_path / "study.md").read_text()
     assert "| moda-attn-post-L2 | 2 | post | attn |" in text and "| baseline-post-L2 |" in text
+
+
+def test_every_step_and_evaluation_begins_a_cuda_graph_step(tmp_path, data, monkeypatch):
+    """Under ``--compile-mode reduce-overhead`` a replay may overwrite the last call's outputs: the loop marks a
+    new step before every training step and every validation batch (a no-op without CUDA graphs)."""
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    flags = ["--data", str(data), "--results", str(tmp_path / "study.json"), *TINY]
+    results = compare_models.main([*flags, "--phase", "sweep", "--arms", "moda-attn-post-L2", "--lrs", "1e-3"])
+    (run,) = results["runs"]
+    assert len(marks) == run["steps"] + len(run["curve"])  # one eval batch a point (--eval-iters 1)
+    assert run["compile_mode"] is None  # not compiled on CPU
+
+
+def test_a_compile_mode_needs_compile(tmp_path, data):
+    flags = ["--data", str(data), "--results", str(tmp_path / "study.json"), *TINY]
+    with pytest.raises(SystemExit):
+        compare_models.parse_args([*flags, "--no-compile", "--compile-mode", "reduce-overhead"])
 
 
 def _record(phase, arm, lr, seed, loss, steps=900):
