@@ -56,31 +56,45 @@ def _bench(fn, graph: bool = False) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def measure(shape: tuple, bandwidth: float, profile: bool = False, graph: bool = False) -> dict:
+def random_call(shape: tuple) -> tuple[tuple, torch.Tensor]:
+    """A call's leaves (q, k, v, depth_k, depth_v) of ``shape`` (B, Hq, Hk, T, D, L), random bf16 on CUDA (seed 0),
+    and the output's gradient."""
     B, Hq, Hk, T, D, L = shape
     torch.manual_seed(0)
 
     def leaf(*size):
         return torch.randn(*size, device="cuda", dtype=torch.bfloat16).requires_grad_()
 
-    q, k, v = leaf(B, Hq, T, D), leaf(B, Hk, T, D), leaf(B, Hk, T, D)
-    depth_k, depth_v = leaf(B, Hk, T, L, D), leaf(B, Hk, T, L, D)
-    grad = torch.randn(B, Hq, T, D, device="cuda", dtype=torch.bfloat16)
-    leaves = (q, k, v, depth_k, depth_v)
+    leaves = (leaf(B, Hq, T, D), leaf(B, Hk, T, D), leaf(B, Hk, T, D), leaf(B, Hk, T, L, D), leaf(B, Hk, T, L, D))
+    return leaves, torch.randn(B, Hq, T, D, device="cuda", dtype=torch.bfloat16)
+
+
+def forward_backward(run, tensors, grad):
+    """A call of ``run(*tensors)`` and the gradients of its output against ``grad``, as one function to time."""
+
+    def call():
+        torch.autograd.grad(run(*tensors), tensors, grad)
+
+    return call
+
+
+def sdpa(*backend):
+    """Causal GQA SDPA without depth, on the ``backend`` kernels only."""
+
+    def run(q, k, v):
+        with sdpa_kernel(list(backend)):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    return run
+
+
+def measure(shape: tuple, bandwidth: float, profile: bool = False, graph: bool = False) -> dict:
+    B, Hq, Hk, T, D, L = shape
+    leaves, grad = random_call(shape)
+    q, k, v = leaves[:3]
 
     def step(run, tensors):
-        def call():
-            out = run(*tensors)
-            torch.autograd.grad(out, tensors, grad)
-
-        return call
-
-    def sdpa(*backend):
-        def run(a, b, c):
-            with sdpa_kernel(list(backend)):
-                return F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True)
-
-        return run
+        return forward_backward(run, tensors, grad)
 
     def flash_split(*tensors):
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):

@@ -22,13 +22,12 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 from moda_flex import moda_attention
 from moda_flex.backends.split import ops
 
-from bench_split import SHAPES, _bench
+from bench_split import SHAPES, _bench, forward_backward, random_call, sdpa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import cli  # noqa: E402
@@ -49,20 +48,12 @@ def main(argv=None) -> None:
     default_layout = ops._layout
     print(f"device: {torch.cuda.get_device_name()}; split fwd+bwd, median ms" + (" of graph replays" if args.graph else ""))
     for name, slots in itertools.product(args.shapes.split(","), args.slots):
-        B, Hq, Hk, T, D, L = SHAPES[name]
+        *sizes, L = SHAPES[name]
         L = slots or L
-        torch.manual_seed(0)
-        tensors = [torch.randn(*size, device="cuda", dtype=torch.bfloat16).requires_grad_()
-                   for size in ((B, Hq, T, D), (B, Hk, T, D), (B, Hk, T, D), (B, Hk, T, L, D), (B, Hk, T, L, D))]
-        grad = torch.randn(B, Hq, T, D, device="cuda", dtype=torch.bfloat16)
-
-        def call():
-            torch.autograd.grad(moda_attention(*tensors, backend="split"), tensors, grad)
-
-        def sequence_only():  # the vendor's part alone: a row's depth part is its time minus this
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                out = F.scaled_dot_product_attention(*tensors[:3], is_causal=True, enable_gqa=True)
-            torch.autograd.grad(out, tensors[:3], grad)
+        tensors, grad = random_call((*sizes, L))
+        call = forward_backward(lambda *t: moda_attention(*t, backend="split"), tensors, grad)
+        # the vendor's part alone: a row's depth part is its time minus this
+        sequence_only = forward_backward(sdpa(SDPBackend.CUDNN_ATTENTION), tensors[:3], grad)
 
         results = []
         for option in itertools.product(args.tokens, args.warps, args.stages, args.chunks, args.maxnreg):

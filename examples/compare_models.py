@@ -140,7 +140,7 @@ class Trainer:
             "overhead_s": wall_s - step_s * len(laps) - eval_s * len(eval_times), "compiled_here": self.fresh,
             "peak_mb": training.peak_mb, "params_m": model.num_params() / 1e6, "device": device_name(device),
             "torch": torch.__version__, "backend": args.backend, "compiled": args.compile,
-            "compile_mode": args.compile_mode if args.compile else None,
+            "compile_mode": args.compile_mode,
             "dtype": "bfloat16" if device.type == "cuda" else "float32",
             "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
         }  # fmt: skip
@@ -151,8 +151,8 @@ class Trainer:
 def estimate_s(results: dict, arm: Arm, steps: int, device: str, compiled_here: bool, args) -> float:
     """Seconds a run will take: from this arm's recorded step and compile times on this device in this compile
     mode, else a guess."""
-    mode = args.compile_mode if args.compile else None
-    runs = [r for r in results["runs"] if r["arm"] == arm.name and r["device"] == device and _mode_of(r) == mode]
+    runs = [r for r in results["runs"]
+            if r["arm"] == arm.name and r["device"] == device and _mode_of(r) == args.compile_mode]  # fmt: skip
     scale = arm.n_layer / 24
     evals = steps // args.eval_interval + (steps % args.eval_interval > 0)
     if runs:
@@ -286,6 +286,8 @@ def parse_args(argv=None):
         args.compile = args.device.startswith("cuda")
     if args.compile_mode != "default" and not args.compile:
         p.error(f"--compile-mode {args.compile_mode} needs --compile")
+    if not args.compile:
+        args.compile_mode = None  # as runs record it: no mode without compilation
     if args.report_dir is None:
         args.report_dir = args.results.parent
     return args
