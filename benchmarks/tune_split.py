@@ -1,8 +1,9 @@
 """Launch options of the split path's depth kernels: forward + backward of one call per option, one table.
 
 Each row times ``backend="split"`` (bf16, causal) with the depth kernels'
-tokens per program (a multiple of the least that fills 16 rows), warps,
-stages and slot chunk overridden; the sequence part is the same in every row.
+design (``tiles``: Tensor Core tiles; ``tokens``: per-token products), tokens
+per program (a multiple of the design's default), warps, stages and, for
+tiles, the slot chunk overridden; the sequence part is the same in every row.
 Median ms of ``triton.testing.do_bench``, or with ``--graph`` of replays from
 a CUDA graph (GPU time: what a CUDA-graphed step pays, where a short call's
 host time would hide the kernels'). Every option compiles both depth kernels
@@ -13,6 +14,7 @@ Usage::
     python benchmarks/tune_split.py --shapes table6,16k
     python benchmarks/tune_split.py --shapes 64k --tokens 1,2 --warps 2,4 --stages 1,2
     python benchmarks/tune_split.py --shapes table6 --slots 12,47 --chunks 16,32,64 --stages 1,2,3 --graph
+    python benchmarks/tune_split.py --shapes table6,1k --designs tiles,tokens --tokens 1,2 --warps 2,4 --graph
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ import cli  # noqa: E402
 def main(argv=None) -> None:
     p = cli.parser(__doc__)
     p.add_argument("--shapes", default="table6,16k", help=f"comma-separated, from {', '.join(SHAPES)}")
-    p.add_argument("--tokens", type=cli.int_list, default="1,2,4", help="multiples of the least tokens a program")
+    p.add_argument("--designs", default="", help="comma-separated depth kernel designs (tiles, tokens); default: the chosen one")
+    p.add_argument("--tokens", type=cli.int_list, default="1,2,4", help="multiples of the design's tokens a program")
     p.add_argument("--warps", type=cli.int_list, default="2,4,8", help="warps a program")
     p.add_argument("--stages", type=cli.int_list, default="1", help="software pipeline stages")
     p.add_argument("--chunks", type=cli.int_list, default="0", help="(token, slot) columns a step (BLOCK_C); 0: the default")
@@ -56,12 +59,15 @@ def main(argv=None) -> None:
         sequence_only = forward_backward(sdpa(SDPBackend.CUDNN_ATTENTION), tensors[:3], grad)
 
         results = []
-        for option in itertools.product(args.tokens, args.warps, args.stages, args.chunks, args.maxnreg):
+        designs = args.designs.split(",") if args.designs else [None]
+        for option in itertools.product(designs, args.tokens, args.warps, args.stages, args.chunks, args.maxnreg):
             def layout(*a, option=option):
-                tokens, warps, stages, chunk, maxnreg = option
-                chosen = default_layout(*a)
+                design, tokens, warps, stages, chunk, maxnreg = option
+                chosen = default_layout(*a, design=design)
+                if chosen["design"] == "tiles":
+                    chosen["BLOCK_C"] = chunk or chosen["BLOCK_C"]
                 return dict(chosen, BLOCK_T=chosen["BLOCK_T"] * tokens, num_warps=warps, num_stages=stages,
-                            BLOCK_C=chunk or chosen["BLOCK_C"], **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
+                            **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
 
             ops._layout = layout
             try:
@@ -76,8 +82,9 @@ def main(argv=None) -> None:
 
 
 def _describe(option: tuple) -> str:
-    tokens, warps, stages, chunk, maxnreg = option
-    return f"tokens x{tokens}, {warps} warps, {stages} stages, chunk {chunk or 'default'}, maxnreg {maxnreg or '-'}"
+    design, tokens, warps, stages, chunk, maxnreg = option
+    return (f"{design or 'default'}, tokens x{tokens}, {warps} warps, {stages} stages, chunk {chunk or 'default'}, "
+            f"maxnreg {maxnreg or '-'}")
 
 
 if __name__ == "__main__":

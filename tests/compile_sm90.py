@@ -108,6 +108,7 @@ def cases():
     bias = torch.zeros(3, requires_grad=True)
     for backend in ("triton", "split"):
         yield f"{backend} causal G=4 bf16", backend, _inputs(1, 8, 2, 32, 32, 3, 64, bf16), "causal", False
+        yield f"{backend} causal G=8 bf16", backend, _inputs(1, 16, 2, 32, 32, 3, 64, bf16), "causal", False
         yield f"{backend} full G=3 fp16", backend, _inputs(2, 6, 2, 32, 32, 3, 64, fp16), "full", False
         yield f"{backend} entries G=1", backend, _inputs(1, 2, 2, 32, 32, 3, 64, bf16, entries=True), "causal", False
         yield f"{backend} depth_window lse", backend, _inputs(1, 8, 1, 32, 32, 3, 128, bf16), \

@@ -31,20 +31,25 @@ def test_every_kernel_compiles_for_sm90(compiled):
     for case, kernels in compiled.items():
         backend = case.split()[0]
         expected = {"triton": {"forward_kernel", "dq_kernel"}, "hopper": {"forward_kernel", "dq_kernel", "dkdv_kernel"},
-                    "split": {"_depth_forward_kernel"}}[backend]  # fmt: skip
+                    "split": {"_prepare_backward_kernel"}}[backend]  # fmt: skip
         assert expected <= set(kernels), (case, kernels)
-    assert {"dkdv_kernel", "_depth_backward_kernel"} <= {kernel for kernels in compiled.values() for kernel in kernels}
+    every = {kernel for kernels in compiled.values() for kernel in kernels}
+    assert {"dkdv_kernel", *DEPTH_READERS} <= every, every
 
 
-DEPTH_READERS = ("forward_kernel", "dq_kernel", "_depth_forward_kernel", "_depth_backward_kernel")
+# The kernels that read depth slots: the fused kernels and both designs of the split path's.
+DEPTH_READERS = ("forward_kernel", "dq_kernel", "_depth_forward_kernel", "_depth_backward_kernel",
+                 "_depth_forward_token_kernel", "_depth_backward_token_kernel")  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", ["triton", "split"])
 def test_depth_slots_load_in_vectors_where_aligned(compiled, backend):
     """Slot pointers come from an address table, so the kernels must be told they are 16-byte aligned: without
     that the compiler loads every depth element on its own (2-byte loads), at a third of the speed."""
-    aligned, unaligned = compiled[f"{backend} causal G=4 bf16"], compiled[f"{backend} unaligned"]
+    aligned = {**compiled[f"{backend} causal G=4 bf16"], **compiled[f"{backend} causal G=8 bf16"]}
+    unaligned = compiled[f"{backend} unaligned"]
     readers = [kernel for kernel in DEPTH_READERS if kernel in aligned]
     assert readers and all(aligned[kernel] == 0 for kernel in readers), aligned
     if backend == "split":  # slots 2 bytes off a boundary: element loads, the only safe ones
-        assert all(unaligned[kernel] > 0 for kernel in readers), unaligned
+        unaligned_readers = [kernel for kernel in DEPTH_READERS if kernel in unaligned]
+        assert unaligned_readers and all(unaligned[kernel] > 0 for kernel in unaligned_readers), unaligned

@@ -81,18 +81,36 @@ def test_depth_read_in_place_whatever_its_strides(form):
 
 @pytest.mark.parametrize("variant", [v.causal(), v.depth_window(20)], ids=lambda x: x.name)
 def test_slots_in_several_steps_and_tokens_a_program(variant, monkeypatch):
-    """The depth kernels' (token, slot) columns: twice the least tokens a program, L=37 slots, 16 columns a
-    step (a token's slots span steps, a step holds two tokens' slots, the last one partial; a depth window
-    starts mid-step), a ragged last block of tokens."""
+    """The Tensor Core tiles' (token, slot) columns at G=3: twice the least tokens a program, L=37 slots, 16
+    columns a step (a token's slots span steps, a step holds two tokens' slots, the last one partial; a depth
+    window starts mid-step), a ragged last block of tokens."""
     chosen = split.ops._layout
 
     def layout(*args):
-        default = chosen(*args)
-        return dict(default, BLOCK_T=2 * default["BLOCK_T"], BLOCK_C=16)
+        tiles = chosen(*args, design="tiles")
+        return dict(tiles, BLOCK_T=2 * tiles["BLOCK_T"], BLOCK_C=16)
 
     monkeypatch.setattr(split.ops, "_layout", layout)
     shape = MoDAShape(batch=1, q_heads=6, kv_heads=2, q_len=11, kv_len=11, slots=37, head_dim=16)
     assert_matches_reference(make_inputs(shape, dtype=DTYPES[0], device=DEVICE), backend="split", variant=variant)
+
+
+@pytest.mark.parametrize("design", ["tiles", "tokens"])
+@pytest.mark.parametrize("q_heads", [2, 6, 16])
+def test_either_design_at_any_group(design, q_heads, monkeypatch):
+    """Both depth kernel designs at G of 1, 3 and 8, whichever ``_layout`` picks for that G: a depth window, a
+    ragged last block of tokens (4 a program), strided entries."""
+    chosen = split.ops._layout
+
+    def layout(*args):
+        options = chosen(*args, design=design)
+        return dict(options, BLOCK_T=4) if design == "tokens" else options
+
+    monkeypatch.setattr(split.ops, "_layout", layout)
+    shape = MoDAShape(batch=2, q_heads=q_heads, kv_heads=2 if q_heads > 2 else 1, q_len=13, kv_len=13, slots=6,
+                      head_dim=16)  # fmt: skip
+    inputs = make_inputs(shape, dtype=DTYPES[0], device=DEVICE, strided_depth=True, depth_entries=True)
+    assert_matches_reference(inputs, backend="split", variant=v.depth_window(4))
 
 
 def _assert_gradients_match_reference(inputs: dict, out, lse, variant, loss) -> None:
@@ -215,6 +233,18 @@ def test_named_entries(case):
     variant, name, index = case
     shape = MoDAShape(batch=1, q_heads=4, kv_heads=2, q_len=9, kv_len=9, slots=3, head_dim=16)
     _assert_reaches_only_its_rows("split", shape, variant, name, index, float("nan"), device=DEVICE, dtype=DTYPES[0])
+
+
+@NUMPY_NAN_WARNINGS
+@pytest.mark.parametrize("value", [float("inf"), float("-inf")])
+@pytest.mark.parametrize("name", ["depth_k", "depth_v"])
+def test_an_infinite_depth_slot_kills_the_rows_that_see_it(name, value):
+    """A depth key of +-Inf gives some of its token's rows a logit of -inf (a zero weight, which alone would
+    leave the row finite), a depth value of +-Inf an infinite output: both rows are dead, at G=1 and G=3."""
+    for q_heads in (2, 6):
+        shape = MoDAShape(batch=1, q_heads=q_heads, kv_heads=2, q_len=7, kv_len=7, slots=3, head_dim=16)
+        _assert_reaches_only_its_rows("split", shape, v.causal(), name, (0, 1, 4, 2), value, device=DEVICE,
+                                      dtype=DTYPES[0])  # fmt: skip
 
 
 # ---- auto's choice --------------------------------------------------------------------------------------------

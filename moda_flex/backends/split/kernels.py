@@ -296,3 +296,174 @@ def _depth_backward_kernel(
     if DQ_ADD:
         dq += tl.load(dq_ptr, mask=rows2, other=0.0).to(tl.float32)
     tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), mask=rows2)
+
+
+# ---- Per-token products: the depth part on the CUDA cores, for small G --------------------------------------
+#
+# A Tensor Core tile has at least 16 rows: at G=3 a token's rows fill 3 of them, and a tile meeting several
+# tokens' slots keeps only each token's own (1 product in BLOCK_T). These kernels compute a token's G rows
+# against its own slots alone, ``s[t, g] = sum_d q[t, g, d] * kd[t, d]``, as elementwise products on
+# (BLOCK_T, GP, DP) tiles, one slot a step: no product is wasted but the GP - G padding rows.
+#
+# NaN and Inf cost no check per loaded element here: a non-finite depth key makes ``s`` non-finite (the row
+# marks itself dead), and a non-finite depth value makes the row's accumulator non-finite (checked once at the
+# end), since ``acc * alpha + p * vd`` keeps a NaN or Inf whatever alpha and p are. Rows of other tokens never
+# meet these slots.
+
+
+@triton.jit
+def _token_rows(Hk, Tq, G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
+                DP: tl.constexpr):  # fmt: skip
+    """A per-token program's batch b, KV head hk (and b * Hk + hk), tokens t (BLOCK_T,), heads h (GP,), lanes
+    d (DP,), which (token, head) rows are real (BLOCK_T, GP) and which (token, head, lane) entries (3D)."""
+    bhk = tl.program_id(1)
+    b = bhk // Hk
+    hk = bhk % Hk
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, DP)
+    rows = (t < Tq)[:, None] & (g < G)[None, :]
+    return b, hk, bhk, t, hk * G + g, d, rows, rows[:, :, None] & (d < D)[None, None, :]
+
+
+@triton.jit
+def _rows_at(X, sx, b, h, t, d):
+    """Addresses of (token, head, lane) entries of a (B, H, T, D) tensor with strides ``sx``: (BLOCK_T, GP, DP)."""
+    return X + b * sx[0] + h[None, :, None] * sx[1] + t[:, None, None] * sx[2] + d[None, None, :]
+
+
+@triton.jit
+def _token_slot(DK_TAB, DV_TAB, slot, b, hk, t, d, sdk, sdv, live, ELEM: tl.constexpr, ALIGNED: tl.constexpr):
+    """Slot ``slot`` of each token ``t``: the depth keys and values, (BLOCK_T, DP) float32, zero off ``live``."""
+    k_slot = tl.load(DK_TAB + slot).to(tl.pointer_type(ELEM))
+    v_slot = tl.load(DV_TAB + slot).to(tl.pointer_type(ELEM))
+    if ALIGNED:
+        k_slot = tl.multiple_of(k_slot, 16)
+        v_slot = tl.multiple_of(v_slot, 16)
+    b64, hk64, t64 = b.to(tl.int64), hk.to(tl.int64), t.to(tl.int64)  # a slab's offsets may pass 2**31
+    k_row = k_slot + b64 * sdk[0] + hk64 * sdk[1] + t64 * sdk[2]
+    v_row = v_slot + b64 * sdv[0] + hk64 * sdv[1] + t64 * sdv[2]
+    kd = tl.load(k_row[:, None] + d[None, :] * sdk[3], mask=live, other=0.0)
+    vd = tl.load(v_row[:, None] + d[None, :] * sdv[3], mask=live, other=0.0)
+    return kd.to(tl.float32), vd.to(tl.float32)
+
+
+@triton.jit
+def _depth_forward_token_kernel(
+    Q, DK_TAB, DV_TAB, OS, LS, FIRST, O, LO,
+    sq, sdk, sdv, sos, sls, so, slo,
+    Hk, Tq, Tk, L, depth_first, qk_scale,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    HAS_SEQ: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SLOTS_ALIGNED: tl.constexpr,
+):  # fmt: skip
+    """:func:`_depth_forward_kernel`'s results, a token's rows against its own slots on the CUDA cores."""
+    b, hk, bhk, t, h, d, rows, rows3 = _token_rows(Hk, Tq, G, GP, BLOCK_T, D, DP)
+    slot_live = (t < Tq)[:, None] & (d < D)[None, :]
+    ninf = float("-inf")
+
+    q = tl.load(_rows_at(Q, sq, b, h, t, d), mask=rows3, other=0.0).to(tl.float32)
+    q_ok = _finite(q)
+    dead = tl.sum((~q_ok).to(tl.int32), 2) > 0
+    q = tl.where(q_ok, q, 0.0) * qk_scale  # logits in log2 units
+    if HAS_SEQ:
+        m = tl.load(LS + b * sls[0] + h[None, :] * sls[1] + t[:, None] * sls[2], mask=rows, other=ninf) * _LOG2E
+        acc = tl.load(_rows_at(OS, sos, b, h, t, d), mask=rows3, other=0.0).to(tl.float32)
+        l_sum = tl.where(m == ninf, 0.0, 1.0)
+        first_bad = tl.load(FIRST + bhk)
+        if CAUSAL:  # query i sits at position Tk - Tq + i
+            dead |= (first_bad <= Tk - Tq + t)[:, None]
+        else:
+            dead |= first_bad < Tk
+    else:
+        m = tl.full((BLOCK_T, GP), ninf, tl.float32)
+        acc = tl.zeros((BLOCK_T, GP, DP), tl.float32)
+        l_sum = tl.zeros((BLOCK_T, GP), tl.float32)
+
+    for slot in range(depth_first, L):
+        kd, vd = _token_slot(DK_TAB, DV_TAB, slot, b, hk, t, d, sdk, sdv, slot_live, ELEM=Q.dtype.element_ty,
+                             ALIGNED=SLOTS_ALIGNED)  # fmt: skip
+        s = tl.sum(q * kd[:, None, :], 2)
+        dead |= ~_finite(s)
+        m_new = tl.maximum(m, s)
+        m_safe = tl.where(m_new == ninf, 0.0, m_new)
+        alpha = tl.math.exp2(m - m_safe)
+        p = tl.math.exp2(s - m_safe)
+        l_sum = l_sum * alpha + p
+        acc = acc * alpha[:, :, None] + p[:, :, None] * vd[:, None, :]
+        m = m_new
+
+    dead |= tl.sum((~_finite(acc)).to(tl.int32), 2) > 0
+    seen = l_sum > 0.0
+    lse = tl.where(seen, (m + tl.math.log2(tl.where(seen, l_sum, 1.0))) * _LN2, ninf)
+    out = acc / tl.where(seen, l_sum, 1.0)[:, :, None]
+    lse = tl.where(dead, float("nan"), lse)
+    out = tl.where(dead[:, :, None], float("nan"), out)
+    tl.store(_rows_at(O, so, b, h, t, d), out.to(O.dtype.element_ty), mask=rows3)
+    tl.store(LO + b * slo[0] + h[None, :] * slo[1] + t[:, None] * slo[2], lse, mask=rows)
+
+
+@triton.jit
+def _depth_backward_token_kernel(
+    Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV,
+    sq, sdk, sdv, so, sdo, sl, sgl, sdq, sgk, sgv,
+    Hk, Tq, L, depth_first, scale, qk_scale,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    DQ_ADD: tl.constexpr,
+    HAS_GLSE: tl.constexpr,
+    SLOTS_ALIGNED: tl.constexpr,
+):  # fmt: skip
+    """:func:`_depth_backward_kernel`'s gradients, a token's rows against its own slots on the CUDA cores.
+
+    A silenced (dead) row has ``lse = +inf``: its p and dS are zero by selection, not by arithmetic, since
+    the slots it saw may hold NaN or Inf (no live row sees those).
+    """
+    b, hk, bhk, t, h, d, rows, rows3 = _token_rows(Hk, Tq, G, GP, BLOCK_T, D, DP)
+    slot_live = (t < Tq)[:, None] & (d < D)[None, :]
+
+    q = tl.load(_rows_at(Q, sq, b, h, t, d), mask=rows3, other=0.0).to(tl.float32)
+    do = tl.load(_rows_at(DO, sdo, b, h, t, d), mask=rows3, other=0.0).to(tl.float32)
+    delta = tl.sum(do * tl.load(_rows_at(O, so, b, h, t, d), mask=rows3, other=0.0).to(tl.float32), 2)
+    if HAS_GLSE:  # d lse / d s = p: the lse's gradient enters as delta does, with the opposite sign
+        delta -= tl.load(GLSE + b * sgl[0] + h[None, :] * sgl[1] + t[:, None] * sgl[2], mask=rows, other=0.0)
+    lse = tl.load(LSE + b * sl[0] + h[None, :] * sl[1] + t[:, None] * sl[2], mask=rows, other=float("inf")) * _LOG2E
+    live = lse < float("inf")
+    q_scaled = q * qk_scale
+    dq = tl.zeros((BLOCK_T, GP, DP), tl.float32)
+
+    b64, hk64, t64 = b.to(tl.int64), hk.to(tl.int64), t.to(tl.int64)  # a slab's offsets may pass 2**31
+    gk = DDK + b64 * sgk[0] + hk64 * sgk[1] + t64[:, None] * sgk[2] + d[None, :]
+    gv = DDV + b64 * sgv[0] + hk64 * sgv[1] + t64[:, None] * sgv[2] + d[None, :]
+    for slot in range(0, depth_first):  # slots no row sees
+        tl.store(gk + slot * sgk[3], tl.zeros((BLOCK_T, DP), DDK.dtype.element_ty), mask=slot_live)
+        tl.store(gv + slot * sgv[3], tl.zeros((BLOCK_T, DP), DDV.dtype.element_ty), mask=slot_live)
+    for slot in range(depth_first, L):
+        kd, vd = _token_slot(DK_TAB, DV_TAB, slot, b, hk, t, d, sdk, sdv, slot_live, ELEM=Q.dtype.element_ty,
+                             ALIGNED=SLOTS_ALIGNED)  # fmt: skip
+        s = tl.sum(q_scaled * kd[:, None, :], 2)
+        p = tl.where(live, tl.math.exp2(s - lse), 0.0)
+        dp = tl.sum(do * vd[:, None, :], 2)
+        ds = tl.where(live, p * (dp - delta), 0.0)
+        dq += ds[:, :, None] * kd[:, None, :]
+        tl.store(gk + slot * sgk[3], (tl.sum(ds[:, :, None] * q, 1) * scale).to(DDK.dtype.element_ty), mask=slot_live)
+        tl.store(gv + slot * sgv[3], tl.sum(p[:, :, None] * do, 1).to(DDV.dtype.element_ty), mask=slot_live)
+
+    dq = tl.where(live[:, :, None], dq * scale, 0.0)  # a dead row's products met its non-finite slots
+    dq_ptr = _rows_at(DQ, sdq, b, h, t, d)
+    if DQ_ADD:
+        dq += tl.load(dq_ptr, mask=rows3, other=0.0).to(tl.float32)
+    tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), mask=rows3)
+
+
+# The depth kernels of each design, by the name ``ops._layout`` gives it.
+FORWARD = {"tiles": _depth_forward_kernel, "tokens": _depth_forward_token_kernel}
+BACKWARD = {"tiles": _depth_backward_kernel, "tokens": _depth_backward_token_kernel}

@@ -64,17 +64,43 @@ class Options(NamedTuple):
     kernel: str  # the vendor's op (sequence.KERNELS), chosen once per call: the backward must take the forward's
 
 
-def _layout(q: Tensor, kv_heads: int, slots: int) -> dict:
-    """The depth kernels' constants and launch options: G heads per KV head padded to GP, BLOCK_T tokens a
-    program, the (token, slot) columns a step, the head dim's lanes; two warps and 32 columns for the 16-row
-    tiles of G >= 8 at D <= 64, else four warps and 64 columns; one stage (chosen on an H100 with
-    ``tune_split.py --graph``: T=16384 at G=8 and the Table 6 call at G=3; more stages were slower at both)."""
+# Groups up to this size run the per-token kernels (a token's rows against its own slots, on the CUDA cores);
+# larger ones fill the Tensor Core tiles' 16 rows with whole tokens' heads.
+TOKEN_KERNELS_MAX_GROUP = 4
+# (token, head, lane) entries of a per-token program's tiles, BLOCK_T * GP * DP: 16 a thread of its 4 warps
+# (an sm_90 compile: 72 registers a thread in the forward, 126 in the backward; twice the tile spills nothing
+# but takes 133 and 255)
+_TOKEN_TILE = 2048
+
+
+def _layout(q: Tensor, kv_heads: int, slots: int, design: Optional[str] = None) -> dict:
+    """The depth kernels' design (``kernels.FORWARD``), constants and launch options: G heads per KV head padded
+    to GP, BLOCK_T tokens a program, the head dim's lanes DP.
+
+    ``"tokens"`` (the default for G up to :data:`TOKEN_KERNELS_MAX_GROUP`): per-token products on
+    (BLOCK_T, GP, DP) tiles. ``"tiles"``: Tensor Core tiles of 16 rows, BLOCK_C (token, slot) columns a step;
+    two warps and 32 columns at G >= 8 and D <= 64, else four warps and 64 columns; one stage (chosen on an
+    H100 with ``tune_split.py --graph``: T=16384 at G=8 and the Table 6 call at G=3; more stages were slower
+    at both).
+    """
     G, D = q.shape[1] // kv_heads, q.shape[-1]
     GP, DP = next_pow2(G), max(16, next_pow2(D))
+    design = design or ("tokens" if G <= TOKEN_KERNELS_MAX_GROUP else "tiles")
+    if design == "tokens":
+        return dict(design=design, G=G, GP=GP, BLOCK_T=max(1, _TOKEN_TILE // (GP * DP)), D=D, DP=DP,
+                    num_warps=4, num_stages=1)  # fmt: skip
     BLOCK_T = max(1, _MIN_DOT_ROWS // GP)
     warps = 2 if GP >= 8 and DP <= 64 else 4
-    return dict(G=G, GP=GP, BLOCK_T=BLOCK_T, BLOCK_C=min(16 * warps, max(16, next_pow2(BLOCK_T * slots))),
-                D=D, DP=DP, num_warps=warps, num_stages=1)  # fmt: skip
+    return dict(design=design, G=G, GP=GP, BLOCK_T=BLOCK_T,
+                BLOCK_C=min(16 * warps, max(16, next_pow2(BLOCK_T * slots))), D=D, DP=DP, num_warps=warps,
+                num_stages=1)  # fmt: skip
+
+
+def _depth_kernel(kernels: dict, layout: dict):
+    """The kernel of ``layout``'s design among ``kernels`` (``FORWARD`` or ``BACKWARD``), and its grid and
+    launch options without the design."""
+    options = dict(layout)
+    return kernels[options.pop("design")], options
 
 
 def _unit_last(t: Tensor) -> Tensor:
@@ -123,10 +149,10 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
     if out.numel() == 0:
         return out, lse
     ls, lo = sequence.lse_view(lse_s), sequence.lse_view(lse)
-    layout = _layout(q, Hk, L)
+    kernel, layout = _depth_kernel(kernels.FORWARD, _layout(q, Hk, L))
     grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
     depth, _held = depth_args(depth_k, depth_v, L, q.device)  # _held: alive until launched
-    kernels._depth_forward_kernel[grid](
+    kernel[grid](
         Q=q, OS=out_s, LS=ls, FIRST=first, O=out, LO=lo, **depth,
         sq=q.stride(), sos=out_s.stride(), sls=ls.stride(), so=out.stride(), slo=lo.stride(),
         Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, qk_scale=opts.scale * _LOG2E,
@@ -208,10 +234,10 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     lv = sequence.lse_view(lse_c)
     glse = lv if grad_lse is None else sequence.lse_view(grad_lse).float()
-    layout = _layout(q, Hk, L)
+    kernel, layout = _depth_kernel(kernels.BACKWARD, _layout(q, Hk, L))
     grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
     depth, _held = depth_args(depth_k, depth_v, L, q.device)  # _held: alive until launched
-    kernels._depth_backward_kernel[grid](
+    kernel[grid](
         Q=q_c, O=out_c, DO=grad_c, LSE=lv, GLSE=glse, DQ=dq, DDK=ddk, DDV=ddv, **depth,
         sq=q_c.stride(), so=out_c.stride(), sdo=grad_c.stride(),
         sl=lv.stride(), sgl=glse.stride(), sdq=dq.stride(), sgk=ddk.stride(), sgv=ddv.stride(),
