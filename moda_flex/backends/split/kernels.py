@@ -333,19 +333,22 @@ def _rows_at(X, sx, b, h, t, d):
 
 
 @triton.jit
-def _token_slot(DK_TAB, DV_TAB, slot, b, hk, t, d, sdk, sdv, live, ELEM: tl.constexpr, ALIGNED: tl.constexpr):
-    """Slot ``slot`` of each token ``t``: the depth keys and values, (BLOCK_T, DP) float32, zero off ``live``."""
-    k_slot = tl.load(DK_TAB + slot).to(tl.pointer_type(ELEM))
-    v_slot = tl.load(DV_TAB + slot).to(tl.pointer_type(ELEM))
+def _token_slot(DK_TAB, DV_TAB, slot, L, b, hk, t, d, sdk, sdv, live, ELEM: tl.constexpr, ALIGNED: tl.constexpr):
+    """Slot ``slot`` of each token ``t``: the depth keys and values, (BLOCK_T, DP), zero off ``live`` and for a
+    slot past the last (a prefetch past the loop's end reads nothing)."""
+    in_table = tl.maximum(tl.minimum(slot, L - 1), 0)  # past the end: the last slot's (every table has one)
+    k_slot = tl.load(DK_TAB + in_table).to(tl.pointer_type(ELEM))
+    v_slot = tl.load(DV_TAB + in_table).to(tl.pointer_type(ELEM))
     if ALIGNED:
         k_slot = tl.multiple_of(k_slot, 16)
         v_slot = tl.multiple_of(v_slot, 16)
     b64, hk64, t64 = b.to(tl.int64), hk.to(tl.int64), t.to(tl.int64)  # a slab's offsets may pass 2**31
     k_row = k_slot + b64 * sdk[0] + hk64 * sdk[1] + t64 * sdk[2]
     v_row = v_slot + b64 * sdv[0] + hk64 * sdv[1] + t64 * sdv[2]
+    live &= (t * 0 + slot < L)[:, None]
     kd = tl.load(k_row[:, None] + d[None, :] * sdk[3], mask=live, other=0.0)
     vd = tl.load(v_row[:, None] + d[None, :] * sdv[3], mask=live, other=0.0)
-    return kd.to(tl.float32), vd.to(tl.float32)
+    return kd, vd
 
 
 @triton.jit
@@ -385,9 +388,13 @@ def _depth_forward_token_kernel(
         acc = tl.zeros((BLOCK_T, GP, DP), tl.float32)
         l_sum = tl.zeros((BLOCK_T, GP), tl.float32)
 
+    # each step loads the next slot before its products: two slots' loads in flight a program
+    kd_next, vd_next = _token_slot(DK_TAB, DV_TAB, depth_first, L, b, hk, t, d, sdk, sdv, slot_live,
+                                   ELEM=Q.dtype.element_ty, ALIGNED=SLOTS_ALIGNED)  # fmt: skip
     for slot in range(depth_first, L):
-        kd, vd = _token_slot(DK_TAB, DV_TAB, slot, b, hk, t, d, sdk, sdv, slot_live, ELEM=Q.dtype.element_ty,
-                             ALIGNED=SLOTS_ALIGNED)  # fmt: skip
+        kd, vd = kd_next.to(tl.float32), vd_next.to(tl.float32)
+        kd_next, vd_next = _token_slot(DK_TAB, DV_TAB, slot + 1, L, b, hk, t, d, sdk, sdv, slot_live,
+                                       ELEM=Q.dtype.element_ty, ALIGNED=SLOTS_ALIGNED)  # fmt: skip
         s = tl.sum(q * kd[:, None, :], 2)
         dead |= ~_finite(s)
         m_new = tl.maximum(m, s)
@@ -446,9 +453,12 @@ def _depth_backward_token_kernel(
     for slot in range(0, depth_first):  # slots no row sees
         tl.store(gk + slot * sgk[3], tl.zeros((BLOCK_T, DP), DDK.dtype.element_ty), mask=slot_live)
         tl.store(gv + slot * sgv[3], tl.zeros((BLOCK_T, DP), DDV.dtype.element_ty), mask=slot_live)
-    for slot in range(depth_first, L):
-        kd, vd = _token_slot(DK_TAB, DV_TAB, slot, b, hk, t, d, sdk, sdv, slot_live, ELEM=Q.dtype.element_ty,
-                             ALIGNED=SLOTS_ALIGNED)  # fmt: skip
+    kd_next, vd_next = _token_slot(DK_TAB, DV_TAB, depth_first, L, b, hk, t, d, sdk, sdv, slot_live,
+                                   ELEM=Q.dtype.element_ty, ALIGNED=SLOTS_ALIGNED)  # fmt: skip
+    for slot in range(depth_first, L):  # the next slot loaded before this one's products, as in the forward
+        kd, vd = kd_next.to(tl.float32), vd_next.to(tl.float32)
+        kd_next, vd_next = _token_slot(DK_TAB, DV_TAB, slot + 1, L, b, hk, t, d, sdk, sdv, slot_live,
+                                       ELEM=Q.dtype.element_ty, ALIGNED=SLOTS_ALIGNED)  # fmt: skip
         s = tl.sum(q_scaled * kd[:, None, :], 2)
         p = tl.where(live, tl.math.exp2(s - lse), 0.0)
         dp = tl.sum(do * vd[:, None, :], 2)

@@ -67,10 +67,9 @@ class Options(NamedTuple):
 # Groups up to this size run the per-token kernels (a token's rows against its own slots, on the CUDA cores);
 # larger ones fill the Tensor Core tiles' 16 rows with whole tokens' heads.
 TOKEN_KERNELS_MAX_GROUP = 4
-# (token, head, lane) entries of a per-token program's tiles, BLOCK_T * GP * DP: 16 a thread of its 4 warps
-# (an sm_90 compile: 72 registers a thread in the forward, 126 in the backward; twice the tile spills nothing
-# but takes 133 and 255)
-_TOKEN_TILE = 2048
+# (token, head, lane) entries of a per-token program's tiles, BLOCK_T * GP * DP: 32 a thread of its 4 warps
+# (H100, the Table 6 call at L=12, tune_split.py --graph: 0.40 ms; 16 a thread, with 4 or 8 warps, 0.81-2.1)
+_TOKEN_TILE = 4096
 
 
 def _layout(q: Tensor, kv_heads: int, slots: int, design: Optional[str] = None) -> dict:
