@@ -333,24 +333,22 @@ def _rows_at(X, sx, b, h, t, d):
 
 
 @triton.jit
-def _token_slot(DK_TAB, DV_TAB, slot, b, hk, t, h, d, sdk, sdv, live, ELEM: tl.constexpr, ALIGNED: tl.constexpr):
-    """Slot ``slot`` of each token ``t``: the depth keys and values, (BLOCK_T, GP, DP) float32 (a token's one
-    key repeated for its GP heads), zero off ``live`` (BLOCK_T, GP, DP).
-
-    Read as the rows' tiles are (every head's lanes loading the same addresses, which a warp's load merges),
-    so that its products with them need no change of register layout, a pass through shared memory a slot."""
-    k_slot = tl.load(DK_TAB + slot).to(tl.pointer_type(ELEM))
-    v_slot = tl.load(DV_TAB + slot).to(tl.pointer_type(ELEM))
+def _token_slot(DK_TAB, DV_TAB, slot, L, b, hk, t, d, sdk, sdv, live, ELEM: tl.constexpr, ALIGNED: tl.constexpr):
+    """Slot ``slot`` of each token ``t``: the depth keys and values, (BLOCK_T, DP), zero off ``live`` and for a
+    slot past the last (a prefetch past the loop's end reads nothing)."""
+    in_table = tl.maximum(tl.minimum(slot, L - 1), 0)  # past the end: the last slot's (every table has one)
+    k_slot = tl.load(DK_TAB + in_table).to(tl.pointer_type(ELEM))
+    v_slot = tl.load(DV_TAB + in_table).to(tl.pointer_type(ELEM))
     if ALIGNED:
         k_slot = tl.multiple_of(k_slot, 16)
         v_slot = tl.multiple_of(v_slot, 16)
     b64, hk64, t64 = b.to(tl.int64), hk.to(tl.int64), t.to(tl.int64)  # a slab's offsets may pass 2**31
     k_row = k_slot + b64 * sdk[0] + hk64 * sdk[1] + t64 * sdk[2]
     v_row = v_slot + b64 * sdv[0] + hk64 * sdv[1] + t64 * sdv[2]
-    every_head = (h * 0)[None, :, None]
-    kd = tl.load(k_row[:, None, None] + every_head + d[None, None, :] * sdk[3], mask=live, other=0.0)
-    vd = tl.load(v_row[:, None, None] + every_head + d[None, None, :] * sdv[3], mask=live, other=0.0)
-    return kd.to(tl.float32), vd.to(tl.float32)
+    live &= (t * 0 + slot < L)[:, None]
+    kd = tl.load(k_row[:, None] + d[None, :] * sdk[3], mask=live, other=0.0)
+    vd = tl.load(v_row[:, None] + d[None, :] * sdv[3], mask=live, other=0.0)
+    return kd, vd
 
 
 @triton.jit
@@ -369,6 +367,7 @@ def _depth_forward_token_kernel(
 ):  # fmt: skip
     """:func:`_depth_forward_kernel`'s results, a token's rows against its own slots on the CUDA cores."""
     b, hk, bhk, t, h, d, rows, rows3 = _token_rows(Hk, Tq, G, GP, BLOCK_T, D, DP)
+    slot_live = (t < Tq)[:, None] & (d < D)[None, :]
     ninf = float("-inf")
 
     q = tl.load(_rows_at(Q, sq, b, h, t, d), mask=rows3, other=0.0).to(tl.float32)
@@ -389,17 +388,21 @@ def _depth_forward_token_kernel(
         acc = tl.zeros((BLOCK_T, GP, DP), tl.float32)
         l_sum = tl.zeros((BLOCK_T, GP), tl.float32)
 
+    # each step loads the next slot before its products: two slots' loads in flight a program
+    kd_next, vd_next = _token_slot(DK_TAB, DV_TAB, depth_first, L, b, hk, t, d, sdk, sdv, slot_live,
+                                   ELEM=Q.dtype.element_ty, ALIGNED=SLOTS_ALIGNED)  # fmt: skip
     for slot in range(depth_first, L):
-        kd, vd = _token_slot(DK_TAB, DV_TAB, slot, b, hk, t, h, d, sdk, sdv, rows3,
-                             ELEM=Q.dtype.element_ty, ALIGNED=SLOTS_ALIGNED)  # fmt: skip
-        s = tl.sum(q * kd, 2)
+        kd, vd = kd_next.to(tl.float32), vd_next.to(tl.float32)
+        kd_next, vd_next = _token_slot(DK_TAB, DV_TAB, slot + 1, L, b, hk, t, d, sdk, sdv, slot_live,
+                                       ELEM=Q.dtype.element_ty, ALIGNED=SLOTS_ALIGNED)  # fmt: skip
+        s = tl.sum(q * kd[:, None, :], 2)
         dead |= ~_finite(s)
         m_new = tl.maximum(m, s)
         m_safe = tl.where(m_new == ninf, 0.0, m_new)
         alpha = tl.math.exp2(m - m_safe)
         p = tl.math.exp2(s - m_safe)
         l_sum = l_sum * alpha + p
-        acc = acc * alpha[:, :, None] + p[:, :, None] * vd
+        acc = acc * alpha[:, :, None] + p[:, :, None] * vd[:, None, :]
         m = m_new
 
     dead |= tl.sum((~_finite(acc)).to(tl.int32), 2) > 0
@@ -441,6 +444,7 @@ def _depth_backward_token_kernel(
         delta -= tl.load(GLSE + b * sgl[0] + h[None, :] * sgl[1] + t[:, None] * sgl[2], mask=rows, other=0.0)
     lse = tl.load(LSE + b * sl[0] + h[None, :] * sl[1] + t[:, None] * sl[2], mask=rows, other=float("inf")) * _LOG2E
     live = lse < float("inf")
+    q_scaled = q * qk_scale
     dq = tl.zeros((BLOCK_T, GP, DP), tl.float32)
 
     b64, hk64, t64 = b.to(tl.int64), hk.to(tl.int64), t.to(tl.int64)  # a slab's offsets may pass 2**31
@@ -449,14 +453,17 @@ def _depth_backward_token_kernel(
     for slot in range(0, depth_first):  # slots no row sees
         tl.store(gk + slot * sgk[3], tl.zeros((BLOCK_T, DP), DDK.dtype.element_ty), mask=slot_live)
         tl.store(gv + slot * sgv[3], tl.zeros((BLOCK_T, DP), DDV.dtype.element_ty), mask=slot_live)
-    for slot in range(depth_first, L):
-        kd, vd = _token_slot(DK_TAB, DV_TAB, slot, b, hk, t, h, d, sdk, sdv, rows3,
-                             ELEM=Q.dtype.element_ty, ALIGNED=SLOTS_ALIGNED)  # fmt: skip
-        s = tl.sum(q * kd, 2) * qk_scale
+    kd_next, vd_next = _token_slot(DK_TAB, DV_TAB, depth_first, L, b, hk, t, d, sdk, sdv, slot_live,
+                                   ELEM=Q.dtype.element_ty, ALIGNED=SLOTS_ALIGNED)  # fmt: skip
+    for slot in range(depth_first, L):  # the next slot loaded before this one's products, as in the forward
+        kd, vd = kd_next.to(tl.float32), vd_next.to(tl.float32)
+        kd_next, vd_next = _token_slot(DK_TAB, DV_TAB, slot + 1, L, b, hk, t, d, sdk, sdv, slot_live,
+                                       ELEM=Q.dtype.element_ty, ALIGNED=SLOTS_ALIGNED)  # fmt: skip
+        s = tl.sum(q_scaled * kd[:, None, :], 2)
         p = tl.where(live, tl.math.exp2(s - lse), 0.0)
-        dp = tl.sum(do * vd, 2)
+        dp = tl.sum(do * vd[:, None, :], 2)
         ds = tl.where(live, p * (dp - delta), 0.0)
-        dq += ds[:, :, None] * kd
+        dq += ds[:, :, None] * kd[:, None, :]
         tl.store(gk + slot * sgk[3], (tl.sum(ds[:, :, None] * q, 1) * scale).to(DDK.dtype.element_ty), mask=slot_live)
         tl.store(gv + slot * sgv[3], tl.sum(p[:, :, None] * do, 1).to(DDV.dtype.element_ty), mask=slot_live)
 
