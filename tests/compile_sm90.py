@@ -116,6 +116,7 @@ def cases():
         yield f"{backend} depth_only", backend, _inputs(1, 4, 2, 32, 32, 3, 64, bf16), variants.depth_only(), False
         yield f"{backend} L=0", backend, _inputs(1, 4, 2, 32, 32, 0, 64, bf16), "causal", False
         yield f"{backend} unaligned", backend, _inputs(1, 4, 2, 32, 32, 3, 64, bf16, unaligned=True), "causal", False
+    yield "split D=128 G=2", "split", _inputs(1, 4, 2, 32, 32, 3, 128, bf16), "causal", False
     yield "triton fp32", "triton", _inputs(1, 4, 2, 32, 32, 3, 64, fp32), "causal", False
     yield "triton D=48 Tq<Tk", "triton", _inputs(1, 4, 2, 17, 32, 3, 48, bf16), "causal", True
     yield "triton window", "triton", _inputs(1, 4, 2, 32, 32, 3, 64, bf16), variants.sliding_window(5), False
