@@ -1,5 +1,8 @@
 """Triton kernels of the split path: the depth part, its merge with the sequence part, and the NaN rule. ``@triton.jit`` only.
 
+The depth kernels come in two designs, which ``ops._layout`` picks by G: Tensor Core tiles (described here),
+and per-token products on the CUDA cores for G <= 4 (their section, "Per-token products", below).
+
 Row layout (group-aware). A program owns one KV head ``hk`` of one batch
 element and ``BLOCK_T`` consecutive query tokens; its ``R = BLOCK_T * GP``
 rows fold the G query heads of that KV head into rows: row ``r`` is token
@@ -336,19 +339,9 @@ def _rows_at(X, sx, b, h, t, d):
 def _token_slot(DK_TAB, DV_TAB, slot, L, b, hk, t, d, sdk, sdv, live, ELEM: tl.constexpr, ALIGNED: tl.constexpr):
     """Slot ``slot`` of each token ``t``: the depth keys and values, (BLOCK_T, DP), zero off ``live`` and for a
     slot past the last (a prefetch past the loop's end reads nothing)."""
-    in_table = tl.maximum(tl.minimum(slot, L - 1), 0)  # past the end: the last slot's (every table has one)
-    k_slot = tl.load(DK_TAB + in_table).to(tl.pointer_type(ELEM))
-    v_slot = tl.load(DV_TAB + in_table).to(tl.pointer_type(ELEM))
-    if ALIGNED:
-        k_slot = tl.multiple_of(k_slot, 16)
-        v_slot = tl.multiple_of(v_slot, 16)
-    b64, hk64, t64 = b.to(tl.int64), hk.to(tl.int64), t.to(tl.int64)  # a slab's offsets may pass 2**31
-    k_row = k_slot + b64 * sdk[0] + hk64 * sdk[1] + t64 * sdk[2]
-    v_row = v_slot + b64 * sdv[0] + hk64 * sdv[1] + t64 * sdv[2]
-    live &= (t * 0 + slot < L)[:, None]
-    kd = tl.load(k_row[:, None] + d[None, :] * sdk[3], mask=live, other=0.0)
-    vd = tl.load(v_row[:, None] + d[None, :] * sdv[3], mask=live, other=0.0)
-    return kd, vd
+    slots = t * 0 + slot
+    return _slot_tiles(DK_TAB, DV_TAB, slots, L, b, hk, t, sdk, sdv, d, live & (slots < L)[:, None], ELEM=ELEM,
+                       ALIGNED=ALIGNED)  # fmt: skip
 
 
 @triton.jit
