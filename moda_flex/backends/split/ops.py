@@ -65,7 +65,9 @@ class Options(NamedTuple):
 
 
 # Groups up to this size run the per-token kernels (a token's rows against its own slots, on the CUDA cores);
-# larger ones fill the Tensor Core tiles' 16 rows with whole tokens' heads.
+# larger ones fill the Tensor Core tiles' 16 rows with whole tokens' heads. H100, tune_split.py --graph: at G=3
+# the per-token kernels took 0.88x the tiles' time (the Table 6 call, L=12 and 24), at G=8 1.6x (T=1024) and
+# 1.13x (T=16384); G=4 lies between, unmeasured.
 TOKEN_KERNELS_MAX_GROUP = 4
 # (token, head, lane) entries of a per-token program's tiles, BLOCK_T * GP * DP: 32 a thread of its 4 warps
 # (H100, the Table 6 call at L=12, tune_split.py --graph: 0.40 ms; 16 a thread, with 4 or 8 warps, 0.81-2.1)
@@ -96,8 +98,8 @@ def _layout(q: Tensor, kv_heads: int, slots: int, design: Optional[str] = None) 
 
 
 def _depth_kernel(kernels: dict, layout: dict):
-    """The kernel of ``layout``'s design among ``kernels`` (``FORWARD`` or ``BACKWARD``), and its grid and
-    launch options without the design."""
+    """The kernel of ``layout``'s design among ``kernels`` (``FORWARD`` or ``BACKWARD``), and the layout less
+    its design: the kernel's constants and launch options."""
     options = dict(layout)
     return kernels[options.pop("design")], options
 
