@@ -77,18 +77,29 @@ GUESS_STEP_S = {"none": 0.036, "attn": 0.060, "attn+ffn": 0.085}
 GUESS_COMPILE_S = 90.0  # at 24 layers
 
 
-def build_corpus(max_bytes: int) -> bytes:
-    """pydoc topics + the standard library's sources, shuffled by document, at most ``max_bytes``.
+CORPORA = ("stdlib", "installed")
 
-    Both come with the Python build, not with what else is installed, so two
-    machines with the same Python build the same corpus (the results file
-    checks its hash).
+
+def build_corpus(max_bytes: int, corpus: str = "stdlib") -> bytes:
+    """pydoc topics + Python sources, shuffled by document, at most ``max_bytes``.
+
+    ``"stdlib"``: the standard library's sources. They come with the Python
+    build, not with what else is installed, so two machines with the same
+    Python build the same corpus (the results file checks its hash).
+    ``"installed"``: those and the installed packages' sources too (torch's
+    among them: several times the bytes), for runs that would otherwise see
+    the stdlib corpus many times; the same only where the same packages are
+    installed.
     """
-    docs = [load_text(None)]
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(stdlib.rglob("*.py")):
-        if "site-packages" not in path.relative_to(stdlib).parts:
-            docs.append(path.read_bytes())
+    if corpus not in CORPORA:
+        raise ValueError(f"corpus must be one of {CORPORA}, got {corpus!r}")
+    paths = sysconfig.get_paths()
+    stdlib = Path(paths["stdlib"])
+    sources = [path for path in sorted(stdlib.rglob("*.py")) if "site-packages" not in path.relative_to(stdlib).parts]
+    if corpus == "installed":
+        for root in sorted({paths["purelib"], paths["platlib"]}):
+            sources += sorted(Path(root).rglob("*.py"))
+    docs = [load_text(None)] + [path.read_bytes() for path in sources]
     random.Random(0).shuffle(docs)
     return b"\n\n".join(docs)[:max_bytes]
 
@@ -259,6 +270,8 @@ def parse_args(argv=None):
     p.add_argument("--report-dir", type=Path, default=None, help="study.md and the plots (default: beside --results)")
     p.add_argument("--data", default=None, help="a text file instead of the offline corpus")
     p.add_argument("--max-bytes", type=cli.at_least(1), default=200_000_000, help="the most corpus bytes to use")
+    p.add_argument("--corpus", choices=CORPORA, default="stdlib",
+                   help="the offline corpus: the standard library's sources, or the installed packages' too")
     cli.add_device(p)
     cli.add_backend(p)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -306,7 +319,7 @@ def main(argv=None) -> dict:
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    corpus = Path(args.data).read_bytes() if args.data else build_corpus(args.max_bytes)
+    corpus = Path(args.data).read_bytes() if args.data else build_corpus(args.max_bytes, args.corpus)
     setup = setup_of(args, corpus)
     if results["setup"] is None:
         results["setup"] = setup

@@ -171,3 +171,23 @@ def test_the_default_run_has_its_seeds_on_record(tmp_path):
     assert recorded["config"] == comparison.loss_config(defaults)
     assert len(recorded["seeds"]) >= 3
     assert comparison.seed_table(recorded["rows"]) in comparison.noise_note(defaults)
+
+
+def test_the_installed_corpus_adds_the_packages_sources(tmp_path, monkeypatch):
+    """``--corpus installed``: the stdlib corpus's documents and each installed package's source, shuffled alike
+    on every build; site-packages inside the stdlib folder count only as installed packages."""
+    stdlib, packages = tmp_path / "lib", tmp_path / "lib" / "site-packages"
+    packages.mkdir(parents=True)
+    (stdlib / "os_like.py").write_bytes(b"STDLIB_SOURCE")
+    (packages / "torch_like.py").write_bytes(b"PACKAGE_SOURCE")
+    paths = {"stdlib": str(stdlib), "purelib": str(packages), "platlib": str(packages)}
+    monkeypatch.setattr(compare_models.sysconfig, "get_paths", lambda: paths)
+    stdlib_only = compare_models.build_corpus(10**9)
+    installed = compare_models.build_corpus(10**9, "installed")
+    assert b"STDLIB_SOURCE" in stdlib_only and b"PACKAGE_SOURCE" not in stdlib_only
+    assert b"STDLIB_SOURCE" in installed and installed.count(b"PACKAGE_SOURCE") == 1
+    assert len(installed) == len(stdlib_only) + len(b"PACKAGE_SOURCE\n\n")
+    assert compare_models.build_corpus(10**9, "installed") == installed
+    assert compare_models.build_corpus(20, "installed") == installed[:20]
+    with pytest.raises(ValueError, match="corpus must be one of"):
+        compare_models.build_corpus(10, "web")
