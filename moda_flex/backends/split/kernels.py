@@ -318,15 +318,17 @@ def _depth_backward_kernel(
 def _token_rows(Hk, Tq, G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
                 DP: tl.constexpr):  # fmt: skip
     """A per-token program's batch b, KV head hk (and b * Hk + hk), tokens t (BLOCK_T,), heads h (GP,), lanes
-    d (DP,), which (token, head) rows are real (BLOCK_T, GP) and which (token, head, lane) entries (3D)."""
+    d (DP,), which (token, head) rows are real (BLOCK_T, GP), which (token, head, lane) entries (3D), and which
+    (token, lane) entries of a slot's tile (BLOCK_T, DP)."""
     bhk = tl.program_id(1)
     b = bhk // Hk
     hk = bhk % Hk
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     g = tl.arange(0, GP)
     d = tl.arange(0, DP)
-    rows = (t < Tq)[:, None] & (g < G)[None, :]
-    return b, hk, bhk, t, hk * G + g, d, rows, rows[:, :, None] & (d < D)[None, None, :]
+    t_ok, d_ok = t < Tq, d < D
+    rows = t_ok[:, None] & (g < G)[None, :]
+    return b, hk, bhk, t, hk * G + g, d, rows, rows[:, :, None] & d_ok[None, None, :], t_ok[:, None] & d_ok[None, :]
 
 
 @triton.jit
@@ -359,8 +361,7 @@ def _depth_forward_token_kernel(
     SLOTS_ALIGNED: tl.constexpr,
 ):  # fmt: skip
     """:func:`_depth_forward_kernel`'s results, a token's rows against its own slots on the CUDA cores."""
-    b, hk, bhk, t, h, d, rows, rows3 = _token_rows(Hk, Tq, G, GP, BLOCK_T, D, DP)
-    slot_live = (t < Tq)[:, None] & (d < D)[None, :]
+    b, hk, bhk, t, h, d, rows, rows3, slot_live = _token_rows(Hk, Tq, G, GP, BLOCK_T, D, DP)
     ninf = float("-inf")
 
     q = tl.load(_rows_at(Q, sq, b, h, t, d), mask=rows3, other=0.0).to(tl.float32)
@@ -427,8 +428,7 @@ def _depth_backward_token_kernel(
     A silenced (dead) row has ``lse = +inf``: its p and dS are zero by selection, not by arithmetic, since
     the slots it saw may hold NaN or Inf (no live row sees those).
     """
-    b, hk, bhk, t, h, d, rows, rows3 = _token_rows(Hk, Tq, G, GP, BLOCK_T, D, DP)
-    slot_live = (t < Tq)[:, None] & (d < D)[None, :]
+    b, hk, bhk, t, h, d, rows, rows3, slot_live = _token_rows(Hk, Tq, G, GP, BLOCK_T, D, DP)
 
     q = tl.load(_rows_at(Q, sq, b, h, t, d), mask=rows3, other=0.0).to(tl.float32)
     do = tl.load(_rows_at(DO, sdo, b, h, t, d), mask=rows3, other=0.0).to(tl.float32)
