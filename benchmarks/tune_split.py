@@ -15,6 +15,7 @@ Usage::
     python benchmarks/tune_split.py --shapes 64k --tokens 1,2 --warps 2,4 --stages 1,2
     python benchmarks/tune_split.py --shapes table6 --slots 12,47 --chunks 16,32,64 --stages 1,2,3 --graph
     python benchmarks/tune_split.py --shapes table6,1k --designs tiles,tokens --tokens 1,2 --warps 2,4 --graph
+    python benchmarks/tune_split.py --shapes table6 --slots 12,47 --backward-split 1,2 --tokens 1 --warps 4,8 --graph
 """
 
 from __future__ import annotations
@@ -40,10 +41,14 @@ def main(argv=None) -> None:
     p.add_argument("--shapes", default="table6,16k", help=f"comma-separated, from {', '.join(SHAPES)}")
     p.add_argument("--designs", default="", help="comma-separated depth kernel designs (tiles, tokens); default: the chosen one")
     p.add_argument("--tokens", type=cli.int_list, default="1,2,4", help="multiples of the design's tokens a program")
+    p.add_argument("--backward-split", type=cli.int_list, default="1",
+                   help="divisors of the backward's tokens and warps a program (after --tokens, --warps); 2: half the "
+                        "forward's, at the same entries a thread")
     p.add_argument("--warps", type=cli.int_list, default="2,4,8", help="warps a program")
     p.add_argument("--stages", type=cli.int_list, default="1", help="software pipeline stages")
     p.add_argument("--chunks", type=cli.int_list, default="0", help="(token, slot) columns a step (BLOCK_C); 0: the default")
-    p.add_argument("--maxnreg", type=cli.int_list, default="0", help="register caps a thread; 0: the compiler's choice")
+    p.add_argument("--maxnreg", type=cli.int_list, default="0",
+                   help="register caps a thread; 0: the layout's (the per-token backward's cap, else none)")
     p.add_argument("--slots", type=cli.int_list, default="0", help="L of each shape's calls; 0: the shape's")
     p.add_argument("--graph", action="store_true", help="time replays from a CUDA graph: GPU time")
     args = p.parse_args(argv)
@@ -60,13 +65,16 @@ def main(argv=None) -> None:
 
         results = []
         designs = args.designs.split(",") if args.designs else [None]
-        for option in itertools.product(designs, args.tokens, args.warps, args.stages, args.chunks, args.maxnreg):
-            def layout(*a, option=option):
-                design, tokens, warps, stages, chunk, maxnreg = option
-                chosen = default_layout(*a, design=design)
+        options = (designs, args.tokens, args.backward_split, args.warps, args.stages, args.chunks, args.maxnreg)
+        for option in itertools.product(*options):
+            def layout(q, kv_heads, slots, backward=False, option=option):
+                design, tokens, split, warps, stages, chunk, maxnreg = option
+                chosen = default_layout(q, kv_heads, slots, backward, design=design)
                 if chosen["design"] == "tiles":
                     chosen["BLOCK_C"] = chunk or chosen["BLOCK_C"]
-                return dict(chosen, BLOCK_T=chosen["BLOCK_T"] * tokens, num_warps=warps, num_stages=stages,
+                split = split if backward else 1
+                return dict(chosen, BLOCK_T=max(1, chosen["BLOCK_T"] * tokens // split),
+                            num_warps=max(1, warps // split), num_stages=stages,
                             **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
 
             ops._layout = layout
@@ -82,9 +90,10 @@ def main(argv=None) -> None:
 
 
 def _describe(option: tuple) -> str:
-    design, tokens, warps, stages, chunk, maxnreg = option
-    return (f"{design or 'default'}, tokens x{tokens}, {warps} warps, {stages} stages, chunk {chunk or 'default'}, "
-            f"maxnreg {maxnreg or '-'}")
+    design, tokens, split, warps, stages, chunk, maxnreg = option
+    backward = f" (backward /{split})" if split > 1 else ""
+    return (f"{design or 'default'}, tokens x{tokens}{backward}, {warps} warps, {stages} stages, "
+            f"chunk {chunk or 'default'}, maxnreg {maxnreg or '-'}")
 
 
 if __name__ == "__main__":

@@ -70,13 +70,17 @@ class Options(NamedTuple):
 # 1.13x (T=16384); G=4 lies between, unmeasured.
 TOKEN_KERNELS_MAX_GROUP = 4
 # (token, head, lane) entries of a per-token program's tiles, BLOCK_T * GP * DP: 32 a thread of its 4 warps
-# (H100, the Table 6 call at L=12, tune_split.py --graph: 0.40 ms; 16 a thread, with 4 or 8 warps, 0.81-2.1)
+# (H100, the Table 6 call at L=12, tune_split.py --graph: 0.40 ms; 16 a thread, with 4 or 8 warps, 0.81-2.1;
+# the backward at half the forward's tokens and warps, 0.396 against 0.401)
 _TOKEN_TILE = 4096
+# The per-token backward's registers a thread: its 152 (Triton 3.6, G=3, D=64) let 3 programs share an SM,
+# 128 lets 4 (H100, the Table 6 call, tune_split.py --maxnreg: L=47 0.809 -> 0.774 ms, L=12 0.399 -> 0.391)
+_TOKEN_BACKWARD_REGISTERS = 128
 
 
-def _layout(q: Tensor, kv_heads: int, slots: int, design: Optional[str] = None) -> dict:
-    """The depth kernels' design (``kernels.FORWARD``), constants and launch options: G heads per KV head padded
-    to GP, BLOCK_T tokens a program, the head dim's lanes DP.
+def _layout(q: Tensor, kv_heads: int, slots: int, backward: bool = False, design: Optional[str] = None) -> dict:
+    """The depth kernels' design (``kernels.FORWARD``), constants and launch options, of the forward's kernel
+    or the ``backward``'s: G heads per KV head padded to GP, BLOCK_T tokens a program, the head dim's lanes DP.
 
     ``"tokens"`` (the default for G up to :data:`TOKEN_KERNELS_MAX_GROUP`): per-token products on
     (BLOCK_T, GP, DP) tiles. ``"tiles"``: Tensor Core tiles of 16 rows, BLOCK_C (token, slot) columns a step;
@@ -89,7 +93,7 @@ def _layout(q: Tensor, kv_heads: int, slots: int, design: Optional[str] = None) 
     design = design or ("tokens" if G <= TOKEN_KERNELS_MAX_GROUP else "tiles")
     if design == "tokens":
         return dict(design=design, G=G, GP=GP, BLOCK_T=max(1, _TOKEN_TILE // (GP * DP)), D=D, DP=DP,
-                    num_warps=4, num_stages=1)  # fmt: skip
+                    num_warps=4, num_stages=1, **({"maxnreg": _TOKEN_BACKWARD_REGISTERS} if backward else {}))  # fmt: skip
     BLOCK_T = max(1, _MIN_DOT_ROWS // GP)
     warps = 2 if GP >= 8 and DP <= 64 else 4
     return dict(design=design, G=G, GP=GP, BLOCK_T=BLOCK_T,
@@ -235,7 +239,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     lv = sequence.lse_view(lse_c)
     glse = lv if grad_lse is None else sequence.lse_view(grad_lse).float()
-    kernel, layout = _depth_kernel(kernels.BACKWARD, _layout(q, Hk, L))
+    kernel, layout = _depth_kernel(kernels.BACKWARD, _layout(q, Hk, L, True))
     grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
     depth, _held = depth_args(depth_k, depth_v, L, q.device)  # _held: alive until launched
     kernel[grid](
