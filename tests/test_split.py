@@ -305,13 +305,15 @@ def test_split_by_name_says_why_not():
         moda_attention(**inputs, backend="split")
 
 
-def test_traces_under_fullgraph_compile():
-    """The ops' fakes let torch.compile trace a call (depth as entries, as a model passes it) in one graph."""
+@pytest.mark.parametrize("variant", [v.causal(), v.depth_only()], ids=lambda x: x.name)
+def test_traces_under_fullgraph_compile(variant):
+    """The ops' fakes let torch.compile trace a call (depth as entries, as a model passes it) in one graph, with
+    a sequence part (whose forward returns the sanitized k, v for the backward) and without."""
     shape = MoDAShape(batch=1, q_heads=4, kv_heads=2, q_len=6, kv_len=6, slots=3, head_dim=8)
     inputs = make_inputs(shape, dtype=DTYPES[0], device=DEVICE, depth_entries=True)
 
     def loss(q, k, v, depth_k, depth_v):
-        out, lse = moda_attention(q, k, v, depth_k, depth_v, backend="split", return_lse=True)
+        out, lse = moda_attention(q, k, v, depth_k, depth_v, variant=variant, backend="split", return_lse=True)
         return out.float().square().sum() + lse.sum()
 
     names = list(inputs)
