@@ -16,6 +16,7 @@ Usage::
     python benchmarks/tune_split.py --shapes table6 --slots 12,47 --chunks 16,32,64 --stages 1,2,3 --graph
     python benchmarks/tune_split.py --shapes table6,1k --designs tiles,tokens --tokens 1,2 --warps 2,4 --graph
     python benchmarks/tune_split.py --shapes table6 --slots 12,47 --backward-split 1,2 --tokens 1 --warps 4,8 --graph
+    python benchmarks/tune_split.py --shapes table6 --slots 12,47 --tokens 1 --warps 4 --maxnreg 0,96/0,80/112 --graph
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def main(argv=None) -> None:
     p.add_argument("--warps", type=cli.int_list, default="2,4,8", help="warps a program")
     p.add_argument("--stages", type=cli.int_list, default="1", help="software pipeline stages")
     p.add_argument("--chunks", type=cli.int_list, default="0", help="(token, slot) columns a step (BLOCK_C); 0: the default")
-    p.add_argument("--maxnreg", type=cli.int_list, default="0",
-                   help="register caps a thread; 0: the layout's (the per-token backward's cap, else none)")
+    p.add_argument("--maxnreg", type=_register_caps, default="0",
+                   help="register caps a thread, each N (both kernels) or F/B (forward, backward); 0: the layout's")
     p.add_argument("--slots", type=cli.int_list, default="0", help="L of each shape's calls; 0: the shape's")
     p.add_argument("--graph", action="store_true", help="time replays from a CUDA graph: GPU time")
     args = p.parse_args(argv)
@@ -72,10 +73,10 @@ def main(argv=None) -> None:
                 chosen = default_layout(q, kv_heads, slots, backward, design=design)
                 if chosen["design"] == "tiles":
                     chosen["BLOCK_C"] = chunk or chosen["BLOCK_C"]
-                split = split if backward else 1
+                split, cap = (split, maxnreg[1]) if backward else (1, maxnreg[0])
                 return dict(chosen, BLOCK_T=max(1, chosen["BLOCK_T"] * tokens // split),
                             num_warps=max(1, warps // split), num_stages=stages,
-                            **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
+                            **({"maxnreg": cap} if cap else {}))  # fmt: skip
 
             ops._layout = layout
             try:
@@ -89,11 +90,20 @@ def main(argv=None) -> None:
               + "; ".join(f"{ms:.3f} ({_describe(option)})" for ms, *option in results[:8]), flush=True)
 
 
+def _register_caps(text: str) -> list[tuple[int, int]]:
+    """``"0,128,96/128"`` -> [(0, 0), (128, 128), (96, 128)]: (forward, backward) register caps."""
+    caps = []
+    for item in text.split(","):
+        forward, _, backward = item.partition("/")
+        caps.append((int(forward), int(backward or forward)))
+    return caps
+
+
 def _describe(option: tuple) -> str:
     design, tokens, split, warps, stages, chunk, maxnreg = option
     backward = f" (backward /{split})" if split > 1 else ""
     return (f"{design or 'default'}, tokens x{tokens}{backward}, {warps} warps, {stages} stages, "
-            f"chunk {chunk or 'default'}, maxnreg {maxnreg or '-'}")
+            f"chunk {chunk or 'default'}, maxnreg {'/'.join(str(cap or '-') for cap in maxnreg)}")
 
 
 if __name__ == "__main__":
