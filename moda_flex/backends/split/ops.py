@@ -19,7 +19,8 @@ differentiable) for the backward to save instead of k and v.
 
 Two ops, ``moda_flex::split_forward`` and ``moda_flex::split_backward``,
 with fake implementations (so ``torch.compile(fullgraph=True)`` traces them)
-and registered autograd. A gradient of the returned lse adds ``-dLSE`` to
+and registered autograd; an eager call runs the same work behind a plain
+``autograd.Function`` (``benchmarks/host_split.py``: its host time). A gradient of the returned lse adds ``-dLSE`` to
 ``delta``: the depth kernel takes it as it is, the vendor's backward through
 two extra head lanes (:func:`_sequence_backward_with_lse`).
 """
@@ -96,8 +97,9 @@ def _layout(q: Tensor, kv_heads: int, slots: int, backward: bool = False, design
     GP, DP = next_pow2(G), max(16, next_pow2(D))
     design = design or ("tokens" if G <= TOKEN_KERNELS_MAX_GROUP else "tiles")
     if design == "tokens":
+        registers = {"maxnreg": _TOKEN_BACKWARD_REGISTERS} if backward else {}
         return dict(design=design, G=G, GP=GP, BLOCK_T=max(1, _TOKEN_TILE // (GP * DP)), D=D, DP=DP,
-                    num_warps=4, num_stages=1, **({"maxnreg": _TOKEN_BACKWARD_REGISTERS} if backward else {}))  # fmt: skip
+                    num_warps=4, num_stages=1, **registers)  # fmt: skip
     BLOCK_T = max(1, _MIN_DOT_ROWS // GP)
     warps = 2 if GP >= 8 and DP <= 64 else 4
     return dict(design=design, G=G, GP=GP, BLOCK_T=BLOCK_T,
@@ -300,11 +302,12 @@ def _backward_fake(*args):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), *empty_grads(q, k, depth_k))
 
 
-def _setup_context(ctx, inputs, output):
-    inputs, ctx.options = unpack(inputs, Inputs, Options)
+def _save(ctx, inputs: Inputs, opts: Options, output: tuple) -> None:
+    """Keep what the backward reads: the forward's ``output`` (out, lse, sanitized k, v) and the inputs, the
+    sanitized k, v in place of k, v where the vendor's kernel read them."""
     out, lse, k0, v0 = output
-    ctx.mark_non_differentiable(k0, v0)
-    if _has_sequence(inputs.k, ctx.options):  # the backward's vendor op reads the forward's sanitized copies
+    ctx.options = opts
+    if _has_sequence(inputs.k, opts):
         inputs = inputs._replace(k=k0, v=v0)
     flat, ctx.depth_lengths = saved(inputs)
     ctx.save_for_backward(out, lse, *flat)
@@ -312,19 +315,62 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _autograd_backward(ctx, grad_out, grad_lse, _grad_k0, _grad_v0):
+def _gradients(ctx, grad_out, grad_lse, run_backward) -> Optional[tuple]:
+    """dq, dk, dv and the depth gradients in the inputs' form, by ``run_backward(grads, inputs, opts)``; None
+    when no gradient reached either output."""
     # The kernels' gradients have no graph: refuse a backward that would differentiate them again.
     refuse_create_graph("split")
     out, lse, *flat = ctx.saved_tensors
     inputs = restored(Inputs, flat, ctx.depth_lengths)
     if grad_out is None and grad_lse is None:
-        return (None,) * (len(inputs) + len(ctx.options))
-    grads = Grads(grad_out, grad_lse, out, lse)
-    dq, dk, dv, ddk, ddv = torch.ops.moda_flex.split_backward(*grads, *inputs, *ctx.options)
-    return (dq, dk, dv, grads_like(ddk, inputs.depth_k), grads_like(ddv, inputs.depth_v), *(None,) * len(ctx.options))
+        return None
+    dq, dk, dv, ddk, ddv = run_backward(Grads(grad_out, grad_lse, out, lse), inputs, ctx.options)
+    return dq, dk, dv, grads_like(ddk, inputs.depth_k), grads_like(ddv, inputs.depth_v)
+
+
+def _setup_context(ctx, inputs, output):
+    inputs, opts = unpack(inputs, Inputs, Options)
+    ctx.mark_non_differentiable(*output[2:])
+    _save(ctx, inputs, opts, output)
+
+
+def _backward_by_op(grads: Grads, inputs: Inputs, opts: Options):
+    return torch.ops.moda_flex.split_backward(*grads, *inputs, *opts)
+
+
+def _autograd_backward(ctx, grad_out, grad_lse, _grad_k0, _grad_v0):
+    grads = _gradients(ctx, grad_out, grad_lse, _backward_by_op)
+    return (*(grads or (None,) * len(Inputs._fields)), *(None,) * len(ctx.options))
 
 
 torch.library.register_autograd("moda_flex::split_forward", _autograd_backward, setup_context=_setup_context)
+
+
+def _backward_in_place(grads: Grads, inputs: Inputs, opts: Options):
+    return _backward(grads.grad_out, grads.grad_lse, *inputs, grads.out, grads.lse, opts)
+
+
+class _EagerSplit(torch.autograd.Function):
+    """The eager path: the ops' work and autograd's bookkeeping, without the dispatcher's round trips and the
+    registered autograd's flattening of 2L depth entries (the call is host-bound at short lengths).
+
+    ``depth`` is the key entries then the value entries, ``n_depth`` of each.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, opts, n_depth, *depth):
+        inputs = Inputs(q, k, v, list(depth[:n_depth]), list(depth[n_depth:]))
+        output = _forward(*inputs, opts)
+        _save(ctx, inputs, opts, output)
+        return output[:2]
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        grads = _gradients(ctx, grad_out, grad_lse, _backward_in_place)
+        if grads is None:
+            return (None,) * (5 + sum(ctx.depth_lengths))
+        dq, dk, dv, ddk, ddv = grads
+        return dq, dk, dv, None, None, *ddk, *ddv
 
 
 def _kernel_for(q: Tensor, k: Tensor) -> str:
@@ -352,7 +398,10 @@ def split_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: T
     depth_k, depth_v = as_list(depth_k), as_list(depth_v)
     L = slot_count(depth_k)
     opts = Options(float(scale), bool(s.causal), bool(s.sequence), s.first_slot(L), _kernel_for(q, k))
-    out, lse, _, _ = torch.ops.moda_flex.split_forward(*Inputs(q, k, v, depth_k, depth_v), *opts)
+    if torch.compiler.is_compiling():
+        out, lse, _, _ = torch.ops.moda_flex.split_forward(*Inputs(q, k, v, depth_k, depth_v), *opts)
+    else:
+        out, lse = _EagerSplit.apply(q, k, v, opts, len(depth_k), *depth_k, *depth_v)
     return out, sequence.lse_view(lse)
 
 
