@@ -305,6 +305,35 @@ def test_split_by_name_says_why_not():
         moda_attention(**inputs, backend="split")
 
 
+@pytest.mark.parametrize("grad_lse", [False, True], ids=["dO", "dO+dLSE"])
+@pytest.mark.parametrize("q_layout", ["BHTD", "BTHD"])
+@pytest.mark.parametrize("variant", [v.causal(), v.depth_only()], ids=lambda x: x.name)
+def test_the_ops_fakes_give_the_kernels_layouts(variant, q_layout, grad_lse):
+    """Inductor checks each op output's strides against its fake's: both ops' fakes must match what the ops
+    return, whatever layouts the vendor's kernel picks (the CPU op's lse and gradients are (B, T, H) in memory),
+    for q, k, v in either layout, with and without a sequence part and the lse's gradient."""
+    B, Hq, Hk, T, D, L = 1, 4, 2, 5, HEAD_DIMS[-1], 3
+    dtype = DTYPES[0]
+
+    def heads(H):  # (B, H, T, D) in the layout of the parameter
+        t = torch.randn(B, T, H, D, device=DEVICE, dtype=dtype).transpose(1, 2)
+        return t.contiguous() if q_layout == "BHTD" else t
+
+    q, k, v = heads(Hq), heads(Hk), heads(Hk)
+    depth = [torch.randn(B, Hk, T, D, device=DEVICE, dtype=dtype) for _ in range(2 * L)]
+    s = variant.structure
+    opts = split.ops.Options(D**-0.5, bool(s.causal), bool(s.sequence), s.first_slot(L), split.ops._kernel_for(q, k))
+    inputs = split.ops.Inputs(q, k, v, depth[:L], depth[L:])
+    torch.library.opcheck(torch.ops.moda_flex.split_forward.default, (*inputs, *opts), test_utils=("test_faketensor",))
+    out, lse, k0, v0 = torch.ops.moda_flex.split_forward(*inputs, *opts)
+    if s.sequence:
+        inputs = inputs._replace(k=k0, v=v0)
+    glse = torch.randn(B, Hq, T, device=DEVICE).reshape(lse.shape) if grad_lse else None
+    grads = split.ops.Grads(torch.randn_like(out), glse, out, lse)
+    torch.library.opcheck(torch.ops.moda_flex.split_backward.default, (*grads, *inputs, *opts),
+                          test_utils=("test_faketensor",))  # fmt: skip
+
+
 @pytest.mark.parametrize("variant", [v.causal(), v.depth_only()], ids=lambda x: x.name)
 def test_traces_under_fullgraph_compile(variant):
     """The ops' fakes let torch.compile trace a call (depth as entries, as a model passes it) in one graph, with

@@ -142,11 +142,12 @@ def _sanitized_kv(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], opts: Options):
-    """out (B, Hq, Tq, D) and lse in the vendor's layouts (the lse natural-log, float32), and the k, v the
-    vendor's kernel read: copies with non-finite vectors zeroed, (B, Hk, Tk, D), or empty (0,) tensors
-    without a sequence part. The backward's vendor op takes those copies."""
+    """out (B, Hq, Tq, D) in q's layout and lse (natural log, float32, contiguous) in the vendor's shape, and
+    the k, v the vendor's kernel read: copies with non-finite vectors zeroed, (B, Hk, Tk, D), or empty (0,)
+    tensors without a sequence part. The backward's vendor op takes those copies."""
     from . import kernels
 
+    out_like = q  # the fake's layout, whatever the vendor's (the CPU op's lse is (B, T, H) in memory)
     q, k, v = (_unit_last(t) for t in (q, k, v))
     B, Hq, Tq, D = q.shape
     Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
@@ -154,7 +155,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
     if has_sequence:
         k0, v0, first = _sanitized_kv(k, v)
         out_s, lse_s = sequence.forward(opts.kernel, q, k0, v0, opts.causal, opts.scale)
-        out, lse = torch.empty_like(out_s), torch.empty_like(lse_s)
+        out, lse = torch.empty_like(out_like), lse_s.new_empty(lse_s.shape)
     else:  # nothing of the sequence is read
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
         lse = torch.empty((B, Hq, Tq), device=q.device, dtype=torch.float32)
@@ -223,7 +224,9 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
 
     ``grad_out`` or ``grad_lse`` may be None (no gradient reached that output). k and v hold no NaN or Inf
     where there is a sequence part (the forward's copies, :func:`_forward`): the vendor's backward reads
-    every key of a block, masked or not, and the lse says which rows are dead.
+    every key of a block, masked or not, and the lse says which rows are dead. Every result is contiguous, as
+    the fake says: a vendor's gradient in another layout is copied (the CPU op's, and the padded head dims'
+    of the lse's gradient).
     """
     from . import kernels
 
@@ -234,7 +237,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     grad_out = torch.zeros_like(out) if grad_out is None else _unit_last(grad_out)
     ddk, ddv = empty_grads(q, k, depth_k)
     if q.numel() == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), ddk.zero_(), ddv.zero_()
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), ddk.zero_(), ddv.zero_()
     q_c, out_c, grad_c, lse_c = _silenced(q, out, grad_out, lse)
     has_sequence = _has_sequence(k, opts)
     if has_sequence:
@@ -242,11 +245,12 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
             dq, dk, dv = sequence.backward(opts.kernel, grad_c, q_c, k, v, out_c, lse_c, opts.causal, opts.scale)
         else:
             dq, dk, dv = _sequence_backward_with_lse(q_c, k, v, out_c, grad_c, lse_c, grad_lse, opts)
+        dq, dk, dv = (t.contiguous() for t in (dq, dk, dv))
         if L == 0:
             return dq, dk, dv, ddk, ddv
     else:
         dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        dk, dv = k.new_zeros(k.shape), v.new_zeros(v.shape)
     lv = sequence.lse_view(lse_c)
     glse = lv if grad_lse is None else sequence.lse_view(grad_lse).float()
     kernel, layout = _depth_kernel(kernels.BACKWARD, _layout(q, Hk, L, True))
