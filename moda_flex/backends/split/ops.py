@@ -20,9 +20,10 @@ differentiable) for the backward to save instead of k and v.
 Two ops, ``moda_flex::split_forward`` and ``moda_flex::split_backward``,
 with fake implementations (so ``torch.compile(fullgraph=True)`` traces them)
 and registered autograd; an eager call runs the same work behind a plain
-``autograd.Function`` (``benchmarks/host_split.py``: its host time). A gradient of the returned lse adds ``-dLSE`` to
-``delta``: the depth kernel takes it as it is, the vendor's backward through
-two extra head lanes (:func:`_sequence_backward_with_lse`).
+``autograd.Function`` (``benchmarks/host_split.py``: its host time). A
+gradient of the returned lse adds ``-dLSE`` to ``delta``: the depth kernel
+takes it as it is, the vendor's backward through two extra head lanes
+(:func:`_sequence_backward_with_lse`).
 """
 
 from __future__ import annotations
@@ -276,7 +277,7 @@ define("split_backward", Grads, Inputs, Options, returns=5)
 
 @torch.library.impl("moda_flex::split_forward", ("cuda", "cpu"))
 def _forward_op(*args):
-    """out (B, Hq, Tq, D) and lse, both in the vendor's layouts, and the sanitized k, v (:func:`_forward`)."""
+    """out (B, Hq, Tq, D), lse in the vendor's shape, and the sanitized k, v (:func:`_forward`)."""
     inputs, opts = unpack(args, Inputs, Options)
     return _forward(*inputs, opts)
 
@@ -350,7 +351,7 @@ def _autograd_backward(ctx, grad_out, grad_lse, _grad_k0, _grad_v0):
 torch.library.register_autograd("moda_flex::split_forward", _autograd_backward, setup_context=_setup_context)
 
 
-def _backward_in_place(grads: Grads, inputs: Inputs, opts: Options):
+def _backward_without_dispatch(grads: Grads, inputs: Inputs, opts: Options):
     return _backward(grads.grad_out, grads.grad_lse, *inputs, grads.out, grads.lse, opts)
 
 
@@ -370,7 +371,7 @@ class _EagerSplit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        grads = _gradients(ctx, grad_out, grad_lse, _backward_in_place)
+        grads = _gradients(ctx, grad_out, grad_lse, _backward_without_dispatch)
         if grads is None:
             return (None,) * (5 + sum(ctx.depth_lengths))
         dq, dk, dv, ddk, ddv = grads
