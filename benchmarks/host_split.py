@@ -95,12 +95,12 @@ def measure(slots: int, repeats: int) -> dict:
 
     inputs = ops.Inputs(*(t.detach() for t in (q, k, v)), [t.detach() for t in depth_k], [t.detach() for t in depth_v])
     opts = ops.Options(D**-0.5, True, True, 0, "cpu")
-    out, lse, k0, v0 = torch.ops.moda_flex.split_forward(*inputs, *opts)
+    out, lse = torch.ops.moda_flex.split_forward(*inputs, *opts)
     grads = ops.Grads(torch.randn_like(out), None, out, lse)
 
     def by_ops():
         torch.ops.moda_flex.split_forward(*inputs, *opts)
-        torch.ops.moda_flex.split_backward(*grads, *inputs._replace(k=k0, v=v0), *opts)
+        torch.ops.moda_flex.split_backward(*grads, *inputs, *opts)
 
     return {"eager forward": _median_us(eager_forward, repeats), "eager": _median_us(eager, repeats),
             "ops": _median_us(by_ops, repeats)}  # fmt: skip

@@ -325,9 +325,7 @@ def test_the_ops_fakes_give_the_kernels_layouts(variant, q_layout, grad_lse):
     opts = split.ops.Options(D**-0.5, bool(s.causal), bool(s.sequence), s.first_slot(L), split.ops._kernel_for(q, k))
     inputs = split.ops.Inputs(q, k, v, depth[:L], depth[L:])
     torch.library.opcheck(torch.ops.moda_flex.split_forward.default, (*inputs, *opts), test_utils=("test_faketensor",))
-    out, lse, k0, v0 = torch.ops.moda_flex.split_forward(*inputs, *opts)
-    if s.sequence:
-        inputs = inputs._replace(k=k0, v=v0)
+    out, lse = torch.ops.moda_flex.split_forward(*inputs, *opts)
     glse = torch.randn(B, Hq, T, device=DEVICE).reshape(lse.shape) if grad_lse else None
     grads = split.ops.Grads(torch.randn_like(out), glse, out, lse)
     torch.library.opcheck(torch.ops.moda_flex.split_backward.default, (*grads, *inputs, *opts),
@@ -337,7 +335,7 @@ def test_the_ops_fakes_give_the_kernels_layouts(variant, q_layout, grad_lse):
 @pytest.mark.parametrize("variant", [v.causal(), v.depth_only()], ids=lambda x: x.name)
 def test_traces_under_fullgraph_compile(variant):
     """The ops' fakes let torch.compile trace a call (depth as entries, as a model passes it) in one graph, with
-    a sequence part (whose forward returns the sanitized k, v for the backward) and without."""
+    a sequence part and without."""
     shape = MoDAShape(batch=1, q_heads=4, kv_heads=2, q_len=6, kv_len=6, slots=3, head_dim=8)
     inputs = make_inputs(shape, dtype=DTYPES[0], device=DEVICE, depth_entries=True)
 

@@ -24,8 +24,7 @@ softmax over ``[sequence | depth]``.
 NaN and Inf (the rule of :mod:`moda_flex.nonfinite`): the vendor's kernels
 give a masked key a zero weight, and ``0 * NaN = NaN``, so they get keys and
 values with non-finite vectors zeroed (:func:`_sanitize_kv_kernel`, which
-also records the first such token of each KV head; the forward's copies
-serve the backward too), and the depth kernel
+also records the first such token of each KV head), and the depth kernel
 marks the rows that *see* one: their output and lse are NaN. In the
 backward such a dead row gets ``q = o = dO = 0`` and ``lse = +inf``
 (:func:`_prepare_backward_kernel`), so its p is zero and it sends no
@@ -90,9 +89,10 @@ def _sanitize_kv_kernel(
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     DP: tl.constexpr,
+    FIND_FIRST: tl.constexpr,
 ):  # fmt: skip
-    """k, v (B, Hk, Tk, D) with non-finite vectors zeroed into ``KO``, ``VO`` (contiguous), and ``FIRST[b, hk]``
-    lowered to the first token whose key or value holds a NaN or Inf."""
+    """k, v (B, Hk, Tk, D) with non-finite vectors zeroed into ``KO``, ``VO`` (contiguous), and with
+    ``FIND_FIRST`` ``FIRST[b, hk]`` lowered to the first token whose key or value holds a NaN or Inf."""
     b, hk, bh, t, d, _, live = _token_block(Hk, Tk, BLOCK_T, D, DP)
     k = tl.load(K + b * sk[0] + hk * sk[1] + t[:, None] * sk[2] + d[None, :], mask=live, other=0.0)
     v = tl.load(V + b * sv[0] + hk * sv[1] + t[:, None] * sv[2] + d[None, :], mask=live, other=0.0)
@@ -101,8 +101,9 @@ def _sanitize_kv_kernel(
     out = b * so[0] + hk * so[1] + t[:, None] * so[2] + d[None, :]
     tl.store(KO + out, tl.where(k_ok, k, 0.0), mask=live)
     tl.store(VO + out, tl.where(v_ok, v, 0.0), mask=live)
-    bad = tl.sum((~k_ok | ~v_ok).to(tl.int32), 1) > 0
-    tl.atomic_min(FIRST + bh, tl.min(tl.where(bad, t, Tk), 0))
+    if FIND_FIRST:
+        bad = tl.sum((~k_ok | ~v_ok).to(tl.int32), 1) > 0
+        tl.atomic_min(FIRST + bh, tl.min(tl.where(bad, t, Tk), 0))
 
 
 @triton.jit

@@ -13,10 +13,6 @@ The vendor's backward, handed the merged lse, computes ``P = exp(s - lse)``,
 the sequence columns of the one softmax, and ``delta = rowsum(dO * O)`` of
 the merged output: exactly the sequence part's share of the gradients.
 
-NaN and Inf: the vendor's kernels read k and v with non-finite vectors
-zeroed; the forward makes those copies once and returns them (not
-differentiable) for the backward to save instead of k and v.
-
 Two ops, ``moda_flex::split_forward`` and ``moda_flex::split_backward``,
 with fake implementations (so ``torch.compile(fullgraph=True)`` traces them)
 and registered autograd; an eager call runs the same work behind a plain
@@ -124,28 +120,26 @@ def _has_sequence(k: Tensor, opts: Options) -> bool:
     return opts.sequence and k.shape[2] > 0
 
 
-def _sanitized_kv(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """k, v (B, Hk, Tk, D) with non-finite vectors zeroed, and the first token holding one, (B, Hk) int32 (Tk:
-    none)."""
+def _sanitized_kv(k: Tensor, v: Tensor, find_first: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """k, v (B, Hk, Tk, D) with non-finite vectors zeroed, and with ``find_first`` the first token holding one,
+    (B, Hk) int32 (Tk: none), else None."""
     from . import kernels
 
     B, Hk, Tk, D = k.shape
     k0 = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     v0 = torch.empty_like(k0)
-    first = torch.full((B, Hk), Tk, device=k.device, dtype=torch.int32)
+    first = torch.full((B, Hk), Tk, device=k.device, dtype=torch.int32) if find_first else None
     grid = (cdiv(Tk, _BLOCK_T_ELEMENTWISE), B * Hk)
     kernels._sanitize_kv_kernel[grid](
         K=k, V=v, KO=k0, VO=v0, FIRST=first,
         sk=k.stride(), sv=v.stride(), so=k0.stride(),
-        Hk=Hk, Tk=Tk, D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, next_pow2(D)),
+        Hk=Hk, Tk=Tk, D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, next_pow2(D)), FIND_FIRST=find_first,
     )  # fmt: skip
     return k0, v0, first
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], opts: Options):
-    """out (B, Hq, Tq, D) in q's layout and lse (natural log, float32, contiguous) in the vendor's shape, and
-    the k, v the vendor's kernel read: copies with non-finite vectors zeroed, (B, Hk, Tk, D), or empty (0,)
-    tensors without a sequence part. The backward's vendor op takes those copies."""
+    """out (B, Hq, Tq, D) in q's layout and lse (natural log, float32, contiguous) in the vendor's shape."""
     from . import kernels
 
     out_like = q  # the fake's layout, whatever the vendor's (the CPU op's lse is (B, T, H) in memory)
@@ -154,16 +148,15 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
     Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
     has_sequence = _has_sequence(k, opts)
     if has_sequence:
-        k0, v0, first = _sanitized_kv(k, v)
+        k0, v0, first = _sanitized_kv(k, v, find_first=True)
         out_s, lse_s = sequence.forward(opts.kernel, q, k0, v0, opts.causal, opts.scale)
         out, lse = torch.empty_like(out_like), lse_s.new_empty(lse_s.shape)
     else:  # nothing of the sequence is read
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
         lse = torch.empty((B, Hq, Tq), device=q.device, dtype=torch.float32)
         out_s, lse_s, first = out, lse, lse
-        k0, v0 = k.new_empty(0), v.new_empty(0)
     if out.numel() == 0:
-        return out, lse, k0, v0
+        return out, lse
     ls, lo = sequence.lse_view(lse_s), sequence.lse_view(lse)
     kernel, layout = _depth_kernel(kernels.FORWARD, _layout(q, Hk, L))
     grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
@@ -174,7 +167,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
         Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, qk_scale=opts.scale * _LOG2E,
         **layout, HAS_SEQ=has_sequence, CAUSAL=opts.causal,
     )  # fmt: skip
-    return out, lse, k0, v0
+    return out, lse
 
 
 def _silenced(q: Tensor, out: Tensor, grad_out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -223,9 +216,7 @@ def _sequence_backward_with_lse(q, k, v, out, grad_out, lse, grad_lse, opts: Opt
 def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Options):
     """dq (B, Hq, Tq, D), dk, dv (B, Hk, Tk, D), and the depth gradients, two (B, Hk, Tq, L, D) tensors.
 
-    ``grad_out`` or ``grad_lse`` may be None (no gradient reached that output). k and v hold no NaN or Inf
-    where there is a sequence part (the forward's copies, :func:`_forward`): the vendor's backward reads
-    every key of a block, masked or not, and the lse says which rows are dead. Every result is contiguous, as
+    ``grad_out`` or ``grad_lse`` may be None (no gradient reached that output). Every result is contiguous, as
     the fake says: a vendor's gradient in another layout is copied (the CPU op's, and the padded head dims'
     of the lse's gradient).
     """
@@ -242,10 +233,11 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     q_c, out_c, grad_c, lse_c = _silenced(q, out, grad_out, lse)
     has_sequence = _has_sequence(k, opts)
     if has_sequence:
+        k0, v0, _ = _sanitized_kv(k, v, find_first=False)  # the lse says which rows are dead
         if grad_lse is None:
-            dq, dk, dv = sequence.backward(opts.kernel, grad_c, q_c, k, v, out_c, lse_c, opts.causal, opts.scale)
+            dq, dk, dv = sequence.backward(opts.kernel, grad_c, q_c, k0, v0, out_c, lse_c, opts.causal, opts.scale)
         else:
-            dq, dk, dv = _sequence_backward_with_lse(q_c, k, v, out_c, grad_c, lse_c, grad_lse, opts)
+            dq, dk, dv = _sequence_backward_with_lse(q_c, k0, v0, out_c, grad_c, lse_c, grad_lse, opts)
         dq, dk, dv = (t.contiguous() for t in (dq, dk, dv))
         if L == 0:
             return dq, dk, dv, ddk, ddv
@@ -271,27 +263,26 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
 # The arguments are the records above, field by field. The ops run on CUDA, and on CPU under
 # Triton's interpreter (the tests), with SDPA's CPU flash op as the vendor.
 
-define("split_forward", Inputs, Options, returns=4)
+define("split_forward", Inputs, Options, returns=2)
 define("split_backward", Grads, Inputs, Options, returns=5)
 
 
 @torch.library.impl("moda_flex::split_forward", ("cuda", "cpu"))
 def _forward_op(*args):
-    """out (B, Hq, Tq, D), lse in the vendor's shape, and the sanitized k, v (:func:`_forward`)."""
+    """out (B, Hq, Tq, D) in q's layout and lse in the vendor's shape (:func:`_forward`)."""
     inputs, opts = unpack(args, Inputs, Options)
     return _forward(*inputs, opts)
 
 
 @torch.library.register_fake("moda_flex::split_forward")
 def _forward_fake(*args):
-    (q, k, v, *_), opts = unpack(args, Inputs, Options)
+    (q, k, *_), opts = unpack(args, Inputs, Options)
     B, Hq, Tq, D = q.shape
     if not _has_sequence(k, opts):
-        return q.new_empty(q.shape), q.new_empty((B, Hq, Tq), dtype=torch.float32), k.new_empty(0), v.new_empty(0)
-    kv = k.new_empty(k.shape), v.new_empty(k.shape)
+        return q.new_empty(q.shape), q.new_empty((B, Hq, Tq), dtype=torch.float32)
     if opts.kernel == "cudnn":  # cuDNN: out in q's layout, lse (B, H, T, 1)
-        return torch.empty_like(q), q.new_empty((B, Hq, Tq, 1), dtype=torch.float32), *kv
-    return torch.empty_like(q), q.new_empty((B, Hq, Tq), dtype=torch.float32), *kv
+        return torch.empty_like(q), q.new_empty((B, Hq, Tq, 1), dtype=torch.float32)
+    return torch.empty_like(q), q.new_empty((B, Hq, Tq), dtype=torch.float32)
 
 
 @torch.library.impl("moda_flex::split_backward", ("cuda", "cpu"))
@@ -308,14 +299,10 @@ def _backward_fake(*args):
 
 
 def _save(ctx, inputs: Inputs, opts: Options, output: tuple) -> None:
-    """Keep what the backward reads: the forward's ``output`` (out, lse, sanitized k, v) and the inputs, the
-    sanitized k, v in place of k, v where the vendor's kernel read them."""
-    out, lse, k0, v0 = output
+    """Keep what the backward reads: the forward's ``output`` (out, lse), the inputs and the options."""
     ctx.options = opts
-    if _has_sequence(inputs.k, opts):
-        inputs = inputs._replace(k=k0, v=v0)
     flat, ctx.depth_lengths = saved(inputs)
-    ctx.save_for_backward(out, lse, *flat)
+    ctx.save_for_backward(*output, *flat)
     # An output no loss reached gets None, not zeros: the lse's gradient costs an extra pass only when it exists.
     ctx.set_materialize_grads(False)
 
@@ -334,16 +321,14 @@ def _gradients(ctx, grad_out, grad_lse, run_backward) -> Optional[tuple]:
 
 
 def _setup_context(ctx, inputs, output):
-    inputs, opts = unpack(inputs, Inputs, Options)
-    ctx.mark_non_differentiable(*output[2:])
-    _save(ctx, inputs, opts, output)
+    _save(ctx, *unpack(inputs, Inputs, Options), output)
 
 
 def _backward_by_op(grads: Grads, inputs: Inputs, opts: Options):
     return torch.ops.moda_flex.split_backward(*grads, *inputs, *opts)
 
 
-def _autograd_backward(ctx, grad_out, grad_lse, _grad_k0, _grad_v0):
+def _autograd_backward(ctx, grad_out, grad_lse):
     grads = _gradients(ctx, grad_out, grad_lse, _backward_by_op)
     return (*(grads or (None,) * len(Inputs._fields)), *(None,) * len(ctx.options))
 
@@ -365,9 +350,9 @@ class _EagerSplit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, opts, n_depth, *depth):
         inputs = Inputs(q, k, v, list(depth[:n_depth]), list(depth[n_depth:]))
-        output = _forward(*inputs, opts)
-        _save(ctx, inputs, opts, output)
-        return output[:2]
+        out, lse = _forward(*inputs, opts)
+        _save(ctx, inputs, opts, (out, lse))
+        return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
@@ -404,7 +389,7 @@ def split_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: T
     L = slot_count(depth_k)
     opts = Options(float(scale), bool(s.causal), bool(s.sequence), s.first_slot(L), _kernel_for(q, k))
     if torch.compiler.is_compiling():
-        out, lse, _, _ = torch.ops.moda_flex.split_forward(*Inputs(q, k, v, depth_k, depth_v), *opts)
+        out, lse = torch.ops.moda_flex.split_forward(*Inputs(q, k, v, depth_k, depth_v), *opts)
     else:
         out, lse = _EagerSplit.apply(q, k, v, opts, len(depth_k), *depth_k, *depth_v)
     return out, sequence.lse_view(lse)
@@ -425,6 +410,5 @@ def split_backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: 
     s = variant.structure
     opts = Options(float(scale), bool(s.causal), bool(s.sequence), s.first_slot(depth_k.shape[3]), _kernel_for(q, k))
     lse = sequence.lse_layout(opts.kernel, lse.contiguous())
-    k, v = (torch.where(torch.isfinite(t), t, 0) for t in (k, v))  # the op's k, v hold no NaN or Inf (_backward)
     grads, inputs = Grads(grad_out, grad_lse, out, lse), Inputs(q, k, v, [depth_k], [depth_v])
     return torch.ops.moda_flex.split_backward(*grads, *inputs, *opts)
