@@ -8,7 +8,8 @@ the kernel launches cost more than the kernels. For each shape this prints
 - ``host``: the time to issue one call while the GPU is kept busy, so the host never waits;
 - for ``moda`` (depth as one (B, Hk, T, L, D) view of a larger buffer),
   ``moda-entries`` (depth as L separate (B, Hk, T, D) tensors, what a model
-  passes) and SDPA's flash, cuDNN and efficient backends (sequence only);
+  passes), both on the fused kernels, ``split-entries`` (the entries on the
+  split path) and SDPA's flash, cuDNN and efficient backends (sequence only);
 - ``floor``: the best SDPA wall time plus the depth HBM floor: reading depth
   K/V in the forward and the backward and writing their gradients
   (6 L B Hk T D bytes x 2) at the bandwidth of a device-to-device copy
@@ -109,11 +110,14 @@ def make_calls(B: int, Hq: int, Hk: int, T: int, L: int) -> tuple[dict, int]:
         out = moda_attention(q, k, v, depth_k, depth_v, backend="triton")
         torch.autograd.grad(out, (q, k, v, depth_k, depth_v), grad)
 
-    def moda_entries():
-        out = moda_attention(q, k, v, entries_k, entries_v, backend="triton")
-        torch.autograd.grad(out, (q, k, v, *entries_k, *entries_v), grad)
+    def entries(backend):
+        def call():
+            out = moda_attention(q, k, v, entries_k, entries_v, backend=backend)
+            torch.autograd.grad(out, (q, k, v, *entries_k, *entries_v), grad)
 
-    calls = {"moda": moda, "moda-entries": moda_entries}
+        return call
+
+    calls = {"moda": moda, "moda-entries": entries("triton"), "split-entries": entries("split")}
     for name, backend in SDPA_BACKENDS.items():
 
         def sdpa(backend=backend):
@@ -160,7 +164,7 @@ def main(argv=None) -> None:
         best_sdpa = min(t for name, t in walls.items() if name.startswith("sdpa"))
         floor = best_sdpa + depth_bytes / bandwidth * 1e3
         for name, fn in calls.items():
-            ratio = f"{walls[name] / floor:.2f}" if name.startswith("moda") else "-"
+            ratio = "-" if name.startswith("sdpa") else f"{walls[name] / floor:.2f}"
             print(f"| {B} | {Hq} | {Hk} | {T} | {L} | {name} | {walls[name]:.3f} | {host_ms(fn):.3f} | "
                   f"{floor:.3f} | {ratio} |")  # fmt: skip
         if args.profile:
