@@ -138,11 +138,23 @@ def _sanitized_kv(k: Tensor, v: Tensor, find_first: bool) -> tuple[Tensor, Tenso
     return k0, v0, first
 
 
+def _outputs(q: Tensor, k: Tensor, opts: Options) -> tuple[Tensor, Tensor]:
+    """A call's out and lse, unwritten, as the forward op and its fake both return them: out (B, Hq, Tq, D) in
+    q's layout (contiguous without a sequence part), lse float32, contiguous, in the vendor's shape (cuDNN's
+    (B, Hq, Tq, 1), else (B, Hq, Tq)), whatever layouts the vendor's own results have (the CPU op's lse is
+    (B, Tq, Hq) in memory)."""
+    B, Hq, Tq, _ = q.shape
+    if not _has_sequence(k, opts):
+        return q.new_empty(q.shape), q.new_empty((B, Hq, Tq), dtype=torch.float32)
+    lse_shape = (B, Hq, Tq, 1) if opts.kernel == "cudnn" else (B, Hq, Tq)
+    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+
+
 def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], opts: Options):
-    """out (B, Hq, Tq, D) in q's layout and lse (natural log, float32, contiguous) in the vendor's shape."""
+    """out (B, Hq, Tq, D) and lse (natural log), in the layouts of :func:`_outputs`."""
     from . import kernels
 
-    out_like = q  # the fake's layout, whatever the vendor's (the CPU op's lse is (B, T, H) in memory)
+    out, lse = _outputs(q, k, opts)
     q, k, v = (_unit_last(t) for t in (q, k, v))
     B, Hq, Tq, D = q.shape
     Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
@@ -150,10 +162,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
     if has_sequence:
         k0, v0, first = _sanitized_kv(k, v, find_first=True)
         out_s, lse_s = sequence.forward(opts.kernel, q, k0, v0, opts.causal, opts.scale)
-        out, lse = torch.empty_like(out_like), lse_s.new_empty(lse_s.shape)
     else:  # nothing of the sequence is read
-        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-        lse = torch.empty((B, Hq, Tq), device=q.device, dtype=torch.float32)
         out_s, lse_s, first = out, lse, lse
     if out.numel() == 0:
         return out, lse
@@ -277,12 +286,7 @@ def _forward_op(*args):
 @torch.library.register_fake("moda_flex::split_forward")
 def _forward_fake(*args):
     (q, k, *_), opts = unpack(args, Inputs, Options)
-    B, Hq, Tq, D = q.shape
-    if not _has_sequence(k, opts):
-        return q.new_empty(q.shape), q.new_empty((B, Hq, Tq), dtype=torch.float32)
-    if opts.kernel == "cudnn":  # cuDNN: out in q's layout, lse (B, H, T, 1)
-        return torch.empty_like(q), q.new_empty((B, Hq, Tq, 1), dtype=torch.float32)
-    return torch.empty_like(q), q.new_empty((B, Hq, Tq), dtype=torch.float32)
+    return _outputs(q, k, opts)
 
 
 @torch.library.impl("moda_flex::split_backward", ("cuda", "cpu"))
