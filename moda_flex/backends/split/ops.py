@@ -225,9 +225,8 @@ def _sequence_backward_with_lse(q, k, v, out, grad_out, lse, grad_lse, opts: Opt
 def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Options):
     """dq (B, Hq, Tq, D), dk, dv (B, Hk, Tk, D), and the depth gradients, two (B, Hk, Tq, L, D) tensors.
 
-    ``grad_out`` or ``grad_lse`` may be None (no gradient reached that output). Every result is contiguous, as
-    the fake says: a vendor's gradient in another layout is copied (the CPU op's, and the padded head dims'
-    of the lse's gradient).
+    ``grad_out`` or ``grad_lse`` may be None (no gradient reached that output). dq, dk, dv are in the
+    vendor's layouts (the op makes them contiguous, as its fake says).
     """
     from . import kernels
 
@@ -247,7 +246,6 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
             dq, dk, dv = sequence.backward(opts.kernel, grad_c, q_c, k0, v0, out_c, lse_c, opts.causal, opts.scale)
         else:
             dq, dk, dv = _sequence_backward_with_lse(q_c, k0, v0, out_c, grad_c, lse_c, grad_lse, opts)
-        dq, dk, dv = (t.contiguous() for t in (dq, dk, dv))
         if L == 0:
             return dq, dk, dv, ddk, ddv
     else:
@@ -291,9 +289,12 @@ def _forward_fake(*args):
 
 @torch.library.impl("moda_flex::split_backward", ("cuda", "cpu"))
 def _backward_op(*args):
-    """dq, dk, dv and the depth gradients as two (B, Hk, Tq, L, D) tensors."""
+    """dq, dk, dv, contiguous, and the depth gradients as two (B, Hk, Tq, L, D) tensors."""
     grads, inputs, opts = unpack(args, Grads, Inputs, Options)
-    return _backward(grads.grad_out, grads.grad_lse, *inputs, grads.out, grads.lse, opts)
+    dq, dk, dv, ddk, ddv = _backward(grads.grad_out, grads.grad_lse, *inputs, grads.out, grads.lse, opts)
+    # the fake's layouts, which inductor checks: a copy only where the vendor's op chose another (the CPU op's
+    # gradients are (B, T, H, D) in memory; the lse's gradient slices padded head dims)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), ddk, ddv
 
 
 @torch.library.register_fake("moda_flex::split_backward")
