@@ -156,7 +156,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
 
     out, lse = _outputs(q, k, opts)
     q, k, v = (_unit_last(t) for t in (q, k, v))
-    B, Hq, Tq, D = q.shape
+    B, Tq = q.shape[0], q.shape[2]
     Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
     has_sequence = _has_sequence(k, opts)
     if has_sequence:
@@ -287,11 +287,15 @@ def _forward_fake(*args):
     return _outputs(q, k, opts)
 
 
+def _backward_without_dispatch(grads: Grads, inputs: Inputs, opts: Options):
+    """:func:`_backward` of the records the backward op takes: what the op and the eager path run."""
+    return _backward(grads.grad_out, grads.grad_lse, *inputs, grads.out, grads.lse, opts)
+
+
 @torch.library.impl("moda_flex::split_backward", ("cuda", "cpu"))
 def _backward_op(*args):
     """dq, dk, dv, contiguous, and the depth gradients as two (B, Hk, Tq, L, D) tensors."""
-    grads, inputs, opts = unpack(args, Grads, Inputs, Options)
-    dq, dk, dv, ddk, ddv = _backward(grads.grad_out, grads.grad_lse, *inputs, grads.out, grads.lse, opts)
+    dq, dk, dv, ddk, ddv = _backward_without_dispatch(*unpack(args, Grads, Inputs, Options))
     # the fake's layouts, which inductor checks: a copy only where the vendor's op chose another (the CPU op's
     # gradients are (B, T, H, D) in memory; the lse's gradient slices padded head dims)
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), ddk, ddv
@@ -339,10 +343,6 @@ def _autograd_backward(ctx, grad_out, grad_lse):
 
 
 torch.library.register_autograd("moda_flex::split_forward", _autograd_backward, setup_context=_setup_context)
-
-
-def _backward_without_dispatch(grads: Grads, inputs: Inputs, opts: Options):
-    return _backward(grads.grad_out, grads.grad_lse, *inputs, grads.out, grads.lse, opts)
 
 
 class _EagerSplit(torch.autograd.Function):
