@@ -74,7 +74,7 @@ from training import Batches, Schedule, Training, device_name, load_text, split
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "study.json"
 # Before an arm has a recorded step time on a device: a compiled step on an H100 at 24 layers, 32 x 512 tokens.
 GUESS_STEP_S = {"none": 0.036, "attn": 0.060, "attn+ffn": 0.085}
-GUESS_COMPILE_S = 90.0  # at 24 layers
+GUESS_COMPILE_S = {"none": 110.0, "attn": 170.0, "attn+ffn": 200.0}  # at 24 layers, from an H100's runs
 
 
 CORPORA = ("stdlib", "installed")
@@ -174,7 +174,7 @@ def estimate_s(results: dict, arm: Arm, steps: int, device: str, compiled_here: 
         seconds = step_s * (steps + evals * args.eval_iters / 3)  # an eval batch is about a third of a step
     if not compiled_here and args.compile:
         overheads = [r["overhead_s"] for r in runs if r["compiled_here"]]
-        seconds += max(overheads) if overheads else GUESS_COMPILE_S * scale
+        seconds += max(overheads) if overheads else GUESS_COMPILE_S[arm.depth_kv] * scale
     return seconds
 
 
