@@ -48,12 +48,16 @@ MODES = ("eager", "compiled", "reduce-overhead")
 
 
 # What a kernel's name says it computes, first match wins: the vendor's attention (the sequence part, and all
-# of the baseline's attention), our kernels (the fused MoDA kernels, which also do the sequence part, and the
-# split path's depth and NaN kernels; the merge is fused into its depth forward), cuBLAS's products, the rest.
+# of the baseline's attention); the split path's depth kernels (the merge with the sequence part is fused into
+# the depth forward) and its NaN rule's passes; the fused MoDA kernels (sequence and depth in one); cuBLAS's
+# products; inductor's generated kernels (norms, rotations, the sums of each depth entry's gradients); the rest.
 KERNEL_KINDS = (
     ("vendor attention", ("flash", "fmha", "cudnn", "attention")),  # first: FlashAttention has a "convert_dq_kernel"
-    ("moda kernels", ("forward_kernel", "dq_kernel", "dkdv_kernel", "_depth_", "_sanitize_kv", "_prepare_backward")),
+    ("split depth + merge", ("_depth_forward", "_depth_backward")),
+    ("split NaN passes", ("_sanitize_kv", "_prepare_backward")),
+    ("fused moda", ("forward_kernel", "dq_kernel", "dkdv_kernel")),
     ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "ampere", "sm90")),
+    ("inductor", ("triton_poi_", "triton_red_", "triton_per_", "triton_tem_")),
 )
 
 
@@ -91,8 +95,8 @@ def measure(config: GPTConfig, batch: int, seq: int, mode: str, steps: int, warm
     """Median step time (ms) and peak memory (MiB) of one model.
 
     ``profile`` prints its top kernels (torch.profiler), its kernel launches
-    per step and the step's time by kind (:func:`time_split`: vendor
-    attention, moda kernels, matmul, other, host gap),
+    per step and the step's time by kind (:func:`time_split`: the kinds of
+    :data:`KERNEL_KINDS`, other, and the host gap),
     ``host_profile`` its top Python functions by own time (cProfile), both
     over 3 steps.
     """

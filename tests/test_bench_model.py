@@ -11,13 +11,17 @@ from bench_model import kernel_kind, time_split
         ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>", "vendor attention"),
         ("void flash_bwd_convert_dq_kernel<Flash_bwd_kernel_traits<64>>", "vendor attention"),
         ("cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x64_4x1x1_kernel0_0", "vendor attention"),
-        ("forward_kernel", "moda kernels"),
-        ("dq_kernel", "moda kernels"),
-        ("_depth_backward_kernel", "moda kernels"),
-        ("_sanitize_kv_kernel", "moda kernels"),
+        ("forward_kernel", "fused moda"),
+        ("dq_kernel", "fused moda"),
+        ("_depth_backward_kernel", "split depth + merge"),
+        ("_depth_forward_token_kernel", "split depth + merge"),
+        ("_sanitize_kv_kernel", "split NaN passes"),
+        ("_prepare_backward_kernel", "split NaN passes"),
         ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
         ("nvjet_tst_128x64_64x8_1x2_h_bz_coopA_NTN", "matmul"),
-        ("triton_poi_fused__to_copy_add_mul_0", "other"),
+        ("triton_poi_fused__to_copy_add_mul_0", "inductor"),
+        ("triton_red_fused_add_sum_3", "inductor"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "other"),
     ],
 )
 def test_kernel_kind(name, kind):
@@ -25,7 +29,10 @@ def test_kernel_kind(name, kind):
 
 
 def test_time_split_is_per_step_and_the_host_gap_is_what_kernels_leave():
-    kernels = {"flash_fwd_kernel": 3000.0, "dq_kernel": 1500.0, "nvjet_x": 600.0, "triton_poi_fused_add_0": 300.0}
+    kernels = {"flash_fwd_kernel": 3000.0, "dq_kernel": 1500.0, "nvjet_x": 600.0, "triton_poi_fused_add_0": 300.0,
+               "elementwise_kernel": 150.0}  # fmt: skip
     split = time_split(kernels, steps=3, step_ms=2.5)
-    assert split == pytest.approx({"vendor attention": 1.0, "moda kernels": 0.5, "matmul": 0.2, "other": 0.1, "host gap": 0.7})
+    assert split == pytest.approx({"vendor attention": 1.0, "split depth + merge": 0.0, "split NaN passes": 0.0,
+                                   "fused moda": 0.5, "matmul": 0.2, "inductor": 0.1, "other": 0.05,
+                                   "host gap": 0.65})  # fmt: skip
     assert time_split(kernels, steps=3, step_ms=1.0)["host gap"] == 0.0  # the profiler's steps were slower
