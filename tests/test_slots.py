@@ -1,8 +1,10 @@
 """The slot address table through which both kernel backends read depth K/V in place."""
 
+import pytest
 import torch
 
-from moda_flex.backends.slots import SLOT_ALIGNMENT, depth_args, slot_table
+from moda_flex.backends import slots
+from moda_flex.backends.slots import SLOT_ALIGNMENT, PinnedTables, depth_args, device_table, slot_table
 from moda_flex.depth import as_list
 
 B, HK, T, L, D = 2, 3, 5, 4, 8
@@ -52,3 +54,43 @@ def test_no_slots_give_a_table_of_one_placeholder():
     args, held = depth_args([], [], 0, torch.device("cpu"))
     assert args["DK_TAB"].tolist() == [0] and args["DV_TAB"].numel() == 1
     assert held == [[], []]
+
+
+def test_pinned_tables_are_bounded_unless_a_graph_captured_them():
+    tables = PinnedTables(limit=3)
+    made = []
+
+    def maker(key):
+        def make():
+            made.append(key)
+            return torch.tensor([key])
+
+        return make
+
+    for key in range(10):  # eager calls whose addresses keep changing
+        tables.get(key, maker(key), capturing=False)
+    assert len(tables) == 3 and list(tables.recent) == [7, 8, 9]
+    kept = tables.get(8, maker(8), capturing=False)  # a hit: the same buffer, now the most recent
+    assert made.count(8) == 1 and list(tables.recent) == [7, 9, 8]
+    captured = tables.get(9, maker(9), capturing=True)  # a graph captures a table made eagerly before
+    for key in range(100, 110):
+        tables.get(key, maker(key), capturing=False)
+    assert tables.get(9, maker(9), capturing=False) is captured  # kept for the graph's replays
+    assert made.count(9) == 1 and 8 not in tables.recent and kept.tolist() == [8]
+    assert len(tables.recent) == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_captured_table_outlives_eager_calls_past_the_limit():
+    device = torch.device("cuda")
+    addresses = tuple(range(16, 16 * 9, 16))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # as torch.compile's CUDA graphs capture
+        table = device_table(addresses, device)
+    before = len(slots._PINNED.recent)
+    for start in range(slots._PINNED.limit + 10):  # eager tables of other addresses, each once
+        device_table((10**9 + 16 * start,), device)
+    assert len(slots._PINNED.recent) <= slots._PINNED.limit and before <= slots._PINNED.limit
+    table.zero_()
+    graph.replay()
+    assert table.tolist() == list(addresses)

@@ -9,6 +9,7 @@ so neither form is copied.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
@@ -56,20 +57,51 @@ def slot_table(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: tor
     return SlotTable(device_table(tuple(addresses or [0]), device), strides[0], strides[1], held, aligned)
 
 
-# Pinned host copies of the slot tables, by device and addresses. A CUDA graph captures a table's copy from
-# its host buffer and replays it, with the addresses the graph's memory keeps: the buffer must outlive the graph
-# and never change, so each set of addresses has one, kept (a model meets few: the allocator reuses addresses).
-_HOST_TABLES: dict = {}
+class PinnedTables:
+    """Pinned host copies of slot tables, by device and addresses, from which a table is copied without a wait.
+
+    A CUDA graph captures a table's copy from its host buffer and replays it: a table made while the current
+    stream is capturing is kept for good (the graph's memory keeps its addresses, so a model meets few). Any
+    other table is kept for reuse, at most ``limit`` of them, the least recently used dropped first: eager calls
+    whose addresses keep changing (lengths that vary from batch to batch) would otherwise pin host memory
+    without end. A dropped buffer still being copied from stays allocated until its copy ends (PyTorch's pinned
+    allocator records the copy's stream).
+    """
+
+    def __init__(self, limit: int = 1024):
+        self.limit = limit
+        self.captured: dict = {}
+        self.recent: OrderedDict = OrderedDict()
+
+    def get(self, key, make, capturing: bool) -> Tensor:
+        """The buffer of ``key``, made by ``make()`` if it has none."""
+        host = self.captured.get(key)
+        if host is not None:
+            return host
+        host = self.recent.pop(key, None)
+        if host is None:
+            host = make()
+        if capturing:
+            self.captured[key] = host
+        else:
+            self.recent[key] = host
+            if len(self.recent) > self.limit:
+                self.recent.popitem(last=False)
+        return host
+
+    def __len__(self) -> int:
+        return len(self.captured) + len(self.recent)
+
+
+_PINNED = PinnedTables()
 
 
 def device_table(addresses: tuple, device: torch.device) -> Tensor:
-    """(len(addresses),) int64 on ``device``, copied without a wait from a pinned buffer cached by its contents."""
+    """(len(addresses),) int64 on ``device``, copied without a wait from a pinned buffer (:class:`PinnedTables`)."""
     if device.type != "cuda":
         return torch.tensor(addresses, dtype=torch.int64)
-    key = (device, addresses)
-    host = _HOST_TABLES.get(key)
-    if host is None:
-        host = _HOST_TABLES[key] = torch.tensor(addresses, dtype=torch.int64).pin_memory()
+    host = _PINNED.get((device, addresses), lambda: torch.tensor(addresses, dtype=torch.int64).pin_memory(),
+                       torch.cuda.is_current_stream_capturing())  # fmt: skip
     return host.to(device, non_blocking=True)
 
 
