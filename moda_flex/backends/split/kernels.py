@@ -71,14 +71,13 @@ def _program_rows(Hk, Tq, G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constex
 
 
 @triton.jit
-def _token_block(H, T, BLOCK_T: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
-    """An elementwise program's batch b and head h (grid axis 1 is B * H, and b * H + h), its BLOCK_T tokens t,
+def _token_block(bh, H, T, BLOCK_T: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    """An elementwise program's batch b and head h (``bh`` is b * H + h), its BLOCK_T tokens t (grid axis 0),
     the head dim's lanes d, which tokens are real, and which (token, lane) entries are."""
-    bh = tl.program_id(1)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, DP)
     t_ok = t < T
-    return bh // H, bh % H, bh, t, d, t_ok, t_ok[:, None] & (d < D)[None, :]
+    return bh // H, bh % H, t, d, t_ok, t_ok[:, None] & (d < D)[None, :]
 
 
 @triton.jit
@@ -93,7 +92,21 @@ def _sanitize_kv_kernel(
 ):  # fmt: skip
     """k, v (B, Hk, Tk, D) with non-finite vectors zeroed into ``KO``, ``VO`` (contiguous), and with
     ``FIND_FIRST`` ``FIRST[b, hk]`` lowered to the first token whose key or value holds a NaN or Inf."""
-    b, hk, bh, t, d, _, live = _token_block(Hk, Tk, BLOCK_T, D, DP)
+    _sanitize_block(K, V, KO, VO, FIRST, sk, sv, so, tl.program_id(1), Hk, Tk, D, BLOCK_T, DP, FIND_FIRST)
+
+
+@triton.jit
+def _sanitize_block(
+    K, V, KO, VO, FIRST,
+    sk, sv, so,
+    bh, Hk, Tk,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    DP: tl.constexpr,
+    FIND_FIRST: tl.constexpr,
+):  # fmt: skip
+    """:func:`_sanitize_kv_kernel`'s work for batch and KV head ``bh`` (b * Hk + hk)."""
+    b, hk, t, d, _, live = _token_block(bh, Hk, Tk, BLOCK_T, D, DP)
     k = tl.load(K + b * sk[0] + hk * sk[1] + t[:, None] * sk[2] + d[None, :], mask=live, other=0.0)
     v = tl.load(V + b * sv[0] + hk * sv[1] + t[:, None] * sv[2] + d[None, :], mask=live, other=0.0)
     k_ok = _finite(k)
@@ -210,26 +223,36 @@ def _depth_forward_kernel(
 
 @triton.jit
 def _prepare_backward_kernel(
-    Q, O, DO, LSE, QC, OC, DOC, LSEC,
-    sq, so, sdo, sl, sqc, soc, sdoc, slc,
-    Hq, Tq,
+    Q, O, DO, LSE, QC, OC, DOC, LSEC, K, V, KO, VO,
+    sq, so, sdo, sl, sqc, soc, sdoc, slc, sk, sv, sko,
+    Hq, Tq, Hk, Tk, row_heads,
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     DP: tl.constexpr,
+    SANITIZE_KV: tl.constexpr,
 ):  # fmt: skip
     """The backward's inputs with dead rows (lse = NaN) silenced: q with non-finite entries zeroed, a dead
-    row's o and dO zeroed and its lse +inf, so that its p is zero and every product it enters is exact."""
-    b, h, _, t, d, t_ok, live = _token_block(Hq, Tq, BLOCK_T, D, DP)
-    lse = tl.load(LSE + b * sl[0] + h * sl[1] + t * sl[2], mask=t_ok, other=0.0)
-    dead = lse != lse
-    q = tl.load(Q + b * sq[0] + h * sq[1] + t[:, None] * sq[2] + d[None, :], mask=live, other=0.0)
-    o = tl.load(O + b * so[0] + h * so[1] + t[:, None] * so[2] + d[None, :], mask=live, other=0.0)
-    do = tl.load(DO + b * sdo[0] + h * sdo[1] + t[:, None] * sdo[2] + d[None, :], mask=live, other=0.0)
-    tl.store(QC + b * sqc[0] + h * sqc[1] + t[:, None] * sqc[2] + d[None, :], tl.where(_finite(q), q, 0.0), mask=live)
-    tl.store(OC + b * soc[0] + h * soc[1] + t[:, None] * soc[2] + d[None, :], tl.where(dead[:, None], 0.0, o), mask=live)
-    tl.store(DOC + b * sdoc[0] + h * sdoc[1] + t[:, None] * sdoc[2] + d[None, :], tl.where(dead[:, None], 0.0, do),
-             mask=live)  # fmt: skip
-    tl.store(LSEC + b * slc[0] + h * slc[1] + t * slc[2], tl.where(dead, float("inf"), lse), mask=t_ok)
+    row's o and dO zeroed and its lse +inf, so that its p is zero and every product it enters is exact; and
+    with ``SANITIZE_KV``, the keys and values the vendor's backward reads, as :func:`_sanitize_kv_kernel`
+    gives them (one launch for both: grid axis 1 is the ``row_heads = B * Hq`` query heads, then the
+    B * Hk KV heads)."""
+    bh = tl.program_id(1)
+    if bh < row_heads:
+        b, h, t, d, t_ok, live = _token_block(bh, Hq, Tq, BLOCK_T, D, DP)
+        lse = tl.load(LSE + b * sl[0] + h * sl[1] + t * sl[2], mask=t_ok, other=0.0)
+        dead = lse != lse
+        q = tl.load(Q + b * sq[0] + h * sq[1] + t[:, None] * sq[2] + d[None, :], mask=live, other=0.0)
+        o = tl.load(O + b * so[0] + h * so[1] + t[:, None] * so[2] + d[None, :], mask=live, other=0.0)
+        do = tl.load(DO + b * sdo[0] + h * sdo[1] + t[:, None] * sdo[2] + d[None, :], mask=live, other=0.0)
+        tl.store(QC + b * sqc[0] + h * sqc[1] + t[:, None] * sqc[2] + d[None, :], tl.where(_finite(q), q, 0.0),
+                 mask=live)  # fmt: skip
+        tl.store(OC + b * soc[0] + h * soc[1] + t[:, None] * soc[2] + d[None, :], tl.where(dead[:, None], 0.0, o),
+                 mask=live)  # fmt: skip
+        tl.store(DOC + b * sdoc[0] + h * sdoc[1] + t[:, None] * sdoc[2] + d[None, :],
+                 tl.where(dead[:, None], 0.0, do), mask=live)  # fmt: skip
+        tl.store(LSEC + b * slc[0] + h * slc[1] + t * slc[2], tl.where(dead, float("inf"), lse), mask=t_ok)
+    elif SANITIZE_KV:
+        _sanitize_block(K, V, KO, VO, None, sk, sv, sko, bh - row_heads, Hk, Tk, D, BLOCK_T, DP, False)
 
 
 @triton.jit

@@ -120,20 +120,20 @@ def _has_sequence(k: Tensor, opts: Options) -> bool:
     return opts.sequence and k.shape[2] > 0
 
 
-def _sanitized_kv(k: Tensor, v: Tensor, find_first: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """k, v (B, Hk, Tk, D) with non-finite vectors zeroed, and with ``find_first`` the first token holding one,
-    (B, Hk) int32 (Tk: none), else None."""
+def _sanitized_kv(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """k, v (B, Hk, Tk, D) with non-finite vectors zeroed, and the first token holding one, (B, Hk) int32 (Tk:
+    none)."""
     from . import kernels
 
     B, Hk, Tk, D = k.shape
     k0 = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     v0 = torch.empty_like(k0)
-    first = torch.full((B, Hk), Tk, device=k.device, dtype=torch.int32) if find_first else None
+    first = torch.full((B, Hk), Tk, device=k.device, dtype=torch.int32)
     grid = (cdiv(Tk, _BLOCK_T_ELEMENTWISE), B * Hk)
     kernels._sanitize_kv_kernel[grid](
         K=k, V=v, KO=k0, VO=v0, FIRST=first,
         sk=k.stride(), sv=v.stride(), so=k0.stride(),
-        Hk=Hk, Tk=Tk, D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, next_pow2(D)), FIND_FIRST=find_first,
+        Hk=Hk, Tk=Tk, D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, next_pow2(D)), FIND_FIRST=True,
     )  # fmt: skip
     return k0, v0, first
 
@@ -160,7 +160,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
     Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
     has_sequence = _has_sequence(k, opts)
     if has_sequence:
-        k0, v0, first = _sanitized_kv(k, v, find_first=True)
+        k0, v0, first = _sanitized_kv(k, v)
         out_s, lse_s = sequence.forward(opts.kernel, q, k0, v0, opts.causal, opts.scale)
     else:  # nothing of the sequence is read
         out_s, lse_s, first = out, lse, lse
@@ -179,22 +179,30 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
     return out, lse
 
 
-def _silenced(q: Tensor, out: Tensor, grad_out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """q, out, grad_out, lse (the lse in the vendor's layout) with dead rows silenced (kernels.py)."""
+def _prepared(q: Tensor, out: Tensor, grad_out: Tensor, lse: Tensor, k: Tensor, v: Tensor, sanitize_kv: bool):
+    """The backward's inputs under the NaN rule, in one launch: q, out, grad_out, lse (the lse in the vendor's
+    layout) with dead rows silenced, and with ``sanitize_kv`` k, v with non-finite vectors zeroed (else None,
+    None)."""
     from . import kernels
 
     B, Hq, Tq, D = q.shape
+    Hk, Tk = k.shape[1], k.shape[2]
     q_c = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     out_c, grad_c, lse_c = torch.empty_like(out), torch.empty_like(out), torch.empty_like(lse)
+    k0 = torch.empty(k.shape, device=k.device, dtype=k.dtype) if sanitize_kv else None
+    v0 = torch.empty_like(k0) if sanitize_kv else None
     lv, lcv = sequence.lse_view(lse), sequence.lse_view(lse_c)
-    grid = (cdiv(Tq, _BLOCK_T_ELEMENTWISE), B * Hq)
+    kv_heads = B * Hk if sanitize_kv else 0
+    grid = (cdiv(max(Tq, Tk if sanitize_kv else 0), _BLOCK_T_ELEMENTWISE), B * Hq + kv_heads)
     kernels._prepare_backward_kernel[grid](
-        Q=q, O=out, DO=grad_out, LSE=lv, QC=q_c, OC=out_c, DOC=grad_c, LSEC=lcv,
+        Q=q, O=out, DO=grad_out, LSE=lv, QC=q_c, OC=out_c, DOC=grad_c, LSEC=lcv, K=k, V=v, KO=k0, VO=v0,
         sq=q.stride(), so=out.stride(), sdo=grad_out.stride(), sl=lv.stride(),
         sqc=q_c.stride(), soc=out_c.stride(), sdoc=grad_c.stride(), slc=lcv.stride(),
-        Hq=Hq, Tq=Tq, D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, next_pow2(D)),
+        sk=k.stride(), sv=v.stride(), sko=k0.stride() if sanitize_kv else (0, 0, 0, 0),
+        Hq=Hq, Tq=Tq, Hk=Hk, Tk=Tk, row_heads=B * Hq,
+        D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, next_pow2(D)), SANITIZE_KV=sanitize_kv,
     )  # fmt: skip
-    return q_c, out_c, grad_c, lse_c
+    return q_c, out_c, grad_c, lse_c, k0, v0
 
 
 def _sequence_backward_with_lse(q, k, v, out, grad_out, lse, grad_lse, opts: Options):
@@ -238,10 +246,10 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     ddk, ddv = empty_grads(q, k, depth_k)
     if q.numel() == 0:
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), ddk.zero_(), ddv.zero_()
-    q_c, out_c, grad_c, lse_c = _silenced(q, out, grad_out, lse)
     has_sequence = _has_sequence(k, opts)
+    # the lse says which rows are dead: the keys and values need no first bad token, only zeroing
+    q_c, out_c, grad_c, lse_c, k0, v0 = _prepared(q, out, grad_out, lse, k, v, sanitize_kv=has_sequence)
     if has_sequence:
-        k0, v0, _ = _sanitized_kv(k, v, find_first=False)  # the lse says which rows are dead
         if grad_lse is None:
             dq, dk, dv = sequence.backward(opts.kernel, grad_c, q_c, k0, v0, out_c, lse_c, opts.causal, opts.scale)
         else:
