@@ -85,7 +85,8 @@ def _layout(q: Tensor, kv_heads: int, slots: int, backward: bool = False, design
     or the ``backward``'s: G heads per KV head padded to GP, BLOCK_T tokens a program, the head dim's lanes DP.
 
     ``"tokens"`` (the default for G up to :data:`TOKEN_KERNELS_MAX_GROUP`): per-token products on
-    (BLOCK_T, GP, DP) tiles. ``"tiles"``: Tensor Core tiles of 16 rows, BLOCK_C (token, slot) columns a step;
+    (BLOCK_T, GP, DP) tiles, the forward one slot a step (``SLOTS_A_STEP``; 2 is a trial of
+    ``tune_split.py --slots-a-step``, not yet timed). ``"tiles"``: Tensor Core tiles of 16 rows, BLOCK_C (token, slot) columns a step;
     two warps and 32 columns at G >= 8 and D <= 64, else four warps and 64 columns; one stage (chosen on an
     H100 with ``tune_split.py --graph``: T=16384 at G=8 and the Table 6 call at G=3; more stages were slower
     at both).
@@ -94,9 +95,9 @@ def _layout(q: Tensor, kv_heads: int, slots: int, backward: bool = False, design
     GP, DP = next_pow2(G), max(16, next_pow2(D))
     design = design or ("tokens" if G <= TOKEN_KERNELS_MAX_GROUP else "tiles")
     if design == "tokens":
-        registers = {"maxnreg": _TOKEN_BACKWARD_REGISTERS} if backward else {}
+        direction = {"maxnreg": _TOKEN_BACKWARD_REGISTERS} if backward else {"SLOTS_A_STEP": 1}
         return dict(design=design, G=G, GP=GP, BLOCK_T=max(1, _TOKEN_TILE // (GP * DP)), D=D, DP=DP,
-                    num_warps=4, num_stages=1, **registers)  # fmt: skip
+                    num_warps=4, num_stages=1, **direction)  # fmt: skip
     BLOCK_T = max(1, _MIN_DOT_ROWS // GP)
     warps = 2 if GP >= 8 and DP <= 64 else 4
     return dict(design=design, G=G, GP=GP, BLOCK_T=BLOCK_T,
