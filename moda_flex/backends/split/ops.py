@@ -86,10 +86,10 @@ def _layout(q: Tensor, kv_heads: int, slots: int, backward: bool = False, design
 
     ``"tokens"`` (the default for G up to :data:`TOKEN_KERNELS_MAX_GROUP`): per-token products on
     (BLOCK_T, GP, DP) tiles, the forward one slot a step (``SLOTS_A_STEP``; 2 is a trial of
-    ``tune_split.py --slots-a-step``, not yet timed). ``"tiles"``: Tensor Core tiles of 16 rows, BLOCK_C (token, slot) columns a step;
-    two warps and 32 columns at G >= 8 and D <= 64, else four warps and 64 columns; one stage (chosen on an
-    H100 with ``tune_split.py --graph``: T=16384 at G=8 and the Table 6 call at G=3; more stages were slower
-    at both).
+    ``tune_split.py --slots-a-step``, not yet timed). ``"tiles"``: Tensor Core tiles of 16 rows, BLOCK_C
+    (token, slot) columns a step; two warps and 32 columns at G >= 8 and D <= 64, else four warps and 64
+    columns; one stage (chosen on an H100 with ``tune_split.py --graph``: T=16384 at G=8 and the Table 6 call
+    at G=3; more stages were slower at both).
     """
     G, D = q.shape[1] // kv_heads, q.shape[-1]
     GP, DP = next_pow2(G), max(16, next_pow2(D))
