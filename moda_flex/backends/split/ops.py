@@ -190,16 +190,20 @@ def _prepared(q: Tensor, out: Tensor, grad_out: Tensor, lse: Tensor, k: Tensor, 
     Hk, Tk = k.shape[1], k.shape[2]
     q_c = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     out_c, grad_c, lse_c = torch.empty_like(out), torch.empty_like(out), torch.empty_like(lse)
-    k0 = torch.empty(k.shape, device=k.device, dtype=k.dtype) if sanitize_kv else None
-    v0 = torch.empty_like(k0) if sanitize_kv else None
     lv, lcv = sequence.lse_view(lse), sequence.lse_view(lse_c)
-    kv_heads = B * Hk if sanitize_kv else 0
-    grid = (cdiv(max(Tq, Tk if sanitize_kv else 0), _BLOCK_T_ELEMENTWISE), B * Hq + kv_heads)
+    if sanitize_kv:
+        k0 = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+        v0 = torch.empty_like(k0)
+        kv_heads, kv_tokens, sko = B * Hk, Tk, k0.stride()
+    else:  # no key/value programs: the kernel's branch for them is neither launched nor compiled
+        k0 = v0 = None
+        kv_heads, kv_tokens, sko = 0, 0, k.stride()  # sko unread
+    grid = (cdiv(max(Tq, kv_tokens), _BLOCK_T_ELEMENTWISE), B * Hq + kv_heads)
     kernels._prepare_backward_kernel[grid](
         Q=q, O=out, DO=grad_out, LSE=lv, QC=q_c, OC=out_c, DOC=grad_c, LSEC=lcv, K=k, V=v, KO=k0, VO=v0,
         sq=q.stride(), so=out.stride(), sdo=grad_out.stride(), sl=lv.stride(),
         sqc=q_c.stride(), soc=out_c.stride(), sdoc=grad_c.stride(), slc=lcv.stride(),
-        sk=k.stride(), sv=v.stride(), sko=k0.stride() if sanitize_kv else (0, 0, 0, 0),
+        sk=k.stride(), sv=v.stride(), sko=sko,
         Hq=Hq, Tq=Tq, Hk=Hk, Tk=Tk, row_heads=B * Hq,
         D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, next_pow2(D)), SANITIZE_KV=sanitize_kv,
     )  # fmt: skip
