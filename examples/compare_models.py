@@ -7,8 +7,8 @@ Arms. A name says the model: ``baseline`` (sequence KV only), ``moda-attn``
 (+ depth KV from the attention layers), ``moda`` (+ depth KV + FFN KV), then
 the norm and the number of layers: ``moda-post-L24``. Every model has width
 384 and 6 query / 2 KV heads (the paper's Table 6). The default arms are the
-six 24-layer ones; ``--arms '*-L48'`` adds the three 48-layer post-norm ones,
-and any name of that form (``moda-pre-L12``) is an arm.
+six 24-layer ones; ``--arms '*-L48'`` runs the six 48-layer ones (the paper's
+Table 6 rows), and any name of that form (``moda-pre-L12``) is an arm.
 
 Phases (``--phase all``, the default, runs both, arm by arm). ``sweep``:
 each arm at log-spaced learning rates (``--lrs``, a factor of 2 apart),

@@ -23,7 +23,7 @@ from seed_stats import format_mean_std, mean_std, paired_difference
 
 DEFAULT_ARMS = [
     f"{model}-{norm}-L{n_layer}"
-    for n_layer, norm in ((24, "post"), (24, "pre"), (48, "post"))
+    for n_layer, norm in ((24, "post"), (24, "pre"), (48, "post"), (48, "pre"))
     for model in ("baseline", "moda-attn", "moda")
 ]
 ARM = re.compile(r"(baseline|moda-attn|moda)-(pre|post)-L(\d+)")

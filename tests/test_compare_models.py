@@ -137,6 +137,8 @@ def test_the_sweep_extends_past_a_winning_edge():
 
 def test_arms_by_name_and_pattern():
     assert [a.name for a in study.parse_arms("*-L24")] == study.DEFAULT_ARMS[:6]
+    table6_l48 = {(a.norm, a.depth_kv) for a in study.parse_arms("*-L48")}
+    assert table6_l48 == {(norm, kv) for norm in ("pre", "post") for kv in ("none", "attn", "attn+ffn")}
     arm = study.parse_arms("moda-attn-pre-L12")[0]
     assert (arm.n_layer, arm.norm, arm.depth_kv) == (12, "pre", "attn")
     for bad in ("moda-sandwich-L24", "*-L96"):
