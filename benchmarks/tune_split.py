@@ -17,7 +17,6 @@ Usage::
     python benchmarks/tune_split.py --shapes table6,1k --designs tiles,tokens --tokens 1,2 --warps 2,4 --graph
     python benchmarks/tune_split.py --shapes table6 --slots 12,47 --backward-split 1,2 --tokens 1 --warps 4,8 --graph
     python benchmarks/tune_split.py --shapes table6 --slots 12,47 --tokens 1 --warps 4 --maxnreg 0,96/0,80/112 --graph
-    python benchmarks/tune_split.py --shapes table6 --slots 12,47 --tokens 1 --warps 4 --slots-a-step 1,2 --graph
 """
 
 from __future__ import annotations
@@ -51,8 +50,6 @@ def main(argv=None) -> None:
     p.add_argument("--chunks", type=cli.int_list, default="0", help="(token, slot) columns a step (BLOCK_C); 0: the default")
     p.add_argument("--maxnreg", type=_register_caps, default="0",
                    help="register caps a thread, each N (both kernels) or F/B (forward, backward); 0: the layout's")
-    p.add_argument("--slots-a-step", type=cli.int_list, default="1",
-                   help="slots a step of the per-token forward (SLOTS_A_STEP: 1 or 2)")
     p.add_argument("--slots", type=cli.int_list, default="0", help="L of each shape's calls; 0: the shape's")
     p.add_argument("--graph", action="store_true", help="time replays from a CUDA graph: GPU time")
     args = p.parse_args(argv)
@@ -69,16 +66,13 @@ def main(argv=None) -> None:
 
         results = []
         designs = args.designs.split(",") if args.designs else [None]
-        options = (designs, args.tokens, args.backward_split, args.warps, args.stages, args.chunks, args.maxnreg,
-                   args.slots_a_step)  # fmt: skip
+        options = (designs, args.tokens, args.backward_split, args.warps, args.stages, args.chunks, args.maxnreg)
         for option in itertools.product(*options):
             def layout(q, kv_heads, slots, backward=False, option=option):
-                design, tokens, split, warps, stages, chunk, maxnreg, slots_a_step = option
+                design, tokens, split, warps, stages, chunk, maxnreg = option
                 chosen = default_layout(q, kv_heads, slots, backward, design=design)
                 if chosen["design"] == "tiles":
                     chosen["BLOCK_C"] = chunk or chosen["BLOCK_C"]
-                elif not backward:
-                    chosen["SLOTS_A_STEP"] = slots_a_step
                 split, cap = (split, maxnreg[1]) if backward else (1, maxnreg[0])
                 return dict(chosen, BLOCK_T=max(1, chosen["BLOCK_T"] * tokens // split),
                             num_warps=max(1, warps // split), num_stages=stages,
@@ -106,11 +100,10 @@ def _register_caps(text: str) -> list[tuple[int, int]]:
 
 
 def _describe(option: tuple) -> str:
-    design, tokens, split, warps, stages, chunk, maxnreg, slots_a_step = option
+    design, tokens, split, warps, stages, chunk, maxnreg = option
     backward = f" (backward /{split})" if split > 1 else ""
     return (f"{design or 'default'}, tokens x{tokens}{backward}, {warps} warps, {stages} stages, "
-            f"chunk {chunk or 'default'}, maxnreg {'/'.join(str(cap or '-') for cap in maxnreg)}, "
-            f"{slots_a_step} slot(s) a step")
+            f"chunk {chunk or 'default'}, maxnreg {'/'.join(str(cap or '-') for cap in maxnreg)}")
 
 
 if __name__ == "__main__":

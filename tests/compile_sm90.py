@@ -149,12 +149,6 @@ def main() -> int:
         compiled.clear()
         _backward(moda_attention(q, k, v, dk, dv, variant=variant, backend=backend, return_lse=return_lse))
         print(json.dumps({"case": name, "kernels": compiled}), flush=True)
-    chosen = split.ops._layout  # the per-token forward at two slots a step, a trial of tune_split.py's
-    split.ops._layout = lambda *args: chosen(*args) if args[3:4] == (True,) else dict(chosen(*args), SLOTS_A_STEP=2)
-    compiled.clear()
-    _backward(moda_attention(*_inputs(1, 6, 2, 32, 32, 5, 64, torch.bfloat16), backend="split"))
-    print(json.dumps({"case": "split two slots a step", "kernels": compiled}), flush=True)
-    split.ops._layout = chosen
     os.environ[configs.PATH_ENV] = "hopper"
     for name, (q, k, v, dk, dv), variant, dq_atomic in hopper_cases():
         compiled.clear()

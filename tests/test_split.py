@@ -113,23 +113,18 @@ def test_either_design_at_any_group(design, q_heads, monkeypatch):
     assert_matches_reference(inputs, backend="split", variant=v.depth_window(4))
 
 
-def _two_slots_a_step(monkeypatch):
-    """The per-token forward at two slots a step (``SLOTS_A_STEP``), four tokens a program."""
+def _per_token_kernels(monkeypatch):
+    """The per-token kernels (the forward two slots a step), four tokens a program."""
     chosen = split.ops._layout
-
-    def layout(*args):
-        options = chosen(*args, design="tokens")
-        return options if args[3:4] == (True,) else dict(options, BLOCK_T=4, SLOTS_A_STEP=2)
-
-    monkeypatch.setattr(split.ops, "_layout", layout)
+    monkeypatch.setattr(split.ops, "_layout", lambda *args: dict(chosen(*args, design="tokens"), BLOCK_T=4))
 
 
 @pytest.mark.parametrize("slots", [1, 2, 5, 6])
 @pytest.mark.parametrize("variant", [v.causal(), v.depth_window(3), v.depth_only()], ids=lambda x: x.name)
 def test_two_slots_a_step(slots, variant, monkeypatch):
-    """Odd and even slot counts (an odd count's last step has one slot), a depth window that starts on an odd
-    slot, no sequence part; G=3, a ragged last block of tokens."""
-    _two_slots_a_step(monkeypatch)
+    """The per-token forward's steps of two slots: odd and even slot counts (an odd count's last step has one
+    slot), a depth window that starts on an odd slot, no sequence part; G=3, a ragged last block of tokens."""
+    _per_token_kernels(monkeypatch)
     shape = MoDAShape(batch=2, q_heads=6, kv_heads=2, q_len=7, kv_len=7, slots=slots, head_dim=16)
     inputs = make_inputs(shape, dtype=DTYPES[0], device=DEVICE, depth_entries=True)
     assert_matches_reference(inputs, backend="split", variant=variant)
@@ -143,7 +138,7 @@ def test_two_slots_a_step(slots, variant, monkeypatch):
 def test_two_slots_a_step_keep_the_nan_rule(name, value, index, monkeypatch):
     """A NaN or -Inf depth key or value in either place of a step (5 slots: steps (0, 1), (2, 3), (4, -)); a
     -Inf key gives some rows a zero weight, which alone would leave them finite."""
-    _two_slots_a_step(monkeypatch)
+    _per_token_kernels(monkeypatch)
     shape = MoDAShape(batch=1, q_heads=6, kv_heads=2, q_len=7, kv_len=7, slots=5, head_dim=16)
     _assert_reaches_only_its_rows("split", shape, v.causal(), name, index, value, device=DEVICE, dtype=DTYPES[0])
 

@@ -382,11 +382,9 @@ def _depth_forward_token_kernel(
     HAS_SEQ: tl.constexpr,
     CAUSAL: tl.constexpr,
     SLOTS_ALIGNED: tl.constexpr,
-    SLOTS_A_STEP: tl.constexpr,
 ):  # fmt: skip
-    """:func:`_depth_forward_kernel`'s results, a token's rows against its own slots on the CUDA cores,
-    ``SLOTS_A_STEP`` (1 or 2) slots a step: with 2, one rescale of the softmax state serves two slots, and
-    four slots' loads are in flight."""
+    """:func:`_depth_forward_kernel`'s results, a token's rows against its own slots on the CUDA cores, two
+    slots a step: one rescale of the softmax state serves both, and four slots' loads are in flight."""
     b, hk, bhk, t, h, d, rows, rows3, slot_live = _token_rows(Hk, Tq, G, GP, BLOCK_T, D, DP)
     ninf = float("-inf")
 
@@ -408,47 +406,32 @@ def _depth_forward_token_kernel(
         acc = tl.zeros((BLOCK_T, GP, DP), tl.float32)
         l_sum = tl.zeros((BLOCK_T, GP), tl.float32)
 
-    # each step loads the next step's slots before its products: two steps' loads in flight a program
+    # each step loads the next step's two slots before its products: four slots' loads in flight a program
     elem = Q.dtype.element_ty
     kd_next, vd_next = _token_slot(DK_TAB, DV_TAB, depth_first, L, b, hk, t, d, sdk, sdv, slot_live, ELEM=elem,
                                    ALIGNED=SLOTS_ALIGNED)  # fmt: skip
-    if SLOTS_A_STEP == 1:
-        for slot in range(depth_first, L):
-            kd, vd = kd_next.to(tl.float32), vd_next.to(tl.float32)
-            kd_next, vd_next = _token_slot(DK_TAB, DV_TAB, slot + 1, L, b, hk, t, d, sdk, sdv, slot_live, ELEM=elem,
-                                           ALIGNED=SLOTS_ALIGNED)  # fmt: skip
-            s = tl.sum(q * kd[:, None, :], 2)
-            dead |= ~_finite(s)
-            m_new = tl.maximum(m, s)
-            m_safe = tl.where(m_new == ninf, 0.0, m_new)
-            alpha = tl.math.exp2(m - m_safe)
-            p = tl.math.exp2(s - m_safe)
-            l_sum = l_sum * alpha + p
-            acc = acc * alpha[:, :, None] + p[:, :, None] * vd[:, None, :]
-            m = m_new
-    else:
-        kd2_next, vd2_next = _token_slot(DK_TAB, DV_TAB, depth_first + 1, L, b, hk, t, d, sdk, sdv, slot_live,
+    kd2_next, vd2_next = _token_slot(DK_TAB, DV_TAB, depth_first + 1, L, b, hk, t, d, sdk, sdv, slot_live,
+                                     ELEM=elem, ALIGNED=SLOTS_ALIGNED)  # fmt: skip
+    for slot in range(depth_first, L, 2):
+        kd, vd = kd_next.to(tl.float32), vd_next.to(tl.float32)
+        kd2, vd2 = kd2_next.to(tl.float32), vd2_next.to(tl.float32)
+        kd_next, vd_next = _token_slot(DK_TAB, DV_TAB, slot + 2, L, b, hk, t, d, sdk, sdv, slot_live, ELEM=elem,
+                                       ALIGNED=SLOTS_ALIGNED)  # fmt: skip
+        kd2_next, vd2_next = _token_slot(DK_TAB, DV_TAB, slot + 3, L, b, hk, t, d, sdk, sdv, slot_live,
                                          ELEM=elem, ALIGNED=SLOTS_ALIGNED)  # fmt: skip
-        for slot in range(depth_first, L, 2):
-            kd, vd = kd_next.to(tl.float32), vd_next.to(tl.float32)
-            kd2, vd2 = kd2_next.to(tl.float32), vd2_next.to(tl.float32)
-            kd_next, vd_next = _token_slot(DK_TAB, DV_TAB, slot + 2, L, b, hk, t, d, sdk, sdv, slot_live, ELEM=elem,
-                                           ALIGNED=SLOTS_ALIGNED)  # fmt: skip
-            kd2_next, vd2_next = _token_slot(DK_TAB, DV_TAB, slot + 3, L, b, hk, t, d, sdk, sdv, slot_live,
-                                             ELEM=elem, ALIGNED=SLOTS_ALIGNED)  # fmt: skip
-            s = tl.sum(q * kd[:, None, :], 2)
-            s2 = tl.sum(q * kd2[:, None, :], 2)
-            second = slot + 1 < L  # an odd count's last step has one slot: its second weighs nothing
-            dead |= ~_finite(s) | (second & ~_finite(s2))
-            s2 = tl.where(second, s2, ninf)
-            m_new = tl.maximum(m, tl.maximum(s, s2))
-            m_safe = tl.where(m_new == ninf, 0.0, m_new)
-            alpha = tl.math.exp2(m - m_safe)
-            p = tl.math.exp2(s - m_safe)
-            p2 = tl.math.exp2(s2 - m_safe)
-            l_sum = l_sum * alpha + p + p2
-            acc = acc * alpha[:, :, None] + p[:, :, None] * vd[:, None, :] + p2[:, :, None] * vd2[:, None, :]
-            m = m_new
+        s = tl.sum(q * kd[:, None, :], 2)
+        s2 = tl.sum(q * kd2[:, None, :], 2)
+        second = slot + 1 < L  # an odd count's last step has one slot: its second weighs nothing
+        dead |= ~_finite(s) | (second & ~_finite(s2))
+        s2 = tl.where(second, s2, ninf)
+        m_new = tl.maximum(m, tl.maximum(s, s2))
+        m_safe = tl.where(m_new == ninf, 0.0, m_new)
+        alpha = tl.math.exp2(m - m_safe)
+        p = tl.math.exp2(s - m_safe)
+        p2 = tl.math.exp2(s2 - m_safe)
+        l_sum = l_sum * alpha + p + p2
+        acc = acc * alpha[:, :, None] + p[:, :, None] * vd[:, None, :] + p2[:, :, None] * vd2[:, None, :]
+        m = m_new
 
     dead |= tl.sum((~_finite(acc)).to(tl.int32), 2) > 0
     seen = l_sum > 0.0

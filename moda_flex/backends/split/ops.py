@@ -75,18 +75,19 @@ TOKEN_KERNELS_MAX_GROUP = 4
 # (H100, the Table 6 call at L=12, tune_split.py --graph: 0.40 ms; 16 a thread, with 4 or 8 warps, 0.81-2.1;
 # the backward at half the forward's tokens and warps, 0.396 against 0.401)
 _TOKEN_TILE = 4096
-# The per-token backward's registers a thread: its 152 (Triton 3.6, G=3, D=64) let 3 programs share an SM,
-# 128 lets 4 (H100, the Table 6 call, tune_split.py --maxnreg: L=47 0.809 -> 0.774 ms, L=12 0.399 -> 0.391)
-_TOKEN_BACKWARD_REGISTERS = 128
+# The per-token kernels' registers a thread: the backward's 152 (Triton 3.6, G=3, D=64) let 3 programs share
+# an SM, 128 lets 4 (H100, the Table 6 call, tune_split.py --maxnreg: L=47 0.809 -> 0.774 ms, L=12 0.399 ->
+# 0.391); the forward, two slots a step, gains a little too (L=47 0.756 -> 0.751, L=12 0.382 -> 0.381)
+_TOKEN_REGISTERS = 128
 
 
 def _layout(q: Tensor, kv_heads: int, slots: int, backward: bool = False, design: Optional[str] = None) -> dict:
     """The depth kernels' design (``kernels.FORWARD``), constants and launch options, of the forward's kernel
-    or the ``backward``'s: G heads per KV head padded to GP, BLOCK_T tokens a program, the head dim's lanes DP.
+    or the ``backward``'s (the same today; ``tune_split.py`` tunes them apart): G heads per KV head padded to
+    GP, BLOCK_T tokens a program, the head dim's lanes DP.
 
     ``"tokens"`` (the default for G up to :data:`TOKEN_KERNELS_MAX_GROUP`): per-token products on
-    (BLOCK_T, GP, DP) tiles, the forward one slot a step (``SLOTS_A_STEP``; 2 is a trial of
-    ``tune_split.py --slots-a-step``, not yet timed). ``"tiles"``: Tensor Core tiles of 16 rows, BLOCK_C
+    (BLOCK_T, GP, DP) tiles, the forward two slots a step. ``"tiles"``: Tensor Core tiles of 16 rows, BLOCK_C
     (token, slot) columns a step; two warps and 32 columns at G >= 8 and D <= 64, else four warps and 64
     columns; one stage (chosen on an H100 with ``tune_split.py --graph``: T=16384 at G=8 and the Table 6 call
     at G=3; more stages were slower at both).
@@ -95,9 +96,8 @@ def _layout(q: Tensor, kv_heads: int, slots: int, backward: bool = False, design
     GP, DP = next_pow2(G), max(16, next_pow2(D))
     design = design or ("tokens" if G <= TOKEN_KERNELS_MAX_GROUP else "tiles")
     if design == "tokens":
-        direction = {"maxnreg": _TOKEN_BACKWARD_REGISTERS} if backward else {"SLOTS_A_STEP": 1}
         return dict(design=design, G=G, GP=GP, BLOCK_T=max(1, _TOKEN_TILE // (GP * DP)), D=D, DP=DP,
-                    num_warps=4, num_stages=1, **direction)  # fmt: skip
+                    num_warps=4, num_stages=1, maxnreg=_TOKEN_REGISTERS)  # fmt: skip
     BLOCK_T = max(1, _MIN_DOT_ROWS // GP)
     warps = 2 if GP >= 8 and DP <= 64 else 4
     return dict(design=design, G=G, GP=GP, BLOCK_T=BLOCK_T,
