@@ -152,6 +152,7 @@ def report_table(results: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     finals = final_runs(results)
+    several_devices = len({r["device"] for r in results["runs"]}) > 1
     for name, runs in finals.items():
         arm = arm_of(runs[0])
         losses = {r["seed"]: r["val_loss"] for r in runs if not r["diverged"]}
@@ -171,13 +172,15 @@ def report_table(results: dict) -> str:
         if paper is not None:
             paper_cell = f"{paper:.4f}" + (f" ({paper - paper_base:+.4f})" if arm.depth_kv != "none" else "")
         depth = {"none": "-", "attn": "attn", "attn+ffn": "attn+ffn"}[arm.depth_kv]
-        step_ms = statistics.fmean(r["step_ms"] for r in runs)
+        step_cell = f"{statistics.fmean(r['step_ms'] for r in runs):.1f}"
+        if several_devices:  # step times compare only on one device
+            step_cell += " (" + ", ".join(sorted({r["device"].removeprefix("NVIDIA ") for r in runs})) + ")"
         tried = sorted(sweep_losses(results, name))
         lr_cell = f"{runs[0]['lr']:.3g}" + (" (edge of the sweep)" if runs[0]["lr"] in (tried[0], tried[-1]) else "")
         lines.append(
             f"| {name} | {arm.n_layer} | {arm.norm} | {depth} | {runs[0]['params_m']:.2f} | {lr_cell} | "
             f"{len(runs)} | {runs[0]['tokens'] / 1e6:.1f}M | {loss_cell} | {diff} | {reading} | {paper_cell} | "
-            f"{step_ms:.1f} |"
+            f"{step_cell} |"
         )
     return "\n".join(lines)
 

@@ -111,6 +111,12 @@ def test_the_report_from_a_fixture(tmp_path):
     assert rows[attn][9].startswith("-0.0950 ± 0.0071 (95%: ± 0.0635)") and rows[attn][10] == "better, beyond seed noise"
     assert "| baseline-post-L24 | 2.4000 | **2.3000** | diverged |" in text
     assert "NVIDIA H100 80GB HBM3" in text and "final: seeds 1, 2, 3" in text
+    assert rows[base][12] == "40.0 |"  # one device: the step time alone
+
+    for r in runs:  # an arm that ran on another device: every step time says where
+        r["device"] = "NVIDIA H200" if r["arm"] == moda else r["device"]
+    rows = {cells[0][2:]: cells for cells in (line.split(" | ") for line in study.report_table({"runs": runs}).splitlines())}
+    assert rows[moda][12] == "40.0 (H200) |" and rows[base][12] == "40.0 (H100 80GB HBM3) |"
     pytest.importorskip("matplotlib")
     for png in ("study_curves.png", "study_lr.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
