@@ -37,7 +37,10 @@ the same command can be repeated until it reports nothing left to run. The
 file holds one experiment: its ``setup`` (shape, batch, steps, corpus hash,
 ...) must match the command's, or the command stops. ``--max-minutes`` stops
 cleanly before a run that would end past that time, estimated from the step
-and compile times already recorded for the arm on this device. One arm's
+and compile times already recorded for the arm on this device (with
+inductor's cache kept between invocations, ``TORCHINDUCTOR_CACHE_DIR``, a
+compile is much shorter than the recorded ones: say how long with
+``--compile-minutes``). One arm's
 runs reuse one compiled model, re-initialized for every run from a freshly
 built model of the run's seed, so an arm compiles once per invocation.
 ``--compile-mode reduce-overhead`` replays each step from CUDA graphs (on an
@@ -174,7 +177,10 @@ def estimate_s(results: dict, arm: Arm, steps: int, device: str, compiled_here: 
         seconds = step_s * (steps + evals * args.eval_iters / 3)  # an eval batch is about a third of a step
     if not compiled_here and args.compile:
         overheads = [r["overhead_s"] for r in runs if r["compiled_here"]]
-        seconds += max(overheads) if overheads else GUESS_COMPILE_S[arm.depth_kv] * scale
+        if args.compile_minutes is not None:  # a warm compile cache makes the recorded ones too long
+            seconds += 60 * args.compile_minutes
+        else:
+            seconds += max(overheads) if overheads else GUESS_COMPILE_S[arm.depth_kv] * scale
     return seconds
 
 
@@ -266,6 +272,9 @@ def parse_args(argv=None):
     p.add_argument("--skip-timing", type=cli.at_least(0), default=10,
                    help="first steps of a run left out of its step time")
     p.add_argument("--max-minutes", type=float, default=None, help="stop before a run that would end past this")
+    p.add_argument("--compile-minutes", type=float, default=None,
+                   help="what --max-minutes takes an arm's compile to cost; default: its slowest recorded one on "
+                        "this device (lower it when inductor's cache, TORCHINDUCTOR_CACHE_DIR, holds the arm)")
     p.add_argument("--results", type=Path, default=RESULTS, help="the study's JSON file (read, extended)")
     p.add_argument("--report-dir", type=Path, default=None, help="study.md and the plots (default: beside --results)")
     p.add_argument("--data", default=None, help="a text file instead of the offline corpus")

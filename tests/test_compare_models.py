@@ -71,6 +71,20 @@ def test_every_step_and_evaluation_begins_a_cuda_graph_step(tmp_path, data, monk
     assert run["compile_mode"] is None  # not compiled on CPU
 
 
+def test_a_compile_is_estimated_from_the_slowest_recorded_one_unless_given(tmp_path, data):
+    arm = study.parse_arms("moda-post-L24")[0]
+    runs = [dict(_record("sweep", arm.name, 1e-3, 0, 1.5, steps=100), overhead_s=s, compiled_here=True,
+                 compile_mode="default") for s in (300.0, 40.0)]  # fmt: skip
+    results = {"runs": runs}
+    args = compare_models.parse_args(["--data", str(data), *TINY, "--compile", "--eval-interval", "50"])
+    device = runs[0]["device"]
+    compiled = compare_models.estimate_s(results, arm, 100, device, True, args)
+    assert compiled == pytest.approx(0.04 * 100 + 0.1 * 2)  # the median step and evaluation times
+    assert compare_models.estimate_s(results, arm, 100, device, False, args) == pytest.approx(compiled + 300)
+    args.compile_minutes = 0.5
+    assert compare_models.estimate_s(results, arm, 100, device, False, args) == pytest.approx(compiled + 30)
+
+
 def test_a_compile_mode_needs_compile(tmp_path, data):
     flags = ["--data", str(data), "--results", str(tmp_path / "study.json"), *TINY]
     with pytest.raises(SystemExit):
