@@ -329,7 +329,8 @@ def _depth_backward_kernel(
 # A Tensor Core tile has at least 16 rows: at G=3 a token's rows fill 3 of them, and a tile meeting several
 # tokens' slots keeps only each token's own (1 product in BLOCK_T). These kernels compute a token's G rows
 # against its own slots alone, ``s[t, g] = sum_d q[t, g, d] * kd[t, d]``, as elementwise products on
-# (BLOCK_T, GP, DP) tiles, one slot a step: no product is wasted but the GP - G padding rows.
+# (BLOCK_T, GP, DP) tiles, slot by slot (the forward two a step): no product is wasted but the GP - G padding
+# rows.
 #
 # NaN and Inf cost no check per loaded element here: a non-finite depth key makes ``s`` non-finite (the row
 # marks itself dead), and a non-finite depth value makes the row's accumulator non-finite (checked once at the
