@@ -88,11 +88,10 @@ def _sanitize_kv_kernel(
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     DP: tl.constexpr,
-    FIND_FIRST: tl.constexpr,
 ):  # fmt: skip
-    """k, v (B, Hk, Tk, D) with non-finite vectors zeroed into ``KO``, ``VO`` (contiguous), and with
-    ``FIND_FIRST`` ``FIRST[b, hk]`` lowered to the first token whose key or value holds a NaN or Inf."""
-    _sanitize_block(K, V, KO, VO, FIRST, sk, sv, so, tl.program_id(1), Hk, Tk, D, BLOCK_T, DP, FIND_FIRST)
+    """k, v (B, Hk, Tk, D) with non-finite vectors zeroed into ``KO``, ``VO`` (contiguous), and ``FIRST[b, hk]``
+    lowered to the first token whose key or value holds a NaN or Inf."""
+    _sanitize_block(K, V, KO, VO, FIRST, sk, sv, so, tl.program_id(1), Hk, Tk, D, BLOCK_T, DP, True)
 
 
 @triton.jit
@@ -105,7 +104,8 @@ def _sanitize_block(
     DP: tl.constexpr,
     FIND_FIRST: tl.constexpr,
 ):  # fmt: skip
-    """:func:`_sanitize_kv_kernel`'s work for batch and KV head ``bh`` (b * Hk + hk)."""
+    """:func:`_sanitize_kv_kernel`'s work for batch and KV head ``bh`` (b * Hk + hk); ``FIRST`` is lowered only
+    with ``FIND_FIRST``."""
     b, hk, t, d, _, live = _token_block(bh, Hk, Tk, BLOCK_T, D, DP)
     k = tl.load(K + b * sk[0] + hk * sk[1] + t[:, None] * sk[2] + d[None, :], mask=live, other=0.0)
     v = tl.load(V + b * sv[0] + hk * sv[1] + t[:, None] * sv[2] + d[None, :], mask=live, other=0.0)

@@ -134,7 +134,7 @@ def _sanitized_kv(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     kernels._sanitize_kv_kernel[grid](
         K=k, V=v, KO=k0, VO=v0, FIRST=first,
         sk=k.stride(), sv=v.stride(), so=k0.stride(),
-        Hk=Hk, Tk=Tk, D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, next_pow2(D)), FIND_FIRST=True,
+        Hk=Hk, Tk=Tk, D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, next_pow2(D)),
     )  # fmt: skip
     return k0, v0, first
 
