@@ -176,10 +176,10 @@ def estimate_s(results: dict, arm: Arm, steps: int, device: str, compiled_here: 
         step_s = GUESS_STEP_S[arm.depth_kv] * scale * args.batch_size * args.block_size / (32 * 512)
         seconds = step_s * (steps + evals * args.eval_iters / 3)  # an eval batch is about a third of a step
     if not compiled_here and args.compile:
-        overheads = [r["overhead_s"] for r in runs if r["compiled_here"]]
         if args.compile_minutes is not None:  # a warm compile cache makes the recorded ones too long
             seconds += 60 * args.compile_minutes
         else:
+            overheads = [r["overhead_s"] for r in runs if r["compiled_here"]]
             seconds += max(overheads) if overheads else GUESS_COMPILE_S[arm.depth_kv] * scale
     return seconds
 
