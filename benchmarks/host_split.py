@@ -1,21 +1,26 @@
-"""The host's share of one split-path call: its Python, allocations and dispatch, with every Triton launch
-stubbed out, on any machine (a GPU is not needed, nor used).
+"""The host's share of one split-path call: its Python, allocations and dispatch.
 
-At short lengths a call is bound by the host. This times, on CPU with tiny
-tensors (so the vendor's CPU op costs little), the two ways a call is issued:
+At short lengths a call is bound by the host. This times, with tiny tensors
+(so the kernels cost little), the two ways a call is issued:
 
 - ``eager``: ``moda_attention(..., backend="split")`` forward + backward,
   L depth entries as a model passes them (each a leaf of its own);
 - ``ops``: the two ``torch.library`` ops called directly, as a compiled
-  graph's wrapper calls them.
+  graph's wrapper calls them;
 
-Median us per call of repeats after warm-up. The figures are the host's
-alone: on a GPU each launch adds Triton's launcher, and the kernels run
-beside it.
+and beside them ``vendor``, the sequence part's aten ops alone (forward +
+backward), which a baseline's SDPA calls cost too. On CPU (the default;
+no GPU is needed) every Triton launch is stubbed out and the vendor is
+SDPA's CPU op. With ``--device cuda`` each L gets two rows, launches
+stubbed and real: their difference is what Triton's launcher costs.
+
+Median us per call of repeats after warm-up (on CUDA each repeat ends with
+a synchronize, so a call costs at least its kernels' GPU time).
 
 Usage::
 
     python benchmarks/host_split.py --slots 12,47
+    python benchmarks/host_split.py --slots 0,12,47 --device cuda
 """
 
 from __future__ import annotations
@@ -27,12 +32,13 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # the split path's CPU support; no kernel runs (all are stubbed)
+if "cuda" not in sys.argv:  # the split path's CPU support; no kernel runs there (all are stubbed)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
 from moda_flex import moda_attention  # noqa: E402
-from moda_flex.backends.split import kernels, ops  # noqa: E402
+from moda_flex.backends.split import kernels, ops, sequence  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import cli  # noqa: E402
@@ -63,7 +69,7 @@ def launches_stubbed():
         kernels.BACKWARD.update(saved[1][1])
 
 
-def _median_us(fn, repeats: int, calls: int = 100) -> float:
+def _median_us(fn, repeats: int, device: torch.device, calls: int = 100) -> float:
     for _ in range(calls // 4):
         fn()
     times = []
@@ -71,16 +77,19 @@ def _median_us(fn, repeats: int, calls: int = 100) -> float:
         start = time.perf_counter()
         for _ in range(calls):
             fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append((time.perf_counter() - start) / calls * 1e6)
     return statistics.median(times)
 
 
-def measure(slots: int, repeats: int) -> dict:
-    """us per call of each way (module docstring), B=1, Hq=6, Hk=2, T=8, D=64, causal."""
+def measure(slots: int, repeats: int, device: torch.device) -> dict:
+    """us per call of each way (module docstring), B=1, Hq=6, Hk=2, T=8, D=64, causal (bfloat16 on CUDA)."""
     B, Hq, Hk, T, D = 1, 6, 2, 8, 64
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
     def leaf(*size):
-        return torch.randn(*size, requires_grad=True)
+        return torch.randn(*size, device=device, dtype=dtype, requires_grad=True)
 
     q, k, v = leaf(B, Hq, T, D), leaf(B, Hk, T, D), leaf(B, Hk, T, D)
     depth_k = [leaf(B, Hk, T, D) for _ in range(slots)]
@@ -94,7 +103,8 @@ def measure(slots: int, repeats: int) -> dict:
         torch.autograd.grad(eager_forward().sum(), leaves)
 
     inputs = ops.Inputs(*(t.detach() for t in (q, k, v)), [t.detach() for t in depth_k], [t.detach() for t in depth_v])
-    opts = ops.Options(D**-0.5, True, True, 0, "cpu")
+    kernel = sequence.kernel_for(device, D, True)
+    opts = ops.Options(D**-0.5, True, True, 0, kernel)
     out, lse = torch.ops.moda_flex.split_forward(*inputs, *opts)
     grads = ops.Grads(torch.randn_like(out), None, out, lse)
 
@@ -102,21 +112,32 @@ def measure(slots: int, repeats: int) -> dict:
         torch.ops.moda_flex.split_forward(*inputs, *opts)
         torch.ops.moda_flex.split_backward(*grads, *inputs, *opts)
 
-    return {"eager forward": _median_us(eager_forward, repeats), "eager": _median_us(eager, repeats),
-            "ops": _median_us(by_ops, repeats)}  # fmt: skip
+    def vendor():
+        out_s, lse_s = sequence.forward(kernel, *inputs[:3], True, opts.scale)
+        sequence.backward(kernel, grads.grad_out, *inputs[:3], out_s, lse_s, True, opts.scale)
+
+    ways = {"eager forward": eager_forward, "eager": eager, "ops": by_ops, "vendor": vendor}
+    return {name: _median_us(fn, repeats, device) for name, fn in ways.items()}
 
 
 def main(argv=None) -> None:
     p = cli.parser(__doc__)
     p.add_argument("--slots", type=cli.int_list, default="12,47", help="L of each row")
     p.add_argument("--repeats", type=cli.at_least(1), default=9, help="timed repeats of 100 calls")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: also a row with real launches")
     args = p.parse_args(argv)
-    print("host us per call, every Triton launch stubbed out (forward + backward unless named)")
-    print("| L | eager forward | eager | ops |\n|---|---|---|---|")
+    device = cli.check_device(p, args.device)
+    names = ("eager forward", "eager", "ops", "vendor")
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"host us per call on {where}, torch {torch.__version__} (forward + backward unless named)")
+    print("| L | Triton launches | " + " | ".join(names) + " |\n|---|---|" + "---|" * len(names))
     for slots in args.slots:
-        with launches_stubbed():
-            row = measure(slots, args.repeats)
-        print(f"| {slots} | " + " | ".join(f"{row[name]:.0f}" for name in ("eager forward", "eager", "ops")) + " |")
+        stubbed = [True, False] if device.type == "cuda" else [True]
+        for stub in stubbed:
+            with launches_stubbed() if stub else contextlib.nullcontext():
+                row = measure(slots, args.repeats, device)
+            cells = " | ".join(f"{row[name]:.0f}" for name in names)
+            print(f"| {slots} | {'stubbed' if stub else 'real'} | {cells} |")
 
 
 if __name__ == "__main__":

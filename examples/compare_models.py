@@ -276,7 +276,9 @@ def parse_args(argv=None):
                    help="what --max-minutes takes an arm's compile to cost; default: its slowest recorded one on "
                         "this device (lower it when inductor's cache, TORCHINDUCTOR_CACHE_DIR, holds the arm)")
     p.add_argument("--results", type=Path, default=RESULTS, help="the study's JSON file (read, extended)")
-    p.add_argument("--report-dir", type=Path, default=None, help="study.md and the plots (default: beside --results)")
+    p.add_argument("--report-dir", type=Path, default=None,
+                   help="the report and its plots, named after --results (study.json: study.md, study_curves.png, "
+                        "study_lr.png); default: beside --results")  # fmt: skip
     p.add_argument("--data", default=None, help="a text file instead of the offline corpus")
     p.add_argument("--max-bytes", type=cli.at_least(1), default=200_000_000, help="the most corpus bytes to use")
     p.add_argument("--corpus", choices=CORPORA, default="stdlib",
@@ -321,7 +323,7 @@ def main(argv=None) -> dict:
     if args.report:
         if not results["runs"]:
             raise SystemExit(f"{args.results}: no runs recorded yet")
-        print(report(results, args.report_dir))
+        print(report(results, args.report_dir, args.results.stem))
         return results
     arms = parse_arms(args.arms)
     device = torch.device(args.device)

@@ -210,8 +210,9 @@ def sweep_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def report(results: dict, out_dir: Path) -> str:
-    """The study as Markdown (also written to ``<out_dir>/study.md``), with its plots beside it."""
+def report(results: dict, out_dir: Path, stem: str = "study") -> str:
+    """The study as Markdown (also written to ``<out_dir>/<stem>.md``), with its plots beside it
+    (:func:`plot_study`)."""
     runs = results["runs"]
     setup = results["setup"] or {}
     devices = sorted({r["device"] for r in runs})
@@ -236,13 +237,14 @@ def report(results: dict, out_dir: Path) -> str:
         sweep_table(results),
     ])  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "study.md").write_text(text + "\n")
-    plot_study(results, out_dir)
+    (out_dir / f"{stem}.md").write_text(text + "\n")
+    plot_study(results, out_dir, stem)
     return text
 
 
-def plot_study(results: dict, out_dir: Path) -> None:
-    """``study_curves.png``: val loss against tokens, mean ± std over seeds per arm; ``study_lr.png``: the sweep."""
+def plot_study(results: dict, out_dir: Path, stem: str = "study") -> None:
+    """``<stem>_curves.png``: val loss against tokens, mean ± std over seeds per arm; ``<stem>_lr.png``: the
+    sweep."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -275,7 +277,7 @@ def plot_study(results: dict, out_dir: Path) -> None:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-    fig.savefig(out_dir / "study_curves.png", dpi=120)
+    fig.savefig(out_dir / f"{stem}_curves.png", dpi=120)
 
     fig = Figure(figsize=(5 * len(groups), 4), layout="constrained")
     axes = fig.subplots(1, len(groups), squeeze=False)[0]
@@ -304,5 +306,5 @@ def plot_study(results: dict, out_dir: Path) -> None:
         ax.grid(alpha=0.3, which="both")
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-    fig.savefig(out_dir / "study_lr.png", dpi=120)
-    print(f"plots: {out_dir / 'study_curves.png'}, {out_dir / 'study_lr.png'}")
+    fig.savefig(out_dir / f"{stem}_lr.png", dpi=120)
+    print(f"plots: {out_dir / f'{stem}_curves.png'}, {out_dir / f'{stem}_lr.png'}")

@@ -136,6 +136,18 @@ def test_the_report_from_a_fixture(tmp_path):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_report_is_named_after_its_results_file(tmp_path, capsys):
+    """Two studies in one folder (study.json, study_long.json): each report writes its own files only."""
+    runs = [_record("sweep", "baseline-pre-L24", 5e-4, 0, 1.8), _record("final", "baseline-pre-L24", 5e-4, 1, 1.7)]
+    study.save_results(tmp_path / "study_long.json", {"setup": {}, "runs": runs})
+    (tmp_path / "study.md").write_text("the other study")
+    compare_models.main(["--report", "--results", str(tmp_path / "study_long.json")])
+    assert "baseline-pre-L24" in (tmp_path / "study_long.md").read_text()
+    assert (tmp_path / "study.md").read_text() == "the other study"
+    if "no matplotlib" not in capsys.readouterr().out:
+        assert {p.name for p in tmp_path.glob("*.png")} == {"study_long_curves.png", "study_long_lr.png"}
+
+
 def test_the_sweep_extends_past_a_winning_edge():
     grid = [1e-3, 2e-3]
 

@@ -143,7 +143,7 @@ def test_host_split_times_both_ways_and_restores_the_kernels(monkeypatch, capsys
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     importlib.import_module("host_split").main(["--slots", "1,3", "--repeats", "1"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 |", "| 3 |"))]
-    assert len(rows) == 2 and all(len(row.split("|")) == 6 for row in rows)
+    assert len(rows) == 2 and all(len(row.split("|")) == 8 and "| stubbed |" in row for row in rows)
     after = (kernels._sanitize_kv_kernel, kernels._prepare_backward_kernel, dict(kernels.FORWARD),
              dict(kernels.BACKWARD))  # fmt: skip
     assert after == before
@@ -161,7 +161,7 @@ SCRIPTS = [
 ]  # fmt: skip
 WITH_DEVICE = ["examples/gpt.py", "examples/train_gpt.py", "examples/compare_models.py", "benchmarks/ablation.py",
                "benchmarks/bench_context_parallel.py", "benchmarks/flex_block_mask.py",
-               "benchmarks/bench_hopper.py", "benchmarks/count_kernels.py"]  # fmt: skip
+               "benchmarks/bench_hopper.py", "benchmarks/count_kernels.py", "benchmarks/host_split.py"]  # fmt: skip
 CUDA_ONLY = ["benchmarks/bench_call.py", "benchmarks/bench_model.py",
              "benchmarks/bench_moda.py", "benchmarks/tune_moda.py", "benchmarks/bench_data_parallel.py",
              "benchmarks/tune_split.py", "benchmarks/bench_split.py"]  # fmt: skip
