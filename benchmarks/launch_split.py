@@ -1,0 +1,148 @@
+"""What launching the split path's depth kernel costs the host, by three launchers (CUDA only).
+
+In the default compiled mode a MoDA step is bound by the host (BENCHMARKS.md,
+"On an H200"): Triton's own launcher binds and specializes some 50
+arguments a launch. Inductor launches the Triton kernels it is given
+through a ``torch.library.triton_op`` with its own launcher, from the
+compiled graph, with none of the op's Python left per call. This times
+the forward's depth kernel, at a shape where its GPU time is a few us,
+launched:
+
+- ``triton``: ``kernel[grid](...)``, as the split op launches it;
+- ``triton_op, eager``: the same launch inside a ``triton_op`` (``wrap_triton``), called eagerly;
+- ``triton_op, compiled``: that op called from ``torch.compile(fullgraph=True)``; its output is checked
+  equal to the first row's;
+
+and, for scale, the whole split forward op (the sanitizing pass, the vendor's
+forward, the slot table and this launch) and the vendor's forward alone. The
+depth slots reach the kernel through a slot table built once, before the
+timing, as a tensor argument: what an opaque table op beside a traced body
+would give it. A row that fails prints its error instead of a time.
+
+Median us per call of repeats of 200 calls, each repeat ending with a
+synchronize.
+
+Usage::
+
+    python benchmarks/launch_split.py --slots 12
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from moda_flex.backends.blocks import cdiv
+from moda_flex.backends.slots import depth_args
+from moda_flex.backends.split import kernels, ops, sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import cli  # noqa: E402
+
+
+def _median_us(fn, repeats: int, calls: int = 200) -> float:
+    for _ in range(calls // 4):
+        fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
+def _launcher(q: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], causal: bool, scale: float):
+    """``launch(kernel, q, out_s, lse_s, first, table) -> (out, lse)``: the split forward's depth launch with
+    the host's work for it (layout, strides, slot table) done once, here; and the call's other inputs."""
+    B, T = q.shape[0], q.shape[2]
+    Hk, L = depth_k[0].shape[1], len(depth_k)
+    layout = ops._layout(q, Hk, L)
+    kernel = kernels.FORWARD[layout.pop("design")]
+    grid = (cdiv(T, layout["BLOCK_T"]), B * Hk)
+    depth, held = depth_args(depth_k, depth_v, L, q.device)
+    table = depth.pop("DK_TAB")
+    depth.pop("DV_TAB")
+
+    def launch(run, q, out_s, lse_s, first, table):
+        out = torch.empty_like(q)
+        lse = torch.empty(lse_s.shape, device=q.device, dtype=torch.float32)  # the vendor's layout
+        ls, lo = sequence.lse_view(lse_s), sequence.lse_view(lse)
+        run(kernel)[grid](
+            Q=q, OS=out_s, LS=ls, FIRST=first, O=out, LO=lo, DK_TAB=table, DV_TAB=table[L:], **depth,
+            sq=q.stride(), sos=out_s.stride(), sls=ls.stride(), so=out.stride(), slo=lo.stride(),
+            Hk=Hk, Tq=T, Tk=T, L=L, depth_first=0, qk_scale=scale * 1.4426950408889634,
+            **layout, HAS_SEQ=True, CAUSAL=causal,
+        )  # fmt: skip
+        return out, lse
+
+    return launch, table, held
+
+
+def measure(slots: int, repeats: int) -> list[tuple[str, str]]:
+    """(row, us or error) of each launcher (module docstring), B=1, Hq=6, Hk=2, T=8, D=64, bf16, causal."""
+    from torch.library import triton_op, wrap_triton
+
+    B, Hq, Hk, T, D = 1, 6, 2, 8, 64
+    scale = D**-0.5
+
+    def randn(*size):
+        return torch.randn(*size, device="cuda", dtype=torch.bfloat16)
+
+    q, k, v = randn(B, Hq, T, D), randn(B, Hk, T, D), randn(B, Hk, T, D)
+    depth_k = [randn(B, Hk, T, D) for _ in range(slots)]
+    depth_v = [randn(B, Hk, T, D) for _ in range(slots)]
+    kernel = sequence.kernel_for(q.device, D, True)
+    out_s, lse_s = sequence.forward(kernel, q, k, v, True, scale)
+    first = torch.full((B, Hk), T, device="cuda", dtype=torch.int32)
+    launch, table, _held = _launcher(q, depth_k, depth_v, True, scale)
+    args = (q, out_s, lse_s, first, table)
+
+    @triton_op("moda_flex_bench::depth_forward", mutates_args=())
+    def depth_forward(q: Tensor, out_s: Tensor, lse_s: Tensor, first: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
+        return launch(wrap_triton, q, out_s, lse_s, first, table)
+
+    compiled = torch.compile(lambda *a: depth_forward(*a), fullgraph=True)
+    inputs = ops.Inputs(q, k, v, depth_k, depth_v)
+    opts = ops.Options(scale, True, True, 0, kernel)
+    expected = launch(lambda fn: fn, *args)[0]
+    ways = {
+        "triton": lambda: launch(lambda fn: fn, *args),
+        "triton_op, eager": lambda: depth_forward(*args),
+        "triton_op, compiled": lambda: compiled(*args),
+        "split forward op (for scale)": lambda: torch.ops.moda_flex.split_forward(*inputs, *opts),
+        f"vendor forward ({kernel}, for scale)": lambda: sequence.forward(kernel, q, k, v, True, scale),
+    }
+    rows = []
+    for name, fn in ways.items():
+        try:
+            same = torch.equal(fn()[0], expected) if name.startswith(("triton", "triton_op")) else None
+            cell = f"{_median_us(fn, repeats):.1f}" + ("" if same is None else " (same)" if same else " (DIFFERS)")
+        except Exception as error:  # an experiment: say what failed and go on
+            cell = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
+        rows.append((name, cell))
+    return rows
+
+
+def main(argv=None) -> None:
+    p = cli.parser(__doc__)
+    p.add_argument("--slots", type=cli.at_least(1), default=12, help="depth slots L")
+    p.add_argument("--repeats", type=cli.at_least(1), default=9, help="timed repeats of 200 calls")
+    args = p.parse_args(argv)
+    cli.require_cuda(p, "launch_split.py")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; the forward's depth kernel at L={args.slots}, "
+          f"B=1, Hq=6, Hk=2, T=8, D=64: host us per call")  # fmt: skip
+    print("| launcher | us |\n|---|---|")
+    for name, cell in measure(args.slots, args.repeats):
+        print(f"| {name} | {cell} |")
+
+
+if __name__ == "__main__":
+    main()
