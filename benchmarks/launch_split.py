@@ -20,7 +20,8 @@ timing, as a tensor argument: what an opaque table op beside a traced body
 would give it. A row that fails prints its error instead of a time.
 
 Median us per call of repeats of 200 calls, each repeat ending with a
-synchronize.
+synchronize; beside it, the kernels a call runs (from a profile of one call),
+which shows whether inductor copies the kernel's arguments first.
 
 Usage::
 
@@ -59,6 +60,21 @@ def _median_us(fn, repeats: int, calls: int = 200) -> float:
     return statistics.median(times)
 
 
+def _gpu_work(fn) -> str:
+    """The CUDA kernels and copies one call of ``fn`` runs, by name and count (a profile of one call after one
+    untimed): a compiled launch that copies its arguments shows more than the one kernel."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return ", ".join(f"{name[:40]} x{names.count(name)}" for name in dict.fromkeys(names)) or "none"
+
+
 def _launcher(q: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], causal: bool, scale: float):
     """``launch(kernel, q, out_s, lse_s, first, table) -> (out, lse)``: the split forward's depth launch with
     the host's work for it (layout, strides, slot table) done once, here; and the call's other inputs."""
@@ -87,8 +103,8 @@ def _launcher(q: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], causal: b
     return launch, table, held
 
 
-def measure(slots: int, repeats: int) -> list[tuple[str, str]]:
-    """(row, us or error) of each launcher (module docstring), B=1, Hq=6, Hk=2, T=8, D=64, bf16, causal."""
+def measure(slots: int, repeats: int) -> list[tuple[str, str, str]]:
+    """(row, us or error, GPU work a call) of each launcher (module docstring), B=1, Hq=6, Hk=2, T=8, D=64, bf16, causal."""
     from torch.library import triton_op, wrap_triton
 
     B, Hq, Hk, T, D = 1, 6, 2, 8, 64
@@ -132,9 +148,10 @@ def measure(slots: int, repeats: int) -> list[tuple[str, str]]:
         try:
             same = torch.equal(fn()[0], expected) if name.startswith("triton") else None
             cell = f"{_median_us(fn, repeats):.1f}" + ("" if same is None else " (same)" if same else " (DIFFERS)")
+            work = _gpu_work(fn)
         except Exception as error:  # an experiment: say what failed and go on
-            cell = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
-        rows.append((name, cell))
+            cell, work = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}", "-"
+        rows.append((name, cell, work))
     return rows
 
 
@@ -146,9 +163,9 @@ def main(argv=None) -> None:
     cli.require_cuda(p, "launch_split.py")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; the forward's depth kernel at L={args.slots}, "
           f"B=1, Hq=6, Hk=2, T=8, D=64: host us per call")  # fmt: skip
-    print("| launcher | us |\n|---|---|")
-    for name, cell in measure(args.slots, args.repeats):
-        print(f"| {name} | {cell} |")
+    print("| launcher | us | GPU work a call |\n|---|---|---|")
+    for name, cell, work in measure(args.slots, args.repeats):
+        print(f"| {name} | {cell} | {work} |")
 
 
 if __name__ == "__main__":
