@@ -30,9 +30,7 @@ Usage::
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -42,22 +40,10 @@ from moda_flex.backends.blocks import cdiv
 from moda_flex.backends.slots import depth_args
 from moda_flex.backends.split import kernels, ops, sequence
 
+from bench_call import wall_ms
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import cli  # noqa: E402
-
-
-def _median_us(fn, repeats: int, calls: int = 200) -> float:
-    for _ in range(calls // 4):
-        fn()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
 
 
 def _gpu_work(fn) -> str:
@@ -147,7 +133,7 @@ def measure(slots: int, repeats: int) -> list[tuple[str, str, str]]:
     for name, fn in ways.items():
         try:
             same = torch.equal(fn()[0], expected) if name.startswith("triton") else None
-            cell = f"{_median_us(fn, repeats):.1f}" + ("" if same is None else " (same)" if same else " (DIFFERS)")
+            cell = f"{wall_ms(fn, calls=200, repeats=repeats) * 1e3:.1f}" + ("" if same is None else " (same)" if same else " (DIFFERS)")
             work = _gpu_work(fn)
         except Exception as error:  # an experiment: say what failed and go on
             cell, work = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}", "-"
