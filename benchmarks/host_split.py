@@ -12,7 +12,9 @@ and beside them ``vendor``, the sequence part's aten ops alone (forward +
 backward), which a baseline's SDPA calls cost too. On CPU (the default;
 no GPU is needed) every Triton launch is stubbed out and the vendor is
 SDPA's CPU op. With ``--device cuda`` each L gets two rows, launches
-stubbed and real: their difference is what Triton's launcher costs.
+stubbed and real: their difference is what Triton's launcher costs; the
+row with real launches also times ``fused ops``, the fused kernel's two
+ops (what ``auto`` runs at these shapes).
 
 Median us per call of repeats after warm-up (on CUDA each repeat ends with
 a synchronize, so a call costs at least its kernels' GPU time).
@@ -39,6 +41,7 @@ import torch  # noqa: E402
 
 from moda_flex import moda_attention  # noqa: E402
 from moda_flex.backends.split import kernels, ops, sequence  # noqa: E402
+from moda_flex.backends.triton import launch as triton_launch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import cli  # noqa: E402
@@ -83,8 +86,9 @@ def _median_us(fn, repeats: int, device: torch.device, calls: int = 100) -> floa
     return statistics.median(times)
 
 
-def measure(slots: int, repeats: int, device: torch.device) -> dict:
-    """us per call of each way (module docstring), B=1, Hq=6, Hk=2, T=8, D=64, causal (bfloat16 on CUDA)."""
+def measure(slots: int, repeats: int, device: torch.device, fused: bool = False) -> dict:
+    """us per call of each way (module docstring), B=1, Hq=6, Hk=2, T=8, D=64, causal (bfloat16 on CUDA); with
+    ``fused``, also the fused kernel's ops."""
     B, Hq, Hk, T, D = 1, 6, 2, 8, 64
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
@@ -117,6 +121,17 @@ def measure(slots: int, repeats: int, device: torch.device) -> dict:
         sequence.backward(kernel, grads.grad_out, *inputs[:3], out_s, lse_s, True, opts.scale)
 
     ways = {"eager forward": eager_forward, "eager": eager, "ops": by_ops, "vendor": vendor}
+    if fused:
+        fused_inputs = triton_launch.Inputs(*inputs, None, None)
+        fused_opts = triton_launch.Options(opts.scale, True, 0, 0, True, 0.0, False)
+        fused_out, fused_lse = torch.ops.moda_flex.triton_forward(*fused_inputs, *fused_opts)
+        fused_grads = triton_launch.Grads(grads.grad_out, None, fused_out, fused_lse, False)
+
+        def by_fused_ops():
+            torch.ops.moda_flex.triton_forward(*fused_inputs, *fused_opts)
+            torch.ops.moda_flex.triton_backward(*fused_grads, *fused_inputs, *fused_opts)
+
+        ways["fused ops"] = by_fused_ops
     return {name: _median_us(fn, repeats, device) for name, fn in ways.items()}
 
 
@@ -127,7 +142,7 @@ def main(argv=None) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: also a row with real launches")
     args = p.parse_args(argv)
     device = cli.check_device(p, args.device)
-    names = ("eager forward", "eager", "ops", "vendor")
+    names = ("eager forward", "eager", "ops", "vendor", "fused ops")
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"host us per call on {where}, torch {torch.__version__} (forward + backward unless named)")
     print("| L | Triton launches | " + " | ".join(names) + " |\n|---|---|" + "---|" * len(names))
@@ -135,8 +150,8 @@ def main(argv=None) -> None:
         stubbed = [True, False] if device.type == "cuda" else [True]
         for stub in stubbed:
             with launches_stubbed() if stub else contextlib.nullcontext():
-                row = measure(slots, args.repeats, device)
-            cells = " | ".join(f"{row[name]:.0f}" for name in names)
+                row = measure(slots, args.repeats, device, fused=not stub)
+            cells = " | ".join(f"{row[name]:.0f}" if name in row else "-" for name in names)
             print(f"| {slots} | {'stubbed' if stub else 'real'} | {cells} |")
 
 

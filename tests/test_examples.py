@@ -143,7 +143,7 @@ def test_host_split_times_both_ways_and_restores_the_kernels(monkeypatch, capsys
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     importlib.import_module("host_split").main(["--slots", "1,3", "--repeats", "1"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 |", "| 3 |"))]
-    assert len(rows) == 2 and all(len(row.split("|")) == 8 and "| stubbed |" in row for row in rows)
+    assert len(rows) == 2 and all(len(row.split("|")) == 9 and "| stubbed |" in row for row in rows)
     after = (kernels._sanitize_kv_kernel, kernels._prepare_backward_kernel, dict(kernels.FORWARD),
              dict(kernels.BACKWARD))  # fmt: skip
     assert after == before
