@@ -62,8 +62,10 @@ def _gpu_work(fn) -> str:
 
 
 def _launcher(q: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], causal: bool, scale: float):
-    """``launch(kernel, q, out_s, lse_s, first, table) -> (out, lse)``: the split forward's depth launch with
-    the host's work for it (layout, strides, slot table) done once, here; and the call's other inputs."""
+    """``launch(run, q, out_s, lse_s, first, table, capped=True) -> (out, lse)``, the split forward's depth
+    launch through ``run(kernel)[grid]`` (``run``: ``wrap_triton``, or the identity for Triton's launcher),
+    with the host's work for it (layout, strides) done once, here; the slot table it reads; the tensors that
+    table points into (hold them)."""
     B, T = q.shape[0], q.shape[2]
     Hk, L = depth_k[0].shape[1], len(depth_k)
     layout = ops._layout(q, Hk, L)
@@ -81,7 +83,7 @@ def _launcher(q: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], causal: b
         run(kernel)[grid](
             Q=q, OS=out_s, LS=ls, FIRST=first, O=out, LO=lo, DK_TAB=table, DV_TAB=table[L:], **depth,
             sq=q.stride(), sos=out_s.stride(), sls=ls.stride(), so=out.stride(), slo=lo.stride(),
-            Hk=Hk, Tq=T, Tk=T, L=L, depth_first=0, qk_scale=scale * 1.4426950408889634,
+            Hk=Hk, Tq=T, Tk=T, L=L, depth_first=0, qk_scale=scale * ops._LOG2E,
             **options, HAS_SEQ=True, CAUSAL=causal,
         )  # fmt: skip
         return out, lse
@@ -90,7 +92,8 @@ def _launcher(q: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], causal: b
 
 
 def measure(slots: int, repeats: int) -> list[tuple[str, str, str]]:
-    """(row, us or error, GPU work a call) of each launcher (module docstring), B=1, Hq=6, Hk=2, T=8, D=64, bf16, causal."""
+    """(row, us or error, GPU work a call) of each launcher (module docstring), B=1, Hq=6, Hk=2, T=8, D=64,
+    bf16, causal."""
     from torch.library import triton_op, wrap_triton
 
     B, Hq, Hk, T, D = 1, 6, 2, 8, 64
