@@ -34,14 +34,9 @@ import sys
 import time
 from pathlib import Path
 
-if "cuda" not in sys.argv:  # the split path's CPU support; no kernel runs there (all are stubbed)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
 
-import torch  # noqa: E402
-
-from moda_flex import moda_attention  # noqa: E402
-from moda_flex.backends.split import kernels, ops, sequence  # noqa: E402
-from moda_flex.backends.triton import launch as triton_launch  # noqa: E402
+from moda_flex import moda_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import cli  # noqa: E402
@@ -57,6 +52,8 @@ class _NoLaunch:
 @contextlib.contextmanager
 def launches_stubbed():
     """Every Triton kernel of the split path a :class:`_NoLaunch` inside the block, as it was after."""
+    from moda_flex.backends.split import kernels
+
     names = ("_sanitize_kv_kernel", "_prepare_backward_kernel")
     saved = {name: getattr(kernels, name) for name in names}, [dict(kernels.FORWARD), dict(kernels.BACKWARD)]
     for name in names:
@@ -89,6 +86,9 @@ def _median_us(fn, repeats: int, device: torch.device, calls: int = 100) -> floa
 def measure(slots: int, repeats: int, device: torch.device, fused: bool = False) -> dict:
     """us per call of each way (module docstring), B=1, Hq=6, Hk=2, T=8, D=64, causal (bfloat16 on CUDA); with
     ``fused``, also the fused kernel's ops."""
+    from moda_flex.backends.split import ops, sequence
+    from moda_flex.backends.triton import launch as triton_launch
+
     B, Hq, Hk, T, D = 1, 6, 2, 8, 64
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
@@ -142,6 +142,8 @@ def main(argv=None) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: also a row with real launches")
     args = p.parse_args(argv)
     device = cli.check_device(p, args.device)
+    if device.type == "cpu":  # the split path's CPU support, chosen before triton is imported; no kernel runs
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     names = ("eager forward", "eager", "ops", "vendor", "fused ops")
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"host us per call on {where}, torch {torch.__version__} (forward + backward unless named)")
