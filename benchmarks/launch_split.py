@@ -34,11 +34,14 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
 from moda_flex.backends.blocks import cdiv
 from moda_flex.backends.slots import depth_args
 from moda_flex.backends.split import kernels, ops, sequence
+from moda_flex.backends.split.kernels import _depth_forward_token_kernel
 
 from bench_call import wall_ms
 
@@ -61,6 +64,36 @@ def _gpu_work(fn) -> str:
     return ", ".join(f"{name[:40]} x{names.count(name)}" for name in dict.fromkeys(names)) or "none"
 
 
+@triton.jit
+def _forward_flat(
+    Q, DK_TAB, DV_TAB, OS, LS, FIRST, O, LO,
+    sq0, sq1, sq2, sq3, sdk0, sdk1, sdk2, sdk3, sdv0, sdv1, sdv2, sdv3, sos0, sos1, sos2, sos3,
+    sls0, sls1, sls2, so0, so1, so2, so3, slo0, slo1, slo2,
+    Hk, Tq, Tk, L, depth_first, qk_scale,
+    G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    HAS_SEQ: tl.constexpr, CAUSAL: tl.constexpr, SLOTS_ALIGNED: tl.constexpr,
+):  # fmt: skip
+    """The token forward kernel with its strides as scalars: inductor takes no tuple argument (and passes a
+    float as fp64)."""
+    _depth_forward_token_kernel(
+        Q, DK_TAB, DV_TAB, OS, LS, FIRST, O, LO, (sq0, sq1, sq2, sq3), (sdk0, sdk1, sdk2, sdk3),
+        (sdv0, sdv1, sdv2, sdv3), (sos0, sos1, sos2, sos3), (sls0, sls1, sls2), (so0, so1, so2, so3),
+        (slo0, slo1, slo2), Hk, Tq, Tk, L, depth_first, tl.cast(qk_scale, tl.float32), G=G, GP=GP, BLOCK_T=BLOCK_T, D=D, DP=DP,
+        HAS_SEQ=HAS_SEQ, CAUSAL=CAUSAL, SLOTS_ALIGNED=SLOTS_ALIGNED,
+    )  # fmt: skip
+
+
+def _flat(**arguments) -> dict:
+    """``arguments`` with each tuple ``s=(a, b)`` as ``s0=a, s1=b``."""
+    flat = {}
+    for name, value in arguments.items():
+        if isinstance(value, tuple):
+            flat.update({f"{name}{i}": item for i, item in enumerate(value)})
+        else:
+            flat[name] = value
+    return flat
+
+
 def _launcher(q: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], causal: bool, scale: float):
     """``launch(run, q, out_s, lse_s, first, table, capped=True) -> (out, lse)``, the split forward's depth
     launch through ``run(kernel)[grid]`` (``run``: ``wrap_triton``, or the identity for Triton's launcher),
@@ -75,17 +108,21 @@ def _launcher(q: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], causal: b
     table = depth.pop("DK_TAB")
     depth.pop("DV_TAB")
 
-    def launch(run, q, out_s, lse_s, first, table, capped=True):
+    def launch(run, q, out_s, lse_s, first, table, capped=True, flat=False):
         options = layout if capped else {name: value for name, value in layout.items() if name != "maxnreg"}
         out = torch.empty_like(q)
         lse = torch.empty(lse_s.shape, device=q.device, dtype=torch.float32)  # the vendor's layout
         ls, lo = sequence.lse_view(lse_s), sequence.lse_view(lse)
-        run(kernel)[grid](
+        arguments = dict(
             Q=q, OS=out_s, LS=ls, FIRST=first, O=out, LO=lo, DK_TAB=table, DV_TAB=table[L:], **depth,
             sq=q.stride(), sos=out_s.stride(), sls=ls.stride(), so=out.stride(), slo=lo.stride(),
             Hk=Hk, Tq=T, Tk=T, L=L, depth_first=0, qk_scale=scale * ops._LOG2E,
             **options, HAS_SEQ=True, CAUSAL=causal,
         )  # fmt: skip
+        if flat:
+            run(_forward_flat)[grid](**_flat(**arguments))
+        else:
+            run(kernel)[grid](**arguments)
         return out, lse
 
     return launch, table, held
@@ -119,8 +156,24 @@ def measure(slots: int, repeats: int) -> list[tuple[str, str, str]]:
     def uncapped(q: Tensor, out_s: Tensor, lse_s: Tensor, first: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
         return launch(wrap_triton, q, out_s, lse_s, first, table, capped=False)
 
+    @triton_op("moda_flex_bench::depth_forward_flat", mutates_args=())
+    def flat(q: Tensor, out_s: Tensor, lse_s: Tensor, first: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
+        return launch(wrap_triton, q, out_s, lse_s, first, table, flat=True)
+
+    @triton_op("moda_flex_bench::depth_forward_flat_uncapped", mutates_args=())
+    def flat_uncapped(q: Tensor, out_s: Tensor, lse_s: Tensor, first: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
+        return launch(wrap_triton, q, out_s, lse_s, first, table, capped=False, flat=True)
+
+    @triton_op("moda_flex_bench::split_forward_traced", mutates_args=())
+    def traced(q: Tensor, k: Tensor, v: Tensor, first: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
+        out_s, lse_s = sequence.forward(kernel, q, k, v, True, scale)
+        return launch(wrap_triton, q, out_s, lse_s, first, table, flat=True)
+
     compiled = torch.compile(lambda *a: depth_forward(*a), fullgraph=True)
     compiled_uncapped = torch.compile(lambda *a: uncapped(*a), fullgraph=True)
+    compiled_flat = torch.compile(lambda *a: flat(*a), fullgraph=True)
+    compiled_flat_uncapped = torch.compile(lambda *a: flat_uncapped(*a), fullgraph=True)
+    compiled_traced = torch.compile(lambda *a: traced(*a), fullgraph=True)
     inputs = ops.Inputs(q, k, v, depth_k, depth_v)
     opts = ops.Options(scale, True, True, 0, kernel)
     expected = launch(lambda fn: fn, *args)[0]
@@ -129,6 +182,10 @@ def measure(slots: int, repeats: int) -> list[tuple[str, str, str]]:
         "triton_op, eager": lambda: depth_forward(*args),
         "triton_op, compiled": lambda: compiled(*args),
         "triton_op, compiled, no register cap": lambda: compiled_uncapped(*args),
+        "triton, scalar strides": lambda: launch(lambda fn: fn, *args, flat=True),
+        "triton_op, scalar strides, compiled": lambda: compiled_flat(*args),
+        "triton_op, scalar strides, compiled, no register cap": lambda: compiled_flat_uncapped(*args),
+        "triton_op, vendor forward + depth, compiled": lambda: compiled_traced(q, k, v, first, table),
         "split forward op (for scale)": lambda: torch.ops.moda_flex.split_forward(*inputs, *opts),
         f"vendor forward ({kernel}, for scale)": lambda: sequence.forward(kernel, q, k, v, True, scale),
     }
