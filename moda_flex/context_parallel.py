@@ -636,6 +636,10 @@ def _block_backward(block: _Block, inputs: list[Tensor], rows: _Rows, ring: _Rin
     if run is reference_attention:
         return _reference_block_backward(block, inputs, rows, ring.scale)
     kernel = backends.kernel_name(run)
+    if kernel == "capture":  # the kernel its forward ran, or the other: either backward takes the merged out and lse
+        from .backends.capture import kernel_now
+
+        kernel = kernel_now(q_rows.device)
     if kernel == "triton":
         return _triton_block_backward(block, inputs, rows, ring.scale)
     if kernel == "split":

@@ -135,11 +135,13 @@ def test_the_triton_check_runs_once(monkeypatch):
 
 @needs_triton
 def test_the_kernel_backends_read_depth_entries():
-    from moda_flex.backends import split
+    from moda_flex.backends import capture, split
 
     assert backends.kernel_name(TRITON.triton_attention) == "triton"
     assert backends.kernel_name(split.split_attention) == "split"
-    assert backends.reads_depth_entries(TRITON.triton_attention) and backends.reads_depth_entries(split.split_attention)
+    assert backends.kernel_name(capture.capture_attention) == "capture"
+    kernels = (TRITON.triton_attention, split.split_attention, capture.capture_attention)
+    assert all(backends.reads_depth_entries(run) for run in kernels)
     assert not any(backends.reads_depth_entries(run) for run in (reference_attention, backends.sdpa_attention))
 
 

@@ -27,7 +27,9 @@ def _step(model, idx):
 
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead", "max-autotune"])
 @pytest.mark.parametrize("depth_kv", ["attn", "attn+ffn"])
-@pytest.mark.parametrize("backend", ["triton", "split"])  # what auto takes for short and long calls
+# triton and split: what auto takes for short and long calls; auto: at these short calls, the fused kernel in the
+# warm-up and the split path in the captured graph (moda_flex.backends.capture)
+@pytest.mark.parametrize("backend", ["triton", "split", "auto"])
 def test_compiled_modes_match_eager(backend, depth_kv, mode):
     torch._dynamo.reset()
     torch.manual_seed(0)

@@ -294,7 +294,8 @@ CASES = {
     "causal, no depth": ((v.causal(), 0, T, torch.bfloat16, 64, False), "sdpa_attention"),
     "causal MoDA": ((v.causal(), 8, T, torch.bfloat16, 64, False), "split_attention"),
     "causal MoDA, lse": ((v.causal(), 8, T, torch.float16, 64, True), "split_attention"),
-    "causal MoDA, a small call": ((v.causal(), 8, T, torch.bfloat16, 64, False), "triton_attention"),
+    "causal MoDA, a small call": ((v.causal(), 8, T, torch.bfloat16, 64, False), "capture_attention"),
+    "full MoDA, Tq < Tk, a small call": ((v.full(), 8, T // 2, torch.bfloat16, 64, True), "capture_attention"),
     "full MoDA, Tq < Tk": ((v.full(), 8, T // 2, torch.bfloat16, 128, False), "split_attention"),
     "depth window": ((v.depth_window(2), 8, T, torch.bfloat16, 64, False), "split_attention"),
     "depth only": ((v.depth_only(), 8, T, torch.bfloat16, 64, False), "split_attention"),
@@ -316,7 +317,7 @@ def test_auto_on_cuda(case, monkeypatch):
     monkeypatch.setattr(split.support, "capability", lambda device: (9, 0))
     monkeypatch.setattr(split.sequence, "capability", lambda device: (9, 0))
     if case.endswith("a small call"):  # 1 x 8 x 1024 x 1024 logits, below the split path's threshold
-        q, k = _call("cuda", dtype, 1024, 1024, head_dim, batch=1)
+        q, k = _call("cuda", dtype, q_len * 1024 // T, 1024, head_dim, batch=1)
     else:
         q, k = _call("cuda", dtype, q_len, T, head_dim)
     assert backends.choose("auto", q, k, slots, variant, return_lse=return_lse).__name__ == expected
@@ -351,8 +352,7 @@ def test_the_ops_fakes_give_the_kernels_layouts(variant, q_layout, grad_lse):
 
     q, k, v = heads(Hq), heads(Hk), heads(Hk)
     depth = [torch.randn(B, Hk, T, D, device=DEVICE, dtype=dtype) for _ in range(2 * L)]
-    s = variant.structure
-    opts = split.ops.Options(D**-0.5, bool(s.causal), bool(s.sequence), s.first_slot(L), split.ops._kernel_for(q, k))
+    opts = split.ops.call_options(q, k, L, variant, D**-0.5)
     inputs = split.ops.Inputs(q, k, v, depth[:L], depth[L:])
     torch.library.opcheck(torch.ops.moda_flex.split_forward.default, (*inputs, *opts), test_utils=("test_faketensor",))
     out, lse = torch.ops.moda_flex.split_forward(*inputs, *opts)

@@ -8,6 +8,8 @@ that runs a call :func:`moda_flex.moda_attention` has already checked:
     triton      backends/triton/        the fused kernels: CUDA (CPU under TRITON_INTERPRET=1), structured variants
     split       backends/split/         the sequence part on SDPA's cuDNN / FlashAttention op, the depth part
                                         on our kernel, merged through the lse: causal or full, fp16 / bf16
+    capture     backends/capture.py     auto's for a call both of those run: triton, or split while a CUDA
+                                        graph is captured (chosen at launch; not a name to ask for)
 
 ``auto``, the same for a direct call and for the layers of :mod:`moda_flex.nn`,
 takes the first that applies:
@@ -19,9 +21,11 @@ takes the first that applies:
    in a later token's key or value reaches the earlier rows here;
 2. on CUDA: ``split`` where the vendor's kernel computes the sequence part
    exactly (:func:`moda_flex.backends.split.unsupported_reason`) and the
-   call has at least ``SPLIT_MIN_SCORES`` logits (``B * Hq * Tq * Tk``), else
-   ``triton`` where it supports the call, else ``split`` where it does, else
-   ``flex``;
+   call has at least ``SPLIT_MIN_SCORES`` logits (``B * Hq * Tq * Tk``);
+   below that, where both run it, ``capture``: the fused kernel, except while
+   a CUDA graph is captured, where the split path is the faster
+   (:mod:`moda_flex.backends.capture`); else ``triton`` where it supports
+   the call, else ``split`` where it does, else ``flex``;
 3. elsewhere: ``reference`` (on CPU it beats eager FlexAttention).
 
 Whatever the name, a call with no output element (B, Hq or Tq is 0) runs on
@@ -41,13 +45,14 @@ from .first_order import explain_sdpa
 from .reference import reference_attention
 
 NAMES = ("auto", "reference", "flex", "triton", "split")
-# Below this many logits the fused kernel is the faster (H100, BENCHMARKS.md "The split path": at T=1024 and the
-# Table 6 model's call, 50-67M logits, it took 0.73-0.81x the split path's time; from T=4096, 1.07G, 1.4-1.5x).
+# From this many logits the split path is the faster however the step runs (H100, BENCHMARKS.md "The split path":
+# from T=4096, 1.07G logits, the fused kernel took 1.4-1.5x its time). Below, at a model's calls (the Table 6 call:
+# 5e7), the fused kernel is the faster in a host-bound compiled step, the split path under CUDA graphs (capture.py).
 SPLIT_MIN_SCORES = 1 << 28
 
 Backend = Callable[..., tuple[Tensor, Optional[Tensor]]]
 # The kernel backends, imported on first use (they need triton), and the function each runs a call with.
-KERNELS = {"triton": "triton_attention", "split": "split_attention"}
+KERNELS = {"triton": "triton_attention", "split": "split_attention", "capture": "capture_attention"}
 
 
 def choose(name: str, q: Tensor, k: Tensor, slots: int, variant: Variant, *, return_lse: bool) -> Backend:
@@ -109,6 +114,10 @@ def _auto(q: Tensor, k: Tensor, slots: int, variant: Variant, return_lse: bool) 
         if splits and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= SPLIT_MIN_SCORES:
             return split.split_attention
         if triton.unsupported_reason(q, variant) is None:
+            if splits:
+                from .capture import capture_attention
+
+                return capture_attention
             return triton.triton_attention
         if splits:
             return split.split_attention

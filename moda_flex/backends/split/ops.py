@@ -139,23 +139,25 @@ def _sanitized_kv(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return k0, v0, first
 
 
-def _outputs(q: Tensor, k: Tensor, opts: Options) -> tuple[Tensor, Tensor]:
+def _outputs(q: Tensor, k: Tensor, opts: Options, contiguous_out: bool = False) -> tuple[Tensor, Tensor]:
     """A call's out and lse, unwritten, as the forward op and its fake both return them: out (B, Hq, Tq, D) in
-    q's layout (contiguous without a sequence part), lse float32, contiguous, in the vendor's shape (cuDNN's
-    (B, Hq, Tq, 1), else (B, Hq, Tq)), whatever layouts the vendor's own results have (the CPU op's lse is
-    (B, Tq, Hq) in memory)."""
+    q's layout (contiguous without a sequence part, or with ``contiguous_out``), lse float32, contiguous, in
+    the vendor's shape (cuDNN's (B, Hq, Tq, 1), else (B, Hq, Tq)), whatever layouts the vendor's own results
+    have (the CPU op's lse is (B, Tq, Hq) in memory)."""
     B, Hq, Tq, _ = q.shape
     if not _has_sequence(k, opts):
         return q.new_empty(q.shape), q.new_empty((B, Hq, Tq), dtype=torch.float32)
     lse_shape = (B, Hq, Tq, 1) if opts.kernel == "cudnn" else (B, Hq, Tq)
-    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+    out = q.new_empty(q.shape) if contiguous_out else torch.empty_like(q)
+    return out, q.new_empty(lse_shape, dtype=torch.float32)
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], opts: Options):
+def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], opts: Options,
+             contiguous_out: bool = False):  # fmt: skip
     """out (B, Hq, Tq, D) and lse (natural log), in the layouts of :func:`_outputs`."""
     from . import kernels
 
-    out, lse = _outputs(q, k, opts)
+    out, lse = _outputs(q, k, opts, contiguous_out)
     q, k, v = (_unit_last(t) for t in (q, k, v))
     B, Tq = q.shape[0], q.shape[2]
     Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
@@ -305,13 +307,18 @@ def _backward_without_dispatch(grads: Grads, inputs: Inputs, opts: Options):
     return _backward(grads.grad_out, grads.grad_lse, *inputs, grads.out, grads.lse, opts)
 
 
-@torch.library.impl("moda_flex::split_backward", ("cuda", "cpu"))
-def _backward_op(*args):
-    """dq, dk, dv, contiguous, and the depth gradients as two (B, Hk, Tq, L, D) tensors."""
-    dq, dk, dv, ddk, ddv = _backward_without_dispatch(*unpack(args, Grads, Inputs, Options))
+def backward_in_op_layouts(grads: Grads, inputs: Inputs, opts: Options):
+    """What the backward op returns: dq, dk, dv, contiguous, and the depth gradients as two (B, Hk, Tq, L, D)
+    tensors."""
+    dq, dk, dv, ddk, ddv = _backward_without_dispatch(grads, inputs, opts)
     # the fake's layouts, which inductor checks: a copy only where the vendor's op chose another (the CPU op's
     # gradients are (B, T, H, D) in memory; the lse's gradient slices padded head dims)
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), ddk, ddv
+
+
+@torch.library.impl("moda_flex::split_backward", ("cuda", "cpu"))
+def _backward_op(*args):
+    return backward_in_op_layouts(*unpack(args, Grads, Inputs, Options))
 
 
 @torch.library.register_fake("moda_flex::split_backward")
@@ -329,11 +336,11 @@ def _save(ctx, inputs: Inputs, opts: Options, output: tuple) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _gradients(ctx, grad_out, grad_lse, run_backward) -> Optional[tuple]:
+def _gradients(ctx, grad_out, grad_lse, run_backward, backend: str = "split") -> Optional[tuple]:
     """dq, dk, dv and the depth gradients in the inputs' form, by ``run_backward(grads, inputs, opts)``; None
-    when no gradient reached either output."""
+    when no gradient reached either output. ``backend``: the name a refused second derivative gives."""
     # The kernels' gradients have no graph: refuse a backward that would differentiate them again.
-    refuse_create_graph("split")
+    refuse_create_graph(backend)
     out, lse, *flat = ctx.saved_tensors
     inputs = restored(Inputs, flat, ctx.depth_lengths)
     if grad_out is None and grad_lse is None:
@@ -381,8 +388,11 @@ class _EagerSplit(torch.autograd.Function):
         return dq, dk, dv, None, None, *ddk, *ddv
 
 
-def _kernel_for(q: Tensor, k: Tensor) -> str:
-    return sequence.kernel_for(q.device, q.shape[-1], q.shape[2] == k.shape[2])
+def call_options(q: Tensor, k: Tensor, slots: int, variant, scale: float) -> Options:
+    """A supported call's :class:`Options`; ``slots``: L. The vendor's op is chosen here, once a call."""
+    s = variant.structure
+    kernel = sequence.kernel_for(q.device, q.shape[-1], q.shape[2] == k.shape[2])
+    return Options(float(scale), bool(s.causal), bool(s.sequence), s.first_slot(slots), kernel)
 
 
 def split_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: Tensor, variant, scale: float):
@@ -402,10 +412,8 @@ def split_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: T
         out (B, Hq, Tq, D) and lse (B, Hq, Tq) float32, natural log; both
         differentiable. The NaN rule of :mod:`moda_flex.nonfinite` holds.
     """
-    s = variant.structure
     depth_k, depth_v = as_list(depth_k), as_list(depth_v)
-    L = slot_count(depth_k)
-    opts = Options(float(scale), bool(s.causal), bool(s.sequence), s.first_slot(L), _kernel_for(q, k))
+    opts = call_options(q, k, slot_count(depth_k), variant, scale)
     if torch.compiler.is_compiling():
         out, lse = torch.ops.moda_flex.split_forward(*Inputs(q, k, v, depth_k, depth_v), *opts)
     else:
@@ -425,8 +433,7 @@ def split_backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: 
     Returns:
         dq, dk, dv and the depth gradients, (B, Hk, Tq, L, D) each.
     """
-    s = variant.structure
-    opts = Options(float(scale), bool(s.causal), bool(s.sequence), s.first_slot(depth_k.shape[3]), _kernel_for(q, k))
+    opts = call_options(q, k, depth_k.shape[3], variant, scale)
     lse = sequence.lse_layout(opts.kernel, lse.contiguous())
     grads, inputs = Grads(grad_out, grad_lse, out, lse), Inputs(q, k, v, [depth_k], [depth_v])
     return torch.ops.moda_flex.split_backward(*grads, *inputs, *opts)

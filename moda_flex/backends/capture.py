@@ -1,0 +1,140 @@
+"""``auto``'s kernels for a model's calls on CUDA: the fused kernel, or the split path while a CUDA graph is captured.
+
+At a model's shapes the two kernel backends trade places by how the step
+runs (NVIDIA H200, the Table 6 step with depth KV, BENCHMARKS.md "Either
+kernel, by how the step runs"). Compiled in the default mode the step is
+bound by the host, and the fused kernel's fewer launches win (53.3 ms a step
+against the split path's 80.7); under CUDA graphs the host's work is gone
+and the split path's faster kernels win (30.1 ms against 34.5).
+
+How a step runs is known only when its kernels launch:
+``torch.compile(mode="reduce-overhead")`` traces the step once, runs it
+(its warm-up) and then captures it. So the choice is made at launch, by
+two ops: ``moda_flex::capture_forward`` returns out (B, Hq, Tq, D),
+contiguous, and lse (B, Hq, Tq), which either backward reads, and
+``moda_flex::capture_backward`` chooses again (a graph may capture a
+forward and not its backward). Both kernels compute the same function: a
+backward given the other's out and lse computes its gradients exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..depth import DepthKV, as_list, slot_count
+from ..variants import Variant
+from .records import define, unpack
+from .split import ops as split_ops
+from .split import sequence
+from .split.ops import Grads, Inputs, Options
+from .triton import ops as fused_ops
+from .triton import launch as fused_launch
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream of ``device`` is capturing a graph (never on another device)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def kernel_now(device: torch.device) -> str:
+    """The kernel backend a call launched now on ``device`` runs: ``"split"`` while a graph is captured, else
+    ``"triton"``."""
+    return "split" if capturing(device) else "triton"
+
+
+def _fused(inputs: Inputs, opts: Options) -> tuple[fused_launch.Inputs, fused_launch.Options]:
+    """A call of the split path's records as the fused kernel's: no window, documents or score."""
+    fused_inputs = fused_launch.Inputs(*inputs, documents=None, bias=None)
+    fused_opts = fused_launch.Options(opts.scale, opts.causal, 0, opts.depth_first, opts.sequence, 0.0, False)
+    return fused_inputs, fused_opts
+
+
+def _forward(inputs: Inputs, opts: Options) -> tuple[Tensor, Tensor]:
+    """out (B, Hq, Tq, D) contiguous and lse (B, Hq, Tq) float32, by the kernel of :func:`kernel_now`."""
+    if kernel_now(inputs.q.device) == "split":
+        out, lse = split_ops._forward(*inputs, opts, contiguous_out=True)
+        return out, sequence.lse_view(lse)
+    return fused_ops._run_forward(*_fused(inputs, opts))
+
+
+def _backward(grads: Grads, inputs: Inputs, opts: Options) -> tuple[Tensor, ...]:
+    """dq, dk, dv, contiguous, and the depth gradients, two (B, Hk, Tq, L, D) tensors, from the forward's out
+    and its lse (B, Hq, Tq), by the kernel of :func:`kernel_now`."""
+    if kernel_now(inputs.q.device) == "split":
+        lse = sequence.lse_layout(opts.kernel, grads.lse)
+        return split_ops.backward_in_op_layouts(grads._replace(lse=lse), inputs, opts)
+    grad_out = torch.zeros_like(grads.out) if grads.grad_out is None else grads.grad_out.contiguous()
+    fused_inputs, fused_opts = _fused(inputs, opts)
+    fused_grads = fused_launch.Grads(grad_out, grads.grad_lse, grads.out, grads.lse, bias_grad=False)
+    return fused_ops._run_backward(fused_grads, fused_inputs, fused_opts)[:5]
+
+
+# ---- torch.library ops -------------------------------------------------------------------------
+# The split path's records, field by field; CUDA, and CPU under Triton's interpreter (the tests, which
+# stand in for a capture).
+
+define("capture_forward", Inputs, Options, returns=2)
+define("capture_backward", Grads, Inputs, Options, returns=5)
+
+
+@torch.library.impl("moda_flex::capture_forward", ("cuda", "cpu"))
+def _forward_op(*args):
+    return _forward(*unpack(args, Inputs, Options))
+
+
+@torch.library.register_fake("moda_flex::capture_forward")
+def _forward_fake(*args):
+    (q, *_), _ = unpack(args, Inputs, Options)
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.impl("moda_flex::capture_backward", ("cuda", "cpu"))
+def _backward_op(*args):
+    return _backward(*unpack(args, Grads, Inputs, Options))
+
+
+torch.library.register_fake("moda_flex::capture_backward", split_ops._backward_fake)
+
+
+def _backward_by_op(grads: Grads, inputs: Inputs, opts: Options):
+    return torch.ops.moda_flex.capture_backward(*grads, *inputs, *opts)
+
+
+def _setup_context(ctx, inputs, output):
+    split_ops._save(ctx, *unpack(inputs, Inputs, Options), output)
+
+
+def _autograd_backward(ctx, grad_out, grad_lse):
+    grads = split_ops._gradients(ctx, grad_out, grad_lse, _backward_by_op, backend="auto")
+    return (*(grads or (None,) * len(Inputs._fields)), *(None,) * len(ctx.options))
+
+
+torch.library.register_autograd("moda_flex::capture_forward", _autograd_backward, setup_context=_setup_context)
+
+
+def capture_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: DepthKV, depth_v: DepthKV, variant: Variant,
+                      scale: float) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """MoDA on the fused kernel, or on the split path while a CUDA graph is captured, for a call both compute.
+
+    Args:
+        q: (B, Hq, Tq, D), float16 or bfloat16 (float32 on CPU, under the interpreter).
+        k, v: (B, Hk, Tk, D); ``Tq == Tk`` for a causal mask.
+        depth_k, depth_v: (B, Hk, Tq, L, D), any strides, or a sequence of L
+            (B, Hk, Tq, D) entries, each given its own gradient.
+        variant: a variant both kernels run (:func:`moda_flex.backends.split.unsupported_reason`).
+        scale: logit scale.
+
+    Returns:
+        out (B, Hq, Tq, D) and lse (B, Hq, Tq) float32, natural log; both
+        differentiable. Eagerly the call runs wholly on the kernel chosen
+        when it is made; compiled, its forward and backward each choose when
+        they launch.
+    """
+    if torch.compiler.is_compiling():
+        depth_k, depth_v = as_list(depth_k), as_list(depth_v)
+        opts = split_ops.call_options(q, k, slot_count(depth_k), variant, scale)
+        return torch.ops.moda_flex.capture_forward(*Inputs(q, k, v, depth_k, depth_v), *opts)
+    if kernel_now(q.device) == "split":
+        return split_ops.split_attention(q, k, v, depth_k, depth_v, variant, scale)
+    return fused_ops.triton_attention(q, k, v, depth_k, depth_v, variant, scale)
