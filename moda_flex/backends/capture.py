@@ -15,6 +15,13 @@ contiguous, and lse (B, Hq, Tq), which either backward reads, and
 ``moda_flex::capture_backward`` chooses again (a graph may capture a
 forward and not its backward). Both kernels compute the same function: a
 backward given the other's out and lse computes its gradients exactly.
+
+A kernel's first launch may not happen during a capture: it compiles and
+loads Triton's kernels and builds cuDNN's plan, work a capture does not
+allow (tried on an H200: "operation failed due to a previous error during
+capture"). So the first call of each layout that runs the fused kernel runs
+the split path's forward and backward once as well, uncaptured, and drops
+their results: a step's warm-up prepares its capture.
 """
 
 from __future__ import annotations
@@ -50,11 +57,38 @@ def _fused(inputs: Inputs, opts: Options) -> tuple[fused_launch.Inputs, fused_la
     return fused_inputs, fused_opts
 
 
+# The layouts (:func:`_layout_key`) whose split path has run uncaptured.
+_PREPARED: set = set()
+
+
+def _layout_key(inputs: Inputs, opts: Options) -> tuple:
+    """What the split path's compiled kernels and cuDNN's plan depend on: the options, dtype, shapes, the
+    strides of q, k, v and of the first depth entries (a model's entries share theirs); a few us a call."""
+    q, k, v, depth_k, depth_v = inputs
+    depth = (depth_k[0].stride(), depth_v[0].stride()) if depth_k else ()
+    return (opts, q.dtype, len(depth_k), q.shape, k.shape, q.stride(), k.stride(), v.stride(), *depth)
+
+
+def prepare_capture(inputs: Inputs, opts: Options) -> None:
+    """Run the split path's forward and backward once, uncaptured, for each layout that meets the fused
+    kernel on CUDA, so that a capture of the same call launches nothing for the first time."""
+    if inputs.q.device.type != "cuda":
+        return
+    key = _layout_key(inputs, opts)
+    if key in _PREPARED:
+        return
+    with torch.no_grad():
+        out, lse = split_ops._forward(*inputs, opts, contiguous_out=True)
+        split_ops.backward_in_op_layouts(Grads(torch.zeros_like(out), None, out, lse), inputs, opts)
+    _PREPARED.add(key)
+
+
 def _forward(inputs: Inputs, opts: Options) -> tuple[Tensor, Tensor]:
     """out (B, Hq, Tq, D) contiguous and lse (B, Hq, Tq) float32, by the kernel of :func:`kernel_now`."""
     if kernel_now(inputs.q.device) == "split":
         out, lse = split_ops._forward(*inputs, opts, contiguous_out=True)
         return out, sequence.lse_view(lse)
+    prepare_capture(inputs, opts)
     return fused_ops._run_forward(*_fused(inputs, opts))
 
 
@@ -131,10 +165,11 @@ def capture_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: DepthKV, depth_v
         when it is made; compiled, its forward and backward each choose when
         they launch.
     """
+    depth_k, depth_v = as_list(depth_k), as_list(depth_v)
+    opts = split_ops.call_options(q, k, slot_count(depth_k), variant, scale)
     if torch.compiler.is_compiling():
-        depth_k, depth_v = as_list(depth_k), as_list(depth_v)
-        opts = split_ops.call_options(q, k, slot_count(depth_k), variant, scale)
         return torch.ops.moda_flex.capture_forward(*Inputs(q, k, v, depth_k, depth_v), *opts)
     if kernel_now(q.device) == "split":
         return split_ops.split_attention(q, k, v, depth_k, depth_v, variant, scale)
+    prepare_capture(Inputs(q, k, v, depth_k, depth_v), opts)
     return fused_ops.triton_attention(q, k, v, depth_k, depth_v, variant, scale)
