@@ -124,6 +124,24 @@ def test_an_eager_call_runs_wholly_on_the_kernel_chosen_when_it_is_made(captured
     assert captures.ran == (["_forward"] if captured else ["_run_forward", "_run_backward"])
 
 
+def test_each_layout_is_prepared_once(monkeypatch):
+    """The split path runs uncaptured once a layout (CUDA only; here its body on CPU): again for another depth
+    count or stride, not for new values."""
+    monkeypatch.setattr(capture, "_PREPARED", set())
+    ran = []
+    forward = capture.split_ops._forward
+    monkeypatch.setattr(capture.split_ops, "_forward", lambda *args, **kwargs: ran.append(1) or forward(*args, **kwargs))
+
+    def prepare(slots, seed=0, strided=False):
+        inputs = make_inputs(MoDAShape(1, 4, 2, 5, 5, slots, 8), dtype=DTYPE, device=DEVICE, seed=seed,
+                             depth_entries=True, strided_depth=strided, requires_grad=False)  # fmt: skip
+        records = split.ops.Inputs(*inputs.values())
+        capture._prepare(records, split.ops.call_options(records.q, records.k, slots, v.causal(), 8**-0.5))
+        return len(ran)
+
+    assert [prepare(3), prepare(3, seed=1), prepare(4), prepare(3, strided=True), prepare(0)] == [1, 1, 2, 3, 4]
+
+
 def test_the_ops_fakes_give_either_kernels_layouts(monkeypatch):
     """Inductor checks each op output's strides against its fake's: out contiguous and lse (B, Hq, Tq) from
     either kernel, for q in a (B, T, H, D) layout, as a model's projection gives it."""

@@ -72,8 +72,11 @@ def _layout_key(inputs: Inputs, opts: Options) -> tuple:
 def prepare_capture(inputs: Inputs, opts: Options) -> None:
     """Run the split path's forward and backward once, uncaptured, for each layout that meets the fused
     kernel on CUDA, so that a capture of the same call launches nothing for the first time."""
-    if inputs.q.device.type != "cuda":
-        return
+    if inputs.q.device.type == "cuda":
+        _prepare(inputs, opts)
+
+
+def _prepare(inputs: Inputs, opts: Options) -> None:
     key = _layout_key(inputs, opts)
     if key in _PREPARED:
         return
