@@ -1,27 +1,35 @@
-"""What launching the split path's depth kernel costs the host, by three launchers (CUDA only).
+"""What launching the split path's depth kernel costs the host, launcher by launcher (CUDA only).
 
 In the default compiled mode a MoDA step is bound by the host (BENCHMARKS.md,
-"On an H200"), and Triton's own launcher takes some 70 us of it a launch
-(the depth kernels pass some 50 arguments). Inductor launches the Triton kernels it is given
-through a ``torch.library.triton_op`` with its own launcher, from the
-compiled graph, with none of the op's Python left per call. This times
-the forward's depth kernel, at a shape where its GPU time is a few us,
-launched:
+"On an H200"), and Triton's launcher takes some 90 us of it a launch on the
+H200 machine's CPU, against some 20 for the launches inductor makes of its
+own kernels (a profile of the step). This times the forward's depth
+kernel, at a shape where its GPU time is a few us, launched:
 
 - ``triton``: ``kernel[grid](...)``, as the split op launches it;
-- ``triton_op, eager``: the same launch inside a ``triton_op`` (``wrap_triton``), called eagerly;
-- ``triton_op, compiled``: that op called from ``torch.compile(fullgraph=True)``; its output is checked
-  equal to the first row's; once more without the register cap (``maxnreg``), in case inductor refuses it;
+- ``triton, its binary's launcher``: the compiled kernel's own ``run``, with
+  the arguments bound once: Triton's per-call binding, cache key and checks
+  left out, the floor a launcher of ours could reach;
+- ``triton_op, eager``: the launch inside a ``torch.library.triton_op`` (``wrap_triton``), called eagerly;
+- ``triton_op, compiled``: that op from ``torch.compile(fullgraph=True)``,
+  the kernel with its strides as scalars (inductor takes no tuple
+  argument); with the register cap (``maxnreg``) and without;
+- the same compiled op, the vendor's forward in its body too;
+- ``x8`` rows: 8 launches a call, each reading the last one's output (no
+  two alike, so none is merged): a launch's marginal cost is the
+  difference to the one-launch row over 7, without the compiled
+  function's own cost (its guards, its wrapper), which a model's step
+  pays once;
 
 and, for scale, the whole split forward op (the sanitizing pass, the vendor's
 forward, the slot table and this launch) and the vendor's forward alone. The
 depth slots reach the kernel through a slot table built once, before the
 timing, as a tensor argument: what an opaque table op beside a traced body
-would give it. A row that fails prints its error instead of a time.
+would give it. A one-launch row's output is checked equal to the first
+row's; a row that fails prints its error instead of a time.
 
 Median us per call of repeats of 200 calls, each repeat ending with a
-synchronize; beside it, the kernels a call runs (from a profile of one call),
-which shows whether inductor copies the kernel's arguments first.
+synchronize; beside it, the kernels a call runs (from a profile of one call).
 
 Usage::
 
@@ -108,7 +116,7 @@ def _launcher(q: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], causal: b
     table = depth.pop("DK_TAB")
     depth.pop("DV_TAB")
 
-    def launch(run, q, out_s, lse_s, first, table, capped=True, flat=False):
+    def launch(run, q, out_s, lse_s, first, table, capped=True, flat=False, direct=False):
         options = layout if capped else {name: value for name, value in layout.items() if name != "maxnreg"}
         out = torch.empty_like(q)
         lse = torch.empty(lse_s.shape, device=q.device, dtype=torch.float32)  # the vendor's layout
@@ -119,6 +127,8 @@ def _launcher(q: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], causal: b
             Hk=Hk, Tq=T, Tk=T, L=L, depth_first=0, qk_scale=scale * ops._LOG2E,
             **options, HAS_SEQ=True, CAUSAL=causal,
         )  # fmt: skip
+        if direct:
+            return _binary_launcher(kernel, grid, arguments), out
         if flat:
             run(_forward_flat)[grid](**_flat(**arguments))
         else:
@@ -126,6 +136,26 @@ def _launcher(q: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], causal: b
         return out, lse
 
     return launch, table, held
+
+
+def _binary_launcher(kernel, grid: tuple, arguments: dict):
+    """``run()``: the launch ``kernel[grid](**arguments)`` makes, through the compiled binary's own launcher,
+    its arguments bound here once (valid for these very tensors only)."""
+    from triton import knobs
+    from triton.runtime.driver import driver
+
+    binary = kernel[grid](**arguments)  # compiles, launches once, returns the compiled kernel
+    values = [arguments[name] for name in kernel.arg_names]
+    device = driver.active.get_current_device()
+    stream = driver.active.get_current_stream(device)
+    grid3 = (*grid, 1, 1)[:3]
+    metadata = binary.launch_metadata(grid3, stream, *values)
+
+    def run():
+        binary.run(*grid3, stream, binary.function, binary.packed_metadata, metadata,
+                   knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *values)  # fmt: skip
+
+    return run
 
 
 def measure(slots: int, repeats: int) -> list[tuple[str, str, str]]:
@@ -149,12 +179,8 @@ def measure(slots: int, repeats: int) -> list[tuple[str, str, str]]:
     args = (q, out_s, lse_s, first, table)
 
     @triton_op("moda_flex_bench::depth_forward", mutates_args=())
-    def depth_forward(q: Tensor, out_s: Tensor, lse_s: Tensor, first: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
+    def eager_op(q: Tensor, out_s: Tensor, lse_s: Tensor, first: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
         return launch(wrap_triton, q, out_s, lse_s, first, table)
-
-    @triton_op("moda_flex_bench::depth_forward_uncapped", mutates_args=())
-    def uncapped(q: Tensor, out_s: Tensor, lse_s: Tensor, first: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
-        return launch(wrap_triton, q, out_s, lse_s, first, table, capped=False)
 
     @triton_op("moda_flex_bench::depth_forward_flat", mutates_args=())
     def flat(q: Tensor, out_s: Tensor, lse_s: Tensor, first: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
@@ -169,35 +195,55 @@ def measure(slots: int, repeats: int) -> list[tuple[str, str, str]]:
         out_s, lse_s = sequence.forward(kernel, q, k, v, True, scale)
         return launch(wrap_triton, q, out_s, lse_s, first, table, flat=True)
 
-    compiled = torch.compile(lambda *a: depth_forward(*a), fullgraph=True)
-    compiled_uncapped = torch.compile(lambda *a: uncapped(*a), fullgraph=True)
+    def chained(step):
+        """8 launches by ``step(q, out_s, lse_s, first, table) -> (out, lse)``, each on the last one's output."""
+
+        def run(q, *rest):
+            for _ in range(8):
+                q = step(q, *rest)[0]
+            return q, None
+
+        return run
+
     compiled_flat = torch.compile(lambda *a: flat(*a), fullgraph=True)
-    compiled_flat_uncapped = torch.compile(lambda *a: flat_uncapped(*a), fullgraph=True)
+    compiled_flat8 = torch.compile(chained(flat), fullgraph=True)
+    compiled_uncapped = torch.compile(lambda *a: flat_uncapped(*a), fullgraph=True)
     compiled_traced = torch.compile(lambda *a: traced(*a), fullgraph=True)
+    binary, binary_out = launch(None, *args, direct=True)
+
+    def binary_launch():
+        binary()
+        return binary_out, None
+
+    def triton_launch(*a):
+        return launch(lambda fn: fn, *a)
+
     inputs = ops.Inputs(q, k, v, depth_k, depth_v)
     opts = ops.Options(scale, True, True, 0, kernel)
-    expected = launch(lambda fn: fn, *args)[0]
+    expected = triton_launch(*args)[0]
     ways = {
-        "triton": lambda: launch(lambda fn: fn, *args),
-        "triton_op, eager": lambda: depth_forward(*args),
-        "triton_op, compiled": lambda: compiled(*args),
+        "triton": lambda: triton_launch(*args),
+        "triton x8": lambda: chained(triton_launch)(*args),
+        "triton, its binary's launcher": binary_launch,
+        "triton_op, eager": lambda: eager_op(*args),
+        "triton_op, compiled": lambda: compiled_flat(*args),
+        "triton_op, compiled x8": lambda: compiled_flat8(*args),
         "triton_op, compiled, no register cap": lambda: compiled_uncapped(*args),
-        "triton, scalar strides": lambda: launch(lambda fn: fn, *args, flat=True),
-        "triton_op, scalar strides, compiled": lambda: compiled_flat(*args),
-        "triton_op, scalar strides, compiled, no register cap": lambda: compiled_flat_uncapped(*args),
         "triton_op, vendor forward + depth, compiled": lambda: compiled_traced(q, k, v, first, table),
         "split forward op (for scale)": lambda: torch.ops.moda_flex.split_forward(*inputs, *opts),
         f"vendor forward ({kernel}, for scale)": lambda: sequence.forward(kernel, q, k, v, True, scale),
     }
     rows = []
     for name, fn in ways.items():
+        us = None
         try:
-            same = torch.equal(fn()[0], expected) if name.startswith("triton") else None
-            cell = f"{wall_ms(fn, calls=200, repeats=repeats) * 1e3:.1f}" + ("" if same is None else " (same)" if same else " (DIFFERS)")
+            same = torch.equal(fn()[0], expected) if name.startswith("triton") and "x8" not in name else None
+            us = wall_ms(fn, calls=200, repeats=repeats) * 1e3
+            cell = f"{us:.1f}" + ("" if same is None else " (same)" if same else " (DIFFERS)")
             work = _gpu_work(fn)
         except Exception as error:  # an experiment: say what failed and go on
             cell, work = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}", "-"
-        rows.append((name, cell, work))
+        rows.append((name, cell, work, us))
     return rows
 
 
@@ -210,8 +256,13 @@ def main(argv=None) -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; the forward's depth kernel at L={args.slots}, "
           f"B=1, Hq=6, Hk=2, T=8, D=64: host us per call")  # fmt: skip
     print("| launcher | us | GPU work a call |\n|---|---|---|")
-    for name, cell, work in measure(args.slots, args.repeats):
+    rows = measure(args.slots, args.repeats)
+    for name, cell, work, _ in rows:
         print(f"| {name} | {cell} | {work} |")
+    us = {name: value for name, _, _, value in rows}
+    for one, eight in [("triton", "triton x8"), ("triton_op, compiled", "triton_op, compiled x8")]:
+        if us[one] is not None and us[eight] is not None:
+            print(f"{one}: {(us[eight] - us[one]) / 7:.1f} us a launch more (x8 against one launch)")
 
 
 if __name__ == "__main__":
