@@ -111,27 +111,14 @@ def _backward(grads: Grads, inputs: Inputs, opts: Options) -> tuple[Tensor, ...]
 # The split path's records, field by field; CUDA, and CPU under Triton's interpreter (the tests, which
 # stand in for a capture).
 
-define("capture_forward", Inputs, Options, returns=2)
-define("capture_backward", Grads, Inputs, Options, returns=5)
-
-
-@torch.library.impl("moda_flex::capture_forward", ("cuda", "cpu"))
-def _forward_op(*args):
-    return _forward(*unpack(args, Inputs, Options))
-
-
-@torch.library.register_fake("moda_flex::capture_forward")
-def _forward_fake(*args):
-    (q, *_), _ = unpack(args, Inputs, Options)
+def _outputs(inputs: Inputs, opts: Options) -> tuple[Tensor, Tensor]:
+    """The forward op's results, unwritten (its fake): out contiguous and lse (B, Hq, Tq) float32."""
+    q = inputs.q
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-@torch.library.impl("moda_flex::capture_backward", ("cuda", "cpu"))
-def _backward_op(*args):
-    return _backward(*unpack(args, Grads, Inputs, Options))
-
-
-torch.library.register_fake("moda_flex::capture_backward", split_ops._backward_fake)
+define("capture_forward", Inputs, Options, returns=2, run=_forward, fake=_outputs)
+define("capture_backward", Grads, Inputs, Options, returns=5, run=_backward, fake=split_ops.gradients_unwritten)
 
 
 def _backward_by_op(grads: Grads, inputs: Inputs, opts: Options):

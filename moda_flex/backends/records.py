@@ -10,7 +10,7 @@ argument is adding a field.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional, get_type_hints
+from typing import Callable, NamedTuple, Optional, get_type_hints
 
 import torch
 from torch import Tensor
@@ -35,9 +35,14 @@ def schema(*records: type[NamedTuple]) -> str:
     return ", ".join(f"{_SCHEMA_TYPES[kind]} {name}" for record in records for name, kind in _fields(record).items())
 
 
-def define(op: str, *records: type[NamedTuple], returns: int) -> None:
-    """Define ``moda_flex::<op>``, whose arguments are the records' fields and which returns ``returns`` tensors."""
-    torch.library.define(f"moda_flex::{op}", f"({schema(*records)}) -> ({', '.join(['Tensor'] * returns)})")
+def define(op: str, *records: type[NamedTuple], returns: int, run: Callable, fake: Callable) -> None:
+    """Define ``moda_flex::<op>``, whose arguments are the records' fields and which returns ``returns`` tensors,
+    implemented on CUDA and CPU by ``run`` and for tracing by ``fake``; each is called with one instance of
+    each record (:func:`unpack`)."""
+    name = f"moda_flex::{op}"
+    torch.library.define(name, f"({schema(*records)}) -> ({', '.join(['Tensor'] * returns)})")
+    torch.library.impl(name, ("cuda", "cpu"))(lambda *args: run(*unpack(args, *records)))
+    torch.library.register_fake(name)(lambda *args: fake(*unpack(args, *records)))
 
 
 def unpack(args: tuple, *records: type[NamedTuple]) -> tuple:

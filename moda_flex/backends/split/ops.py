@@ -285,23 +285,6 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
 # The arguments are the records above, field by field. The ops run on CUDA, and on CPU under
 # Triton's interpreter (the tests), with SDPA's CPU flash op as the vendor.
 
-define("split_forward", Inputs, Options, returns=2)
-define("split_backward", Grads, Inputs, Options, returns=5)
-
-
-@torch.library.impl("moda_flex::split_forward", ("cuda", "cpu"))
-def _forward_op(*args):
-    """out (B, Hq, Tq, D) in q's layout and lse in the vendor's shape (:func:`_forward`)."""
-    inputs, opts = unpack(args, Inputs, Options)
-    return _forward(*inputs, opts)
-
-
-@torch.library.register_fake("moda_flex::split_forward")
-def _forward_fake(*args):
-    (q, k, *_), opts = unpack(args, Inputs, Options)
-    return _outputs(q, k, opts)
-
-
 def _backward_without_dispatch(grads: Grads, inputs: Inputs, opts: Options):
     """:func:`_backward` of the records the backward op takes: what the op and the eager path run."""
     return _backward(grads.grad_out, grads.grad_lse, *inputs, grads.out, grads.lse, opts)
@@ -316,15 +299,16 @@ def backward_in_op_layouts(grads: Grads, inputs: Inputs, opts: Options):
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), ddk, ddv
 
 
-@torch.library.impl("moda_flex::split_backward", ("cuda", "cpu"))
-def _backward_op(*args):
-    return backward_in_op_layouts(*unpack(args, Grads, Inputs, Options))
-
-
-@torch.library.register_fake("moda_flex::split_backward")
-def _backward_fake(*args):
-    _, (q, k, v, depth_k, _), _ = unpack(args, Grads, Inputs, Options)
+def gradients_unwritten(grads: Grads, inputs: Inputs, opts: Options):
+    """The backward op's results, unwritten (its fake): :func:`backward_in_op_layouts`'s shapes and layouts."""
+    q, k, v, depth_k, _ = inputs
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), *empty_grads(q, k, depth_k))
+
+
+# out (B, Hq, Tq, D) in q's layout and the lse in the vendor's shape (:func:`_forward`)
+define("split_forward", Inputs, Options, returns=2, run=lambda inputs, opts: _forward(*inputs, opts),
+       fake=lambda inputs, opts: _outputs(inputs.q, inputs.k, opts))  # fmt: skip
+define("split_backward", Grads, Inputs, Options, returns=5, run=backward_in_op_layouts, fake=gradients_unwritten)
 
 
 def _save(ctx, inputs: Inputs, opts: Options, output: tuple) -> None:

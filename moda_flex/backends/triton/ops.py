@@ -56,32 +56,12 @@ def _run_backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[
 # torch.library.custom_op wraps them in a Python check over every input tensor,
 # which costs more than the kernels at the 2L depth entries of a model's call.)
 # Their arguments are the records of launch.py, field by field.
-define("triton_forward", Inputs, Options, returns=2)
-define("triton_backward", Grads, Inputs, Options, returns=6)
-
-
-@torch.library.impl("moda_flex::triton_forward", ("cuda", "cpu"))
-def _forward_op(*args):
-    """out (B, Hq, Tq, D) and lse (B, Hq, Tq) float32."""
-    return _run_forward(*unpack(args, Inputs, Options))
-
-
-@torch.library.register_fake("moda_flex::triton_forward")
-def _forward_fake(*args):
-    inputs, _ = unpack(args, Inputs, Options)
-    return outputs(inputs)
-
-
-@torch.library.impl("moda_flex::triton_backward", ("cuda", "cpu"))
-def _backward_op(*args):
-    """What :func:`.launch.gradients` describes, written."""
-    return _run_backward(*unpack(args, Grads, Inputs, Options))
-
-
-@torch.library.register_fake("moda_flex::triton_backward")
-def _backward_fake(*args):
-    grads, inputs, _ = unpack(args, Grads, Inputs, Options)
-    return gradients(inputs, grads.bias_grad)
+# The forward gives out (B, Hq, Tq, D) and lse (B, Hq, Tq) float32; the backward what launch.gradients describes.
+# (Each runs the module's function as it is at the call: tests count the launches.)
+define("triton_forward", Inputs, Options, returns=2, run=lambda inputs, opts: _run_forward(inputs, opts),
+       fake=lambda inputs, opts: outputs(inputs))  # fmt: skip
+define("triton_backward", Grads, Inputs, Options, returns=6, run=lambda *records: _run_backward(*records),
+       fake=lambda grads, inputs, opts: gradients(inputs, grads.bias_grad))  # fmt: skip
 
 
 def _save(ctx, inputs: Inputs, opts: Options, out: Tensor, lse: Tensor, bias_grad: bool) -> None:
