@@ -86,6 +86,7 @@ def _median_us(fn, repeats: int, device: torch.device, calls: int = 100) -> floa
 def measure(slots: int, repeats: int, device: torch.device, fused: bool = False) -> dict:
     """us per call of each way (module docstring), B=1, Hq=6, Hk=2, T=8, D=64, causal (bfloat16 on CUDA); with
     ``fused``, also the fused kernel's ops."""
+    from moda_flex.backends.capture import fused_records
     from moda_flex.backends.split import ops, sequence
     from moda_flex.backends.triton import launch as triton_launch
 
@@ -122,8 +123,7 @@ def measure(slots: int, repeats: int, device: torch.device, fused: bool = False)
 
     ways = {"eager forward": eager_forward, "eager": eager, "ops": by_ops, "vendor": vendor}
     if fused:
-        fused_inputs = triton_launch.Inputs(*inputs, None, None)
-        fused_opts = triton_launch.Options(opts.scale, True, 0, 0, True, 0.0, False)
+        fused_inputs, fused_opts = fused_records(inputs, opts)
         fused_out, fused_lse = torch.ops.moda_flex.triton_forward(*fused_inputs, *fused_opts)
         fused_grads = triton_launch.Grads(grads.grad_out, None, fused_out, fused_lse, False)
 

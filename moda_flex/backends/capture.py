@@ -50,7 +50,7 @@ def kernel_now(device: torch.device) -> str:
     return "split" if capturing(device) else "triton"
 
 
-def _fused(inputs: Inputs, opts: Options) -> tuple[fused_launch.Inputs, fused_launch.Options]:
+def fused_records(inputs: Inputs, opts: Options) -> tuple[fused_launch.Inputs, fused_launch.Options]:
     """A call of the split path's records as the fused kernel's: no window, documents or score."""
     fused_inputs = fused_launch.Inputs(*inputs, documents=None, bias=None)
     fused_opts = fused_launch.Options(opts.scale, opts.causal, 0, opts.depth_first, opts.sequence, 0.0, False)
@@ -92,7 +92,7 @@ def _forward(inputs: Inputs, opts: Options) -> tuple[Tensor, Tensor]:
         out, lse = split_ops._forward(*inputs, opts, contiguous_out=True)
         return out, sequence.lse_view(lse)
     prepare_capture(inputs, opts)
-    return fused_ops._run_forward(*_fused(inputs, opts))
+    return fused_ops._run_forward(*fused_records(inputs, opts))
 
 
 def _backward(grads: Grads, inputs: Inputs, opts: Options) -> tuple[Tensor, ...]:
@@ -102,7 +102,7 @@ def _backward(grads: Grads, inputs: Inputs, opts: Options) -> tuple[Tensor, ...]
         lse = sequence.lse_layout(opts.kernel, grads.lse)
         return split_ops.backward_in_op_layouts(grads._replace(lse=lse), inputs, opts)
     grad_out = torch.zeros_like(grads.out) if grads.grad_out is None else grads.grad_out.contiguous()
-    fused_inputs, fused_opts = _fused(inputs, opts)
+    fused_inputs, fused_opts = fused_records(inputs, opts)
     fused_grads = fused_launch.Grads(grad_out, grads.grad_lse, grads.out, grads.lse, bias_grad=False)
     return fused_ops._run_backward(fused_grads, fused_inputs, fused_opts)[:5]
 
@@ -155,11 +155,12 @@ def capture_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: DepthKV, depth_v
         when it is made; compiled, its forward and backward each choose when
         they launch.
     """
+    compiling = torch.compiler.is_compiling()
+    if not compiling and kernel_now(q.device) == "split":
+        return split_ops.split_attention(q, k, v, depth_k, depth_v, variant, scale)
     depth_k, depth_v = as_list(depth_k), as_list(depth_v)
     opts = split_ops.call_options(q, k, slot_count(depth_k), variant, scale)
-    if torch.compiler.is_compiling():
+    if compiling:
         return torch.ops.moda_flex.capture_forward(*Inputs(q, k, v, depth_k, depth_v), *opts)
-    if kernel_now(q.device) == "split":
-        return split_ops.split_attention(q, k, v, depth_k, depth_v, variant, scale)
     prepare_capture(Inputs(q, k, v, depth_k, depth_v), opts)
     return fused_ops.triton_attention(q, k, v, depth_k, depth_v, variant, scale)

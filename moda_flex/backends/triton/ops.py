@@ -58,7 +58,7 @@ def _run_backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[
 # Their arguments are the records of launch.py, field by field.
 # The forward gives out (B, Hq, Tq, D) and lse (B, Hq, Tq) float32; the backward what launch.gradients describes.
 # (Each runs the module's function as it is at the call: tests count the launches.)
-define("triton_forward", Inputs, Options, returns=2, run=lambda inputs, opts: _run_forward(inputs, opts),
+define("triton_forward", Inputs, Options, returns=2, run=lambda *records: _run_forward(*records),
        fake=lambda inputs, opts: outputs(inputs))  # fmt: skip
 define("triton_backward", Grads, Inputs, Options, returns=6, run=lambda *records: _run_backward(*records),
        fake=lambda grads, inputs, opts: gradients(inputs, grads.bias_grad))  # fmt: skip
