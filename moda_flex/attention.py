@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import numbers
 from collections.abc import Sequence
@@ -12,7 +13,7 @@ import torch
 from torch import Tensor
 
 from . import backends
-from .depth import DepthKV, as_tensor, is_entries, slot_count
+from .depth import DepthKV, DepthStream, as_tensor, is_entries, slot_count
 from .scores import Score
 from .variants import Variant, resolve
 
@@ -84,6 +85,37 @@ def moda_attention(
             backward with ``create_graph=True`` through ``"flex"``, ``"triton"``
             or ``"split"``.
     """
+    run, tensors, variant, scale, autocast_off = _prepared_call(
+        q, k, v, depth_k, depth_v, variant, score, scale, backend, return_lse
+    )
+    with autocast_off:
+        out, lse = run(*tensors, variant, scale)
+    return (out, lse) if return_lse else out
+
+
+def stream_attention(q: Tensor, k: Tensor, v: Tensor, stream: DepthStream, *, variant: Union[str, Variant] = "causal",
+                     score: Optional[Score] = None, scale: Optional[float] = None, backend: str = "auto",
+                     return_lse: bool = False):  # fmt: skip
+    """:meth:`moda_flex.DepthStream.attend`: ``moda_attention`` over the stream's entries, and the stream with its
+    gradient path passed on (through the call where its kernel adds into the path's buffer,
+    :mod:`moda_flex.backends.chain`)."""
+    depth_k, depth_v = stream.read()
+    run, tensors, variant, scale, autocast_off = _prepared_call(
+        q, k, v, depth_k, depth_v, variant, score, scale, backend, return_lse
+    )
+    read = backends.stream_reader(run) if stream.gradients is not None and torch.is_grad_enabled() else None
+    with autocast_off:
+        if read is None:
+            out, lse = run(*tensors, variant, scale)
+        else:
+            out, lse, path = read(stream.gradients, *tensors, variant, scale)
+            stream = dataclasses.replace(stream, gradients=path)
+    return ((out, lse) if return_lse else out), stream
+
+
+def _prepared_call(q, k, v, depth_k, depth_v, variant, score, scale, backend: str, return_lse: bool):
+    """A call checked and made ready for its backend: the backend, the tensors (q, k, v, depth_k, depth_v) it
+    takes, the variant (its score joined), the scale, and the context to run it in."""
     variant = resolve(variant)
     if score is not None:
         if not isinstance(score, Score):
@@ -96,10 +128,8 @@ def moda_attention(
     if is_entries(depth_k) and not backends.reads_depth_entries(run):
         empty = k.new_empty(q.shape[0], k.shape[1], q.shape[2], q.shape[3])  # (B, Hk, Tq, D)
         depth_k, depth_v = as_tensor(depth_k, empty), as_tensor(depth_v, empty)
-    (q, k, v, depth_k, depth_v), autocast_off = _leave_autocast((q, k, v, depth_k, depth_v))
-    with autocast_off:
-        out, lse = run(q, k, v, depth_k, depth_v, variant, scale)
-    return (out, lse) if return_lse else out
+    tensors, autocast_off = _leave_autocast((q, k, v, depth_k, depth_v))
+    return run, tensors, variant, scale, autocast_off
 
 
 def _check_scale(scale, head_dim: int) -> float:

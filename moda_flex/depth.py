@@ -5,8 +5,8 @@
 - one tensor (B, Hk, Tq, L, D), any strides;
 - a sequence of L entries, each (B, Hk, Tq, D): slot ``l`` is entry ``l``.
 
-The second is what a model has: every layer writes one entry. The triton
-backend reads the entries where they are (through a table of slot
+The second is what a model has: every layer writes one entry. The kernel
+backends read the entries where they are (through a table of slot
 addresses), so a forward pass moves only the depth bytes its attention reads,
 and autograd gives each entry the sum of the gradients of every layer that
 read it, with no buffer written behind its back.
@@ -15,7 +15,11 @@ read it, with no buffer written behind its back.
 stream and leaves the old one as it was. A pass builds its stream layer by
 layer; nothing is mutated, so ``torch.compile(fullgraph=True)`` traces it,
 activation checkpointing can re-run a block, and a stream used twice gives the
-same entries twice.
+same entries twice. A stream built with gradients also carries a gradient
+path, whose gradient is one buffer of all its entries' gradients:
+:meth:`DepthStream.attend` has the kernel of each layer add into it, rather
+than autograd summing each entry's gradients one layer at a time
+(:mod:`moda_flex.backends.chain`).
 """
 
 from __future__ import annotations
@@ -80,6 +84,37 @@ def as_tensor(depth: DepthKV, empty_like: Tensor) -> Tensor:
     return torch.stack(tuple(depth), dim=3)  # (B, Hk, Tq, L, D)
 
 
+class _Append(torch.autograd.Function):
+    """A gradient path one slot longer; its gradient's last slot is the new entry's k and v gradient."""
+
+    @staticmethod
+    def forward(ctx, path, k, v):
+        ctx.set_materialize_grads(False)  # no reader after: None, not a buffer of zeros
+        two, B, Hk, T, n, D = path.shape
+        return path.new_empty(()).expand(two, B, Hk, T, n + 1, D)  # never read: one element, expanded
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return None, None, None
+        n = grad.shape[4] - 1
+        return grad[:, :, :, :, :n], grad[0, :, :, :, n], grad[1, :, :, :, n]
+
+
+def _path_after(stream: "DepthStream", k: Tensor, v: Tensor) -> Optional[Tensor]:
+    """The gradient path of ``stream`` with (k, v) appended: (2, B, Hk, T, n + 1, D); None where the entries
+    get no gradient (no grad mode, or no entry needs one) or the path would not cover every entry."""
+    if not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or stream.gradients is not None)):
+        return None
+    path = stream.gradients
+    if path is None:
+        if len(stream):  # the earlier entries have no path: their gradients could not be handed back
+            return None
+        B, Hk, T, D = k.shape
+        path = k.new_empty(()).expand(2, B, Hk, T, 0, D)
+    return _Append.apply(path, k, v)
+
+
 @dataclasses.dataclass(frozen=True)
 class DepthStream:
     """The depth K/V written so far in one forward pass: an immutable sequence of entries.
@@ -94,11 +129,14 @@ class DepthStream:
     Attributes:
         capacity: the most entries the pass may append, or None for no limit.
         keys, values: the entries, each (B, Hk, T, D), oldest first.
+        gradients: the gradient path (2, B, Hk, T, n, D) of :meth:`attend`,
+            or None: a stream appended to with gradients has one.
     """
 
     capacity: Optional[int] = None
     keys: tuple = ()
     values: tuple = ()
+    gradients: Optional[Tensor] = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.capacity is not None and (
@@ -140,7 +178,29 @@ class DepthStream:
                     raise ValueError(
                         f"entry {len(self)} has {what} {seen}, but the stream's entries have {expected}"
                     )
-        return DepthStream(self.capacity, self.keys + (k,), self.values + (v,))
+        return DepthStream(self.capacity, self.keys + (k,), self.values + (v,), _path_after(self, k, v))
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, **options) -> tuple:
+        """``moda_attention`` over ``[k, v | every entry of the stream]``; returns its result and the stream.
+
+        The same as ``moda_attention(q, k, v, *stream.read(), **options)``,
+        except that where the backend is a kernel one that adds into the
+        stream's gradient buffer (:mod:`moda_flex.backends.chain`), the
+        entries' gradients gather there: one pass a layer, not a sum of
+        each entry's gradients per layer.
+
+        Args:
+            q: (B, Hq, Tq, D); k, v: (B, Hk, Tk, D), as ``moda_attention`` takes them.
+            options: ``moda_attention``'s keyword arguments (variant, score,
+                scale, backend, return_lse).
+
+        Returns:
+            what ``moda_attention`` returns, and the stream to read or append
+            to next (its entries are these; its gradient path goes on).
+        """
+        from .attention import stream_attention
+
+        return stream_attention(q, k, v, self, **options)
 
     def read(self, count: Optional[int] = None) -> tuple[Optional[list], Optional[list]]:
         """The first ``count`` entries (all by default) as two lists of (B, Hk, T, D), or (None, None) if none.

@@ -233,11 +233,14 @@ class MoDAAttention(nn.Module):
         """
         B, T, C = x.shape
         q, k, v = self._project(x, cache.length if cache is not None else 0)
-        depth_k, depth_v = depth.read() if depth is not None else (None, None)
         k_all, v_all = cache.update(k, v) if cache is not None else (k, v)
-        y = moda_attention(q, k_all, v_all, depth_k, depth_v, variant=self._scored, backend=self.backend)
+        if depth is None:
+            y = moda_attention(q, k_all, v_all, variant=self._scored, backend=self.backend)
+        else:
+            y, depth = depth.attend(q, k_all, v_all, variant=self._scored, backend=self.backend)
+            depth = depth.append(k, v)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, Hq*D)
-        return self.o_proj(y), (depth.append(k, v) if depth is not None else None)
+        return self.o_proj(y), depth
 
     @torch.no_grad()
     def probabilities(self, x: Tensor, depth: Optional[DepthStream] = None) -> Tensor:

@@ -20,8 +20,10 @@ A kernel's first launch may not happen during a capture: it compiles and
 loads Triton's kernels and builds cuDNN's plan, work a capture does not
 allow (tried on an H200: "operation failed due to a previous error during
 capture"). So the first call of each layout that runs the fused kernel runs
-the split path's forward and backward once as well, uncaptured, and drops
-their results: a step's warm-up prepares its capture.
+the split path's forward and backward once as well, uncaptured (the
+backward in each of its forms: returning the depth gradients, writing them
+into a depth stream's buffer, adding to it), and drops their results: a
+step's warm-up prepares its capture.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from ..variants import Variant
 from .records import define, unpack
 from .split import ops as split_ops
 from .split import sequence
-from .split.ops import Grads, Inputs, Options
+from .split.ops import Grads, Inputs, Into, Options
 from .triton import ops as fused_ops
 from .triton import launch as fused_launch
 
@@ -82,7 +84,12 @@ def _prepare(inputs: Inputs, opts: Options) -> None:
         return
     with torch.no_grad():
         out, lse = split_ops._forward(*inputs, opts, contiguous_out=True)
-        split_ops.backward_in_op_layouts(Grads(torch.zeros_like(out), None, out, lse), inputs, opts)
+        grads = Grads(torch.zeros_like(out), None, out, lse)
+        split_ops.backward_in_op_layouts(grads, inputs, opts)
+        q, k = inputs.q, inputs.k
+        buffer = q.new_zeros(2, k.shape[0], k.shape[1], q.shape[2], slot_count(inputs.depth_k), q.shape[3])
+        for add in (False, True):  # a depth stream's gradient buffer (chain.py), written first, then added to
+            split_ops.backward_into(grads, inputs, opts, Into(buffer, add))
     _PREPARED.add(key)
 
 
@@ -99,8 +106,26 @@ def _backward(grads: Grads, inputs: Inputs, opts: Options) -> tuple[Tensor, ...]
     """dq, dk, dv, contiguous, and the depth gradients, two (B, Hk, Tq, L, D) tensors, from the forward's out
     and its lse (B, Hq, Tq), by the kernel of :func:`kernel_now`."""
     if kernel_now(inputs.q.device) == "split":
-        lse = sequence.lse_layout(opts.kernel, grads.lse)
-        return split_ops.backward_in_op_layouts(grads._replace(lse=lse), inputs, opts)
+        return split_ops.backward_in_op_layouts(_split_grads(grads, opts), inputs, opts)
+    return _fused_backward(grads, inputs, opts)
+
+
+def _backward_into(grads: Grads, inputs: Inputs, opts: Options, into: Into) -> tuple[Tensor, ...]:
+    """dq, dk, dv, contiguous, with the depth gradients put into ``into``, by the kernel of :func:`kernel_now`."""
+    if kernel_now(inputs.q.device) == "split":
+        return split_ops.backward_into(_split_grads(grads, opts), inputs, opts, into)
+    dq, dk, dv, ddk, ddv = _fused_backward(grads, inputs, opts)
+    for buffer, grad in zip(into.depth_grads, (ddk, ddv)):  # the fused kernel writes its own
+        buffer.add_(grad) if into.add else buffer.copy_(grad)
+    return dq, dk, dv
+
+
+def _split_grads(grads: Grads, opts: Options) -> Grads:
+    """``grads`` with the lse in the layout of the split path's vendor op."""
+    return grads._replace(lse=sequence.lse_layout(opts.kernel, grads.lse))
+
+
+def _fused_backward(grads: Grads, inputs: Inputs, opts: Options) -> tuple[Tensor, ...]:
     grad_out = torch.zeros_like(grads.out) if grads.grad_out is None else grads.grad_out.contiguous()
     fused_inputs, fused_opts = fused_records(inputs, opts)
     fused_grads = fused_launch.Grads(grad_out, grads.grad_lse, grads.out, grads.lse, bias_grad=False)
@@ -119,6 +144,8 @@ def _outputs(inputs: Inputs, opts: Options) -> tuple[Tensor, Tensor]:
 
 define("capture_forward", Inputs, Options, returns=2, run=_forward, fake=_outputs)
 define("capture_backward", Grads, Inputs, Options, returns=5, run=_backward, fake=split_ops.gradients_unwritten)
+define("capture_backward_into", Grads, Inputs, Options, Into, returns=3, run=_backward_into,
+       fake=lambda grads, inputs, opts, into: split_ops.gradients_unwritten(grads, inputs, opts)[:3])  # fmt: skip
 
 
 def _backward_by_op(grads: Grads, inputs: Inputs, opts: Options):

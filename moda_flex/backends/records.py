@@ -10,10 +10,13 @@ argument is adding a field.
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple, Optional, get_type_hints
+from typing import Callable, NamedTuple, NewType, Optional, get_type_hints
 
 import torch
 from torch import Tensor
+
+# A tensor field the op writes in place (schema ``Tensor(a!)``, each with its own alias letter).
+Written = NewType("Written", Tensor)
 
 # A field's annotation -> its type in an op schema.
 _SCHEMA_TYPES = {Tensor: "Tensor", Optional[Tensor]: "Tensor?", list[Tensor]: "Tensor[]",
@@ -32,7 +35,10 @@ def _fields(record: type[NamedTuple]) -> dict:
 
 def schema(*records: type[NamedTuple]) -> str:
     """The schema's arguments from the records' fields, in order: ``"Tensor q, ..., float scale, ..."``."""
-    return ", ".join(f"{_SCHEMA_TYPES[kind]} {name}" for record in records for name, kind in _fields(record).items())
+    fields = [(name, kind) for record in records for name, kind in _fields(record).items()]
+    letters = iter("abcdefghijklmnopqrstuvwxyz")
+    return ", ".join(f"Tensor({next(letters)}!) {name}" if kind is Written else f"{_SCHEMA_TYPES[kind]} {name}"
+                     for name, kind in fields)  # fmt: skip
 
 
 def define(op: str, *records: type[NamedTuple], returns: int, run: Callable, fake: Callable) -> None:

@@ -256,6 +256,15 @@ def _prepare_backward_kernel(
 
 
 @triton.jit
+def _store_gradient(ptr, value, mask, ADD: tl.constexpr):
+    """Store a depth slot's gradient; with ``ADD``, add it to what the buffer holds (a depth stream's one
+    gradient buffer, :mod:`moda_flex.backends.chain`), in float32 before the one rounding."""
+    if ADD:
+        value += tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptr, value.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _depth_backward_kernel(
     Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV,
     sq, sdk, sdv, so, sdo, sl, sgl, sdq, sgk, sgv,
@@ -269,13 +278,14 @@ def _depth_backward_kernel(
     DQ_ADD: tl.constexpr,
     HAS_GLSE: tl.constexpr,
     SLOTS_ALIGNED: tl.constexpr,
+    DEPTH_ADD: tl.constexpr,
 ):  # fmt: skip
     """The depth part's gradients from the merged out and lse of the silenced inputs.
 
     ``P = exp(scale q . kd - lse)``, ``delta = rowsum(dO * O) - dLSE``,
     ``dS = P (dO . vd - delta)``: writes dK_d, dV_d of every slot (zero for
     slots before ``depth_first``) and dQ, added in place to the sequence
-    part's ``DQ`` with ``DQ_ADD``.
+    part's ``DQ`` with ``DQ_ADD``. With ``DEPTH_ADD`` dK_d, dV_d are added to DDK, DDV.
     """
     R: tl.constexpr = BLOCK_T * GP
     b, hk, bhk, t0, rt, tok, h, row_ok, d, d_ok = _program_rows(Hk, Tq, G, GP, BLOCK_T, D, DP)
@@ -312,10 +322,8 @@ def _depth_backward_kernel(
         ddk = tl.dot(tl.trans(ds), q) * scale
         col_tok64 = col_tok.to(tl.int64)
         out = stored[:, None] & d_ok[None, :]
-        tl.store(gvbase + (col_tok64 * sgv[2] + slot * sgv[3])[:, None] + d[None, :], ddv.to(DDV.dtype.element_ty),
-                 mask=out)  # fmt: skip
-        tl.store(gkbase + (col_tok64 * sgk[2] + slot * sgk[3])[:, None] + d[None, :], ddk.to(DDK.dtype.element_ty),
-                 mask=out)  # fmt: skip
+        _store_gradient(gvbase + (col_tok64 * sgv[2] + slot * sgv[3])[:, None] + d[None, :], ddv, out, DEPTH_ADD)
+        _store_gradient(gkbase + (col_tok64 * sgk[2] + slot * sgk[3])[:, None] + d[None, :], ddk, out, DEPTH_ADD)
 
     dq = dq * scale
     dq_ptr = DQ + b * sdq[0] + h[:, None] * sdq[1] + tok[:, None] * sdq[2] + d[None, :]
@@ -457,6 +465,7 @@ def _depth_backward_token_kernel(
     DQ_ADD: tl.constexpr,
     HAS_GLSE: tl.constexpr,
     SLOTS_ALIGNED: tl.constexpr,
+    DEPTH_ADD: tl.constexpr,
 ):  # fmt: skip
     """:func:`_depth_backward_kernel`'s gradients, a token's rows against its own slots on the CUDA cores.
 
@@ -478,9 +487,10 @@ def _depth_backward_token_kernel(
     b64, hk64, t64 = b.to(tl.int64), hk.to(tl.int64), t.to(tl.int64)  # a slab's offsets may pass 2**31
     gk = DDK + b64 * sgk[0] + hk64 * sgk[1] + t64[:, None] * sgk[2] + d[None, :]
     gv = DDV + b64 * sgv[0] + hk64 * sgv[1] + t64[:, None] * sgv[2] + d[None, :]
-    for slot in range(0, depth_first):  # slots no row sees
-        tl.store(gk + slot * sgk[3], tl.zeros((BLOCK_T, DP), DDK.dtype.element_ty), mask=slot_live)
-        tl.store(gv + slot * sgv[3], tl.zeros((BLOCK_T, DP), DDV.dtype.element_ty), mask=slot_live)
+    if not DEPTH_ADD:
+        for slot in range(0, depth_first):  # slots no row sees
+            tl.store(gk + slot * sgk[3], tl.zeros((BLOCK_T, DP), DDK.dtype.element_ty), mask=slot_live)
+            tl.store(gv + slot * sgv[3], tl.zeros((BLOCK_T, DP), DDV.dtype.element_ty), mask=slot_live)
     kd_next, vd_next = _token_slot(DK_TAB, DV_TAB, depth_first, L, b, hk, t, d, sdk, sdv, slot_live,
                                    ELEM=Q.dtype.element_ty, ALIGNED=SLOTS_ALIGNED)  # fmt: skip
     for slot in range(depth_first, L):  # the next slot loaded before this one's products, as in the forward
@@ -492,8 +502,8 @@ def _depth_backward_token_kernel(
         dp = tl.sum(do * vd[:, None, :], 2)
         ds = tl.where(live, p * (dp - delta), 0.0)
         dq += ds[:, :, None] * kd[:, None, :]
-        tl.store(gk + slot * sgk[3], (tl.sum(ds[:, :, None] * q, 1) * scale).to(DDK.dtype.element_ty), mask=slot_live)
-        tl.store(gv + slot * sgv[3], tl.sum(p[:, :, None] * do, 1).to(DDV.dtype.element_ty), mask=slot_live)
+        _store_gradient(gk + slot * sgk[3], tl.sum(ds[:, :, None] * q, 1) * scale, slot_live, DEPTH_ADD)
+        _store_gradient(gv + slot * sgv[3], tl.sum(p[:, :, None] * do, 1), slot_live, DEPTH_ADD)
 
     dq = tl.where(live[:, :, None], dq * scale, 0.0)  # a dead row's products met its non-finite slots
     dq_ptr = _rows_at(DQ, sdq, b, h, t, d)

@@ -34,7 +34,7 @@ from torch import Tensor
 from ...depth import as_list, empty_grads, grads_like, slot_count
 from ..blocks import cdiv, next_pow2
 from ..first_order import refuse_create_graph
-from ..records import ATTENTION, define, restored, saved, unpack
+from ..records import ATTENTION, Written, define, restored, saved, unpack
 from ..slots import depth_args
 from . import sequence
 
@@ -54,6 +54,13 @@ class Grads(NamedTuple):
     grad_lse: Optional[Tensor]
     out: Tensor  # the forward's results, the lse in the vendor's layout
     lse: Tensor
+
+
+class Into(NamedTuple):
+    """Where a backward op puts the depth gradients rather than returning them (:mod:`moda_flex.backends.chain`)."""
+
+    depth_grads: Written  # (2, B, Hk, Tq, L, D), any strides: the keys' gradients in [0], the values' in [1]
+    add: bool  # add to what it holds; else it is unwritten
 
 
 class Options(NamedTuple):
@@ -237,11 +244,13 @@ def _sequence_backward_with_lse(q, k, v, out, grad_out, lse, grad_lse, opts: Opt
     return dq[..., :D], dk[..., :D], dv[..., :D]
 
 
-def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Options):
+def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Options,
+              into: Optional[tuple[Tensor, Tensor]] = None, add: bool = False):  # fmt: skip
     """dq (B, Hq, Tq, D), dk, dv (B, Hk, Tk, D), and the depth gradients, two (B, Hk, Tq, L, D) tensors.
 
     ``grad_out`` or ``grad_lse`` may be None (no gradient reached that output). dq, dk, dv are in the
-    vendor's layouts (the op makes them contiguous, as its fake says).
+    vendor's layouts (the op makes them contiguous, as its fake says). ``into``: two (B, Hk, Tq, L, D) tensors,
+    any strides, that get the depth gradients (returned as they are), added to what they hold with ``add``.
     """
     from . import kernels
 
@@ -250,9 +259,12 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     Hk, L = k.shape[1], slot_count(depth_k)
     # dO in any layout: the silencing pass below copies it into out's, which the vendor's backward reads
     grad_out = torch.zeros_like(out) if grad_out is None else _unit_last(grad_out)
-    ddk, ddv = empty_grads(q, k, depth_k)
+    ddk, ddv = empty_grads(q, k, depth_k) if into is None else into
     if q.numel() == 0:
-        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), ddk.zero_(), ddv.zero_()
+        if not add:
+            ddk.zero_()
+            ddv.zero_()
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), ddk, ddv
     has_sequence = _has_sequence(k, opts)
     # the lse says which rows are dead: the keys and values need no first bad token, only zeroing
     q_c, out_c, grad_c, lse_c, k0, v0 = _prepared(q, out, grad_out, lse, k, v, sanitize_kv=has_sequence)
@@ -276,7 +288,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
         sq=q_c.stride(), so=out_c.stride(), sdo=grad_c.stride(),
         sl=lv.stride(), sgl=glse.stride(), sdq=dq.stride(), sgk=ddk.stride(), sgv=ddv.stride(),
         Hk=Hk, Tq=Tq, L=L, depth_first=opts.depth_first, scale=opts.scale, qk_scale=opts.scale * _LOG2E,
-        **layout, DQ_ADD=has_sequence, HAS_GLSE=grad_lse is not None,
+        **layout, DQ_ADD=has_sequence, HAS_GLSE=grad_lse is not None, DEPTH_ADD=add,
     )  # fmt: skip
     return dq, dk, dv, ddk, ddv
 
@@ -299,6 +311,13 @@ def backward_in_op_layouts(grads: Grads, inputs: Inputs, opts: Options):
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), ddk, ddv
 
 
+def backward_into(grads: Grads, inputs: Inputs, opts: Options, into: Into):
+    """dq, dk, dv, contiguous, with the depth gradients put into ``into``."""
+    dq, dk, dv, _, _ = _backward(grads.grad_out, grads.grad_lse, *inputs, grads.out, grads.lse, opts,
+                                 into=tuple(into.depth_grads.unbind(0)), add=into.add)  # fmt: skip
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
 def gradients_unwritten(grads: Grads, inputs: Inputs, opts: Options):
     """The backward op's results, unwritten (its fake): :func:`backward_in_op_layouts`'s shapes and layouts."""
     q, k, v, depth_k, _ = inputs
@@ -309,6 +328,8 @@ def gradients_unwritten(grads: Grads, inputs: Inputs, opts: Options):
 define("split_forward", Inputs, Options, returns=2, run=lambda inputs, opts: _forward(*inputs, opts),
        fake=lambda inputs, opts: _outputs(inputs.q, inputs.k, opts))  # fmt: skip
 define("split_backward", Grads, Inputs, Options, returns=5, run=backward_in_op_layouts, fake=gradients_unwritten)
+define("split_backward_into", Grads, Inputs, Options, Into, returns=3, run=backward_into,
+       fake=lambda grads, inputs, opts, into: gradients_unwritten(grads, inputs, opts)[:3])  # fmt: skip
 
 
 def _save(ctx, inputs: Inputs, opts: Options, output: tuple) -> None:

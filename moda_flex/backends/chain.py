@@ -1,0 +1,99 @@
+"""One gradient buffer for a depth stream's entries: each layer's backward adds its depth gradients in place.
+
+A depth entry written by layer ``j`` is read by every later layer, and its
+gradient is the sum of theirs. Given the entries as leaves of their own,
+autograd sums them entry by entry: a model of N layers pays about N^2 / 2
+small additions a step. A :class:`moda_flex.DepthStream` carries a gradient
+path beside its entries instead (:func:`moda_flex.depth.append_to_path`): a
+tensor of the stream's shape, (2, B, Hk, T, n, D), that is never stored
+(it expands one element) and whose gradient, flowing back from layer to
+layer, is the buffer of every entry's gradient so far::
+
+    forward    path_0 -> attention 1 -> path_1' -> append (k_1, v_1) -> path_2 -> attention 2 -> ...
+    backward   G (2, B, Hk, T, n, D) <- layer n's depth gradients added in place <- ... -> the entry's k, v get G[:, ..., j, :]
+
+The call here reads the stream and passes the path on: its backward takes
+the buffer G that the later layers filled and has the kernel add this
+layer's depth gradients into it (``DEPTH_ADD``: one pass over the slots,
+no separate summation); appending entry ``j`` hands ``G[:, ..., j, :]``,
+complete by then, to the entry's k and v. The entries themselves get no
+gradient from the call. Nothing is hidden: the buffer is the path's
+gradient, so ``torch.compile`` (where inductor adds in place into one
+buffer), activation checkpointing and a stream read twice (autograd sums
+the two buffers) keep the gradients exact.
+
+It runs the two kernels ``auto`` takes for a model's calls on CUDA:
+``split`` and ``capture`` (:data:`KERNELS`). Any other backend reads the
+stream's entries as a sequence, each given its own gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..depth import DepthKV, as_list
+from . import capture, split
+from .first_order import refuse_create_graph
+from .split import ops as split_ops
+from .split import sequence
+from .split.ops import Grads, Inputs, Into
+
+# The kernel backends (:data:`moda_flex.backends.KERNELS`) that add into a stream's gradient buffer: each module
+# defines the ops ``moda_flex::<name>_forward`` and ``<name>_backward_into``.
+_MODULES = {"split": split, "capture": capture}
+KERNELS = tuple(_MODULES)
+
+
+def _ops(kernel: str):
+    """The forward op and the backward-into op of ``kernel``."""
+    return getattr(torch.ops.moda_flex, f"{kernel}_forward"), getattr(torch.ops.moda_flex, f"{kernel}_backward_into")
+
+
+class _ReadStream(torch.autograd.Function):
+    """A kernel call over a stream's entries that passes the stream's gradient path on (see the module)."""
+
+    @staticmethod
+    def forward(ctx, path, kernel, opts, n_depth, q, k, v, *depth):
+        inputs = Inputs(q, k, v, list(depth[:n_depth]), list(depth[n_depth:]))
+        forward_op, _ = _ops(kernel)
+        out, lse = forward_op(*inputs, *opts)
+        ctx.save_for_backward(out, lse, q, k, v, *depth)
+        ctx.set_materialize_grads(False)  # an output no loss reached: None, not zeros
+        ctx.kernel, ctx.options, ctx.n_depth, ctx.path = kernel, opts, n_depth, (path.shape, path.dtype)
+        return out, lse, path.new_empty(()).expand(path.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse, grad_path):
+        refuse_create_graph("auto")
+        out, lse, q, k, v, *depth = ctx.saved_tensors
+        inputs = Inputs(q, k, v, depth[: ctx.n_depth], depth[ctx.n_depth :])
+        no_depth = (None,) * len(depth)
+        if grad_out is None and grad_lse is None:
+            return grad_path, None, None, None, None, None, None, *no_depth
+        shape, dtype = ctx.path
+        add = grad_path is not None
+        buffer = grad_path if add else out.new_empty(shape, dtype=dtype)  # the last reader writes it first
+        _, backward_into = _ops(ctx.kernel)
+        dq, dk, dv = backward_into(*Grads(grad_out, grad_lse, out, lse), *inputs, *ctx.options, *Into(buffer, add))
+        return buffer, None, None, None, dq, dk, dv, *no_depth
+
+
+def read_stream(kernel: str, path: Tensor, q: Tensor, k: Tensor, v: Tensor, depth_k: DepthKV, depth_v: DepthKV,
+                variant, scale: float) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """MoDA over a stream's entries by ``kernel`` (one of :data:`KERNELS`), their gradients added into the
+    gradient buffer that ``path`` carries.
+
+    Args:
+        kernel: ``"split"`` or ``"capture"``, a backend that runs the call.
+        path: the stream's gradient path, (2, B, Hk, Tq, L, D).
+        q, k, v, variant, scale: as the kernel's function takes them.
+        depth_k, depth_v: the stream's L entries, each (B, Hk, Tq, D).
+
+    Returns:
+        out (B, Hq, Tq, D), lse (B, Hq, Tq) float32, and the path to pass on.
+    """
+    depth_k, depth_v = as_list(depth_k), as_list(depth_v)
+    opts = split_ops.call_options(q, k, len(depth_k), variant, scale)
+    out, lse, path = _ReadStream.apply(path, kernel, opts, len(depth_k), q, k, v, *depth_k, *depth_v)
+    return out, sequence.lse_view(lse), path

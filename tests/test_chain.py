@@ -1,0 +1,212 @@
+"""A depth stream's one gradient buffer (``moda_flex.backends.chain``): each layer's kernel adds into it.
+
+Every gradient must equal the one autograd gives when each entry is a leaf
+of its own and sums its readers' gradients (the plain path, which any
+backend without the buffer takes): eagerly, compiled, checkpointed, and for
+a stream that two branches read. On CPU the kernels run under Triton's
+interpreter in float32.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
+
+from moda_flex import DepthStream, backends, moda_attention  # noqa: E402
+from moda_flex import variants as v  # noqa: E402
+from moda_flex.backends import capture  # noqa: E402
+from moda_flex.backends.split import ops as split_ops  # noqa: E402
+from moda_flex.nn import Block, BlockConfig  # noqa: E402
+from moda_flex.testing import MoDAShape, make_inputs  # noqa: E402
+
+from test_capture import PAIRING_IDS, PAIRINGS, Captures  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+TOLERANCE = dict(atol=2e-2, rtol=2e-2) if DTYPE == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+
+
+class IntoSpy:
+    """Counts the split path's backward passes that put the depth gradients into a stream's buffer."""
+
+    def __init__(self, monkeypatch):
+        self.calls, backward = 0, split_ops._backward
+
+        def spied(*args, into=None, **kwargs):
+            self.calls += into is not None
+            return backward(*args, into=into, **kwargs)
+
+        monkeypatch.setattr(split_ops, "_backward", spied)
+
+
+def _plain(monkeypatch):
+    """Every stream read as entries of their own, each summing its own gradients (no buffer)."""
+    monkeypatch.setattr(backends, "stream_reader", lambda run: None)
+
+
+def _blocks(depth_kv="attn+ffn", n_layer=3, backend="split", n_head=4):
+    torch.manual_seed(0)
+    config = BlockConfig(n_embd=32, n_head=n_head, n_kv_head=2, depth_kv=depth_kv, norm="post", backend=backend)
+    return torch.nn.ModuleList(Block(config, ffn_depth=i < n_layer - 1) for i in range(n_layer)).to(DEVICE, DTYPE)
+
+
+def _loss(blocks, x, checkpointed=False):
+    depth = DepthStream()
+    for block in blocks:
+        x, depth = checkpoint(block, x, depth, use_reentrant=False) if checkpointed else block(x, depth)
+    return x.square().mean()
+
+
+def _gradients(blocks, x, run=_loss, **kwargs):
+    x = x.detach().requires_grad_()
+    loss = run(blocks, x, **kwargs)
+    return torch.autograd.grad(loss, [x, *blocks.parameters()])
+
+
+def _assert_same(got, expected):
+    assert len(got) == len(expected)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(g, e, **TOLERANCE, msg=lambda m: f"gradient {i}: {m}")
+
+
+def _input(T=5):
+    return torch.randn(2, T, 32, device=DEVICE, dtype=DTYPE, generator=torch.Generator(DEVICE).manual_seed(1))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
+@pytest.mark.parametrize("depth_kv", ["attn", "attn+ffn"])
+def test_a_model_gets_the_gradients_of_its_entries_summed_one_by_one(depth_kv, compiled, monkeypatch):
+    blocks, x = _blocks(depth_kv), _input()
+    run = torch.compile(_loss, backend="aot_eager", fullgraph=True) if compiled else _loss
+    torch._dynamo.reset()
+    added = IntoSpy(monkeypatch)
+    got = _gradients(blocks, x, run)
+    assert added.calls == len(blocks) - 1  # every attention after the first reads the stream through its buffer
+    _plain(monkeypatch)
+    torch._dynamo.reset()
+    _assert_same(got, _gradients(blocks, x, run))
+
+
+class EntrySums(TorchDispatchMode):
+    """Counts the additions of (B, Hk, T, D) tensors, the depth entries' shape, that a backward runs."""
+
+    def __init__(self, entry_shape):
+        super().__init__()
+        self.entry_shape, self.count = entry_shape, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor) and args[0].shape == self.entry_shape
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_entry_sums_its_readers_gradients_one_by_one(monkeypatch):
+    """Plain, each entry's k and v add up the gradients of the R layers that read it: R - 1 additions each;
+    through the buffer, none of them (the layers' kernels added into it)."""
+    n_layer = 4
+    blocks, x = _blocks(n_layer=n_layer), _input()
+    # block i appends entries 2i (attention) and 2i + 1 (FFN, none in the last); block i's attention reads 2i
+    entries = 2 * n_layer - 1
+    readers = [sum(1 for i in range(n_layer) if 2 * i > j) for j in range(entries)]
+    entry_shape = (2, 2, x.shape[1], 8)  # (B, Hk, T, D)
+    counts = []
+    for plain in (False, True):
+        if plain:
+            _plain(monkeypatch)
+        loss = _loss(blocks, x.detach().requires_grad_())
+        with EntrySums(entry_shape) as sums:
+            loss.backward()
+        counts.append(sums.count)
+    chained, plain = counts
+    assert plain - chained == 2 * sum(r - 1 for r in readers if r > 1)
+
+
+def test_checkpointed_blocks_get_the_same_gradients(monkeypatch):
+    blocks, x = _blocks(), _input()
+    got = _gradients(blocks, x, checkpointed=True)
+    _plain(monkeypatch)
+    _assert_same(got, _gradients(blocks, x))
+
+
+def test_a_stream_two_branches_read_sums_both_buffers(monkeypatch):
+    """Two attentions read one stream and append apart: autograd adds their buffers where the paths meet."""
+    shape = MoDAShape(1, 4, 2, 5, 5, 0, 8)
+    inputs = make_inputs(shape, device=DEVICE, dtype=DTYPE)
+    q1, k, v = inputs["q"], inputs["k"], inputs["v"]
+    q2 = torch.randn_like(q1)
+    leaves = [t.detach().requires_grad_() for t in (q1, q2, k, v)]
+
+    def loss(q1, q2, k, v):
+        stream = DepthStream().append(k.tanh(), v.sin()).append(k.cos(), v * 2)
+        a, left = stream.attend(q1, k, v, backend="split")
+        b, right = stream.attend(q2, k, v, backend="split")
+        c, _ = left.append(k * 3, v).attend(q2.flip(2), k, v, backend="split")
+        return (a * b).sum() + c.square().sum() + right.keys[0].sum()
+
+    got = torch.autograd.grad(loss(*leaves), leaves)
+    _plain(monkeypatch)
+    _assert_same(got, torch.autograd.grad(loss(*leaves), leaves))
+
+
+@pytest.mark.parametrize("states", PAIRINGS, ids=PAIRING_IDS)
+def test_the_capture_kernels_add_into_the_buffer(states, monkeypatch):
+    """``auto``'s kernels for a model (fused, or split while captured), compiled: each pairing adds alike."""
+    blocks, x = _blocks(backend="auto"), _input()
+    monkeypatch.setattr(backends, "_auto", lambda *args: capture.capture_attention)
+    run = torch.compile(_loss, backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+    Captures(monkeypatch, states * 2 * len(blocks))  # each call's forward launch, then its backward's; two runs
+    got = _gradients(blocks, x, run)
+    _plain(monkeypatch)
+    torch._dynamo.reset()
+    _assert_same(got, _gradients(blocks, x, run))
+
+
+@pytest.mark.parametrize("heads", [(6, 2), (8, 1)], ids=["per-token kernel", "tile kernel"])
+@pytest.mark.parametrize("variant", [v.causal(), v.depth_window(2)], ids=["causal", "depth window"])
+def test_the_depth_kernel_adds_to_or_writes_the_buffer(heads, variant):
+    """``split_backward_into``: the buffer gets exactly what ``split_backward`` returns, added or written; slots
+    the call does not reach keep what they held."""
+    Hq, Hk = heads
+    shape = MoDAShape(1, Hq, Hk, 7, 7, 4, 16)
+    inputs = make_inputs(shape, device=DEVICE, dtype=DTYPE, depth_entries=True)
+    opts = split_ops.call_options(inputs["q"], inputs["k"], 4, variant, 0.25)
+    records = split_ops.Inputs(inputs["q"], inputs["k"], inputs["v"], list(inputs["depth_k"]),
+                               list(inputs["depth_v"]))  # fmt: skip
+    out, lse = torch.ops.moda_flex.split_forward(*records, *opts)
+    grads = split_ops.Grads(torch.randn_like(out), None, out, lse)
+    dq, dk, dv, ddk, ddv = torch.ops.moda_flex.split_backward(*grads, *records, *opts)
+    held = torch.randn(2, 1, Hk, 7, 6, 16, device=DEVICE, dtype=DTYPE)  # two slots more than the call reads
+    for add in (True, False):
+        buffer = held.clone()
+        got = torch.ops.moda_flex.split_backward_into(*grads, *records, *opts, buffer[..., :4, :], add)
+        for g, e in zip(got, (dq, dk, dv)):
+            torch.testing.assert_close(g, e, atol=0, rtol=0)
+        expected = torch.stack([ddk, ddv]) + (held[..., :4, :] if add else 0)
+        torch.testing.assert_close(buffer[..., :4, :], expected, **TOLERANCE)
+        torch.testing.assert_close(buffer[..., 4:, :], held[..., 4:, :], atol=0, rtol=0)
+
+
+def test_a_stream_carries_a_path_only_where_its_entries_get_gradients():
+    k, v = torch.randn(2, 1, 2, 3, 4).unbind(0)
+    assert DepthStream().append(k, v).gradients is None  # no entry needs a gradient
+    k.requires_grad_()
+    stream = DepthStream().append(k, v).append(k * 2, v)
+    assert stream.gradients.shape == (2, 1, 2, 3, 2, 4)
+    assert stream.gradients.untyped_storage().nbytes() == k.element_size()  # one element, expanded
+    with torch.no_grad():
+        assert stream.append(k, v).gradients is None
+    before = DepthStream().append(k.detach(), v)  # an entry with no path: the path could not hand it back
+    assert before.append(k, v).gradients is None
+
+
+def test_a_stream_read_without_gradients_passes_its_path_through():
+    shape = MoDAShape(1, 4, 2, 5, 5, 0, 8)
+    q, k, v = (make_inputs(shape, device=DEVICE, dtype=DTYPE)[name] for name in ("q", "k", "v"))
+    stream = DepthStream().append(k.requires_grad_(), v)
+    with torch.no_grad():
+        out, same = stream.attend(q, k, v, backend="split")
+    assert same is stream
+    torch.testing.assert_close(out, moda_attention(q, k, v, *stream.read(), backend="split"))
