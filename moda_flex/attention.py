@@ -108,7 +108,7 @@ def stream_attention(q: Tensor, k: Tensor, v: Tensor, stream: DepthStream, *, va
         if read is None:
             out, lse = run(*tensors, variant, scale)
         else:
-            out, lse, path = read(stream.gradients, *tensors, variant, scale)
+            out, lse, path = read(stream.gradients, *tensors, variant, scale, return_lse)
             stream = dataclasses.replace(stream, gradients=path)
     return ((out, lse) if return_lse else out), stream
 

@@ -30,14 +30,16 @@ TOLERANCE = dict(atol=2e-2, rtol=2e-2) if DTYPE == torch.bfloat16 else dict(atol
 
 
 class IntoSpy:
-    """Counts the split path's backward passes that put the depth gradients into a stream's buffer."""
+    """Counts the split path's backward passes that put the depth gradients into a stream's buffer, and those
+    given an lse gradient."""
 
     def __init__(self, monkeypatch):
-        self.calls, backward = 0, split_ops._backward
+        self.calls, self.lse_grads, backward = 0, 0, split_ops._backward
 
-        def spied(*args, into=None, **kwargs):
+        def spied(grad_out, grad_lse, *args, into=None, **kwargs):
             self.calls += into is not None
-            return backward(*args, into=into, **kwargs)
+            self.lse_grads += grad_lse is not None
+            return backward(grad_out, grad_lse, *args, into=into, **kwargs)
 
         monkeypatch.setattr(split_ops, "_backward", spied)
 
@@ -85,6 +87,7 @@ def test_a_model_gets_the_gradients_of_its_entries_summed_one_by_one(depth_kv, c
     added = IntoSpy(monkeypatch)
     got = _gradients(blocks, x, run)
     assert added.calls == len(blocks) - 1  # every attention after the first reads the stream through its buffer
+    assert added.lse_grads == 0  # no lse was asked for: no zero gradient of it (compiled) costs an extra pass
     _plain(monkeypatch)
     torch._dynamo.reset()
     _assert_same(got, _gradients(blocks, x, run))
@@ -131,7 +134,8 @@ def test_checkpointed_blocks_get_the_same_gradients(monkeypatch):
 
 
 def test_a_stream_two_branches_read_sums_both_buffers(monkeypatch):
-    """Two attentions read one stream and append apart: autograd adds their buffers where the paths meet."""
+    """Two attentions read one stream and append apart: autograd adds their buffers where the paths meet. One
+    returns its lse, whose gradient reaches q, k, v and the entries too."""
     shape = MoDAShape(1, 4, 2, 5, 5, 0, 8)
     inputs = make_inputs(shape, device=DEVICE, dtype=DTYPE)
     q1, k, v = inputs["q"], inputs["k"], inputs["v"]
@@ -141,9 +145,9 @@ def test_a_stream_two_branches_read_sums_both_buffers(monkeypatch):
     def loss(q1, q2, k, v):
         stream = DepthStream().append(k.tanh(), v.sin()).append(k.cos(), v * 2)
         a, left = stream.attend(q1, k, v, backend="split")
-        b, right = stream.attend(q2, k, v, backend="split")
+        (b, lse), right = stream.attend(q2, k, v, backend="split", return_lse=True)
         c, _ = left.append(k * 3, v).attend(q2.flip(2), k, v, backend="split")
-        return (a * b).sum() + c.square().sum() + right.keys[0].sum()
+        return (a * b).sum() + c.square().sum() + right.keys[0].sum() + lse.sin().sum()
 
     got = torch.autograd.grad(loss(*leaves), leaves)
     _plain(monkeypatch)

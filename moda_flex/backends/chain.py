@@ -29,6 +29,8 @@ stream's entries as a sequence, each given its own gradient.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -54,33 +56,38 @@ class _ReadStream(torch.autograd.Function):
     """A kernel call over a stream's entries that passes the stream's gradient path on (see the module)."""
 
     @staticmethod
-    def forward(ctx, path, kernel, opts, n_depth, q, k, v, *depth):
+    def forward(ctx, path, kernel, opts, return_lse, n_depth, q, k, v, *depth):
         inputs = Inputs(q, k, v, list(depth[:n_depth]), list(depth[n_depth:]))
         forward_op, _ = _ops(kernel)
         out, lse = forward_op(*inputs, *opts)
         ctx.save_for_backward(out, lse, q, k, v, *depth)
-        ctx.set_materialize_grads(False)  # an output no loss reached: None, not zeros
+        ctx.set_materialize_grads(False)  # an output no loss reached: None, not zeros (eagerly)
         ctx.kernel, ctx.options, ctx.n_depth, ctx.path = kernel, opts, n_depth, (path.shape, path.dtype)
-        return out, lse, path.new_empty(()).expand(path.shape)
+        ctx.return_lse = return_lse
+        path = path.new_empty(()).expand(path.shape)
+        # The lse only when asked for: compiled, an output's gradient is zeros rather than None, and a zero
+        # gradient of the lse would cost the backward its extra pass.
+        return (out, lse, path) if return_lse else (out, path)
 
     @staticmethod
-    def backward(ctx, grad_out, grad_lse, grad_path):
+    def backward(ctx, grad_out, *grads):
+        grad_lse, grad_path = grads if ctx.return_lse else (None, *grads)
         refuse_create_graph("auto")
         out, lse, q, k, v, *depth = ctx.saved_tensors
         inputs = Inputs(q, k, v, depth[: ctx.n_depth], depth[ctx.n_depth :])
         no_depth = (None,) * len(depth)
         if grad_out is None and grad_lse is None:
-            return grad_path, None, None, None, None, None, None, *no_depth
+            return grad_path, None, None, None, None, None, None, None, *no_depth
         shape, dtype = ctx.path
         add = grad_path is not None
         buffer = grad_path if add else out.new_empty(shape, dtype=dtype)  # the last reader writes it first
         _, backward_into = _ops(ctx.kernel)
         dq, dk, dv = backward_into(*Grads(grad_out, grad_lse, out, lse), *inputs, *ctx.options, *Into(buffer, add))
-        return buffer, None, None, None, dq, dk, dv, *no_depth
+        return buffer, None, None, None, None, dq, dk, dv, *no_depth
 
 
 def read_stream(kernel: str, path: Tensor, q: Tensor, k: Tensor, v: Tensor, depth_k: DepthKV, depth_v: DepthKV,
-                variant, scale: float) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+                variant, scale: float, return_lse: bool) -> tuple[Tensor, Optional[Tensor], Tensor]:  # fmt: skip
     """MoDA over a stream's entries by ``kernel`` (one of :data:`KERNELS`), their gradients added into the
     gradient buffer that ``path`` carries.
 
@@ -89,11 +96,15 @@ def read_stream(kernel: str, path: Tensor, q: Tensor, k: Tensor, v: Tensor, dept
         path: the stream's gradient path, (2, B, Hk, Tq, L, D).
         q, k, v, variant, scale: as the kernel's function takes them.
         depth_k, depth_v: the stream's L entries, each (B, Hk, Tq, D).
+        return_lse: whether the caller takes the lse.
 
     Returns:
-        out (B, Hq, Tq, D), lse (B, Hq, Tq) float32, and the path to pass on.
+        out (B, Hq, Tq, D), lse (B, Hq, Tq) float32 (None unless ``return_lse``), and the path to pass on.
     """
     depth_k, depth_v = as_list(depth_k), as_list(depth_v)
     opts = split_ops.call_options(q, k, len(depth_k), variant, scale)
-    out, lse, path = _ReadStream.apply(path, kernel, opts, len(depth_k), q, k, v, *depth_k, *depth_v)
+    outputs = _ReadStream.apply(path, kernel, opts, return_lse, len(depth_k), q, k, v, *depth_k, *depth_v)
+    if not return_lse:
+        return outputs[0], None, outputs[1]
+    out, lse, path = outputs
     return out, sequence.lse_view(lse), path
