@@ -24,6 +24,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import pstats
 import statistics
@@ -32,6 +33,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from moda_flex import depth
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import cli  # noqa: E402
@@ -154,6 +157,21 @@ def measure(config: GPTConfig, batch: int, seq: int, mode: str, steps: int, warm
     return {"ms": ms, "peak_mib": peak}
 
 
+@contextlib.contextmanager
+def entry_gradients(how: str):
+    """Inside the block, a depth stream's entries get their gradients by ``how``: ``auto`` (the stream's
+    default, :func:`moda_flex.depth.buffers_gradients`), ``buffer`` or ``summed`` (each entry its own)."""
+    choices = {"auto": depth.buffers_gradients, "buffer": lambda choice: True, "summed": lambda choice: False}
+    if how not in choices:
+        raise ValueError(f"--entry-gradients takes {', '.join(choices)}, got {how!r}")
+    default = depth.buffers_gradients
+    depth.buffers_gradients = choices[how]
+    try:
+        yield
+    finally:
+        depth.buffers_gradients = default
+
+
 def main(argv=None) -> None:
     p = cli.parser(__doc__)
     p.add_argument("--shape", choices=sorted(SHAPES), default="table6", help="model and batch shape")
@@ -163,6 +181,10 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first, compilation included")
     p.add_argument("--profile", action="store_true", help="print each row's top kernels and its time by kind over 3 steps (torch.profiler)")
     p.add_argument("--host-profile", action="store_true", help="print each row's top Python functions (cProfile)")
+    p.add_argument("--entry-gradients", default="auto",
+                   help="comma-separated, from auto (the depth stream's default), buffer (each layer's kernel adds "
+                        "into the stream's one gradient buffer, where it can: moda_flex.backends.chain) and summed "
+                        "(each entry sums its readers' gradients): a row of MoDA for each")  # fmt: skip
     cli.add_backend(p)
     args = p.parse_args(argv)
     cli.require_cuda(p, "bench_model.py")
@@ -176,14 +198,17 @@ def main(argv=None) -> None:
     rows = []
     for arm in arms:
         for mode in modes:
-            # the baseline keeps auto (SDPA), the attention a user compares against
-            backend = "auto" if arm == "none" else args.backend
-            config = GPTConfig(**shape["config"], depth_kv=arm, block_size=T, backend=backend)
-            result = measure(config, B, T, mode, args.steps, args.warmup, args.profile, args.host_profile)
-            Hk, D = config.n_kv_head, config.n_embd // config.n_head
-            floor_bytes = 6 * depth_reads(config) * B * Hk * T * D * 2
-            rows.append({"arm": arm, "mode": mode, "floor_ms": floor_bytes / bandwidth * 1e3, **result})
-            print(f"  {arm:9s} {mode:9s} {result['ms']:8.1f} ms  {result['peak_mib']:8.0f} MiB", flush=True)
+            for how in ["auto"] if arm == "none" else args.entry_gradients.split(","):
+                # the baseline keeps auto (SDPA), the attention a user compares against
+                backend = "auto" if arm == "none" else args.backend
+                config = GPTConfig(**shape["config"], depth_kv=arm, block_size=T, backend=backend)
+                with entry_gradients(how):
+                    result = measure(config, B, T, mode, args.steps, args.warmup, args.profile, args.host_profile)
+                Hk, D = config.n_kv_head, config.n_embd // config.n_head
+                floor_bytes = 6 * depth_reads(config) * B * Hk * T * D * 2
+                name = arm if how == "auto" else f"{arm}, {how}"
+                rows.append({"arm": name, "mode": mode, "floor_ms": floor_bytes / bandwidth * 1e3, **result})
+                print(f"  {name:9s} {mode:9s} {result['ms']:8.1f} ms  {result['peak_mib']:8.0f} MiB", flush=True)
 
     bases = {r["mode"]: r for r in rows if r["arm"] == "none"}
     print()

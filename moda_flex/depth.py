@@ -15,11 +15,11 @@ read it, with no buffer written behind its back.
 stream and leaves the old one as it was. A pass builds its stream layer by
 layer; nothing is mutated, so ``torch.compile(fullgraph=True)`` traces it,
 activation checkpointing can re-run a block, and a stream used twice gives the
-same entries twice. A stream built with gradients also carries a gradient
-path, whose gradient is one buffer of all its entries' gradients:
+same entries twice. A stream built eagerly with gradients also carries a
+gradient path, whose gradient is one buffer of all its entries' gradients:
 :meth:`DepthStream.attend` has the kernel of each layer add into it, rather
 than autograd summing each entry's gradients one layer at a time
-(:mod:`moda_flex.backends.chain`).
+(:mod:`moda_flex.backends.chain`, :func:`buffers_gradients`).
 """
 
 from __future__ import annotations
@@ -101,10 +101,25 @@ class _Append(torch.autograd.Function):
         return grad[:, :, :, :, :n], grad[0, :, :, :, n], grad[1, :, :, :, n]
 
 
+def buffers_gradients(choice: Optional[bool]) -> bool:
+    """Whether a stream with ``gradient_buffer=choice`` gives its entries their gradients through one buffer
+    (:meth:`DepthStream.attend`). ``None``: eagerly, not while ``torch.compile`` traces.
+
+    Eagerly autograd sums each entry's gradients one layer at a time, a kernel each; compiled, inductor fuses
+    those sums into kernels the step has anyway, and the buffer's own pass costs more than it saves (NVIDIA
+    H100, the Table 6 step, BENCHMARKS.md "One gradient buffer a stream": attn+ffn eager 135.7 -> 114.6 ms;
+    compiled, attn 47.1 -> 50.9 ms, and under CUDA graphs attn+ffn 40.5 -> 41.1 ms).
+    """
+    return not torch.compiler.is_compiling() if choice is None else choice
+
+
 def _path_after(stream: "DepthStream", k: Tensor, v: Tensor) -> Optional[Tensor]:
     """The gradient path of ``stream`` with (k, v) appended: (2, B, Hk, T, n + 1, D); None where the entries
-    get no gradient (no grad mode, or no entry needs one) or the path would not cover every entry."""
+    get no gradient (no grad mode, or no entry needs one), the stream's gradients are not buffered
+    (:func:`buffers_gradients`) or the path would not cover every entry."""
     if not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or stream.gradients is not None)):
+        return None
+    if not buffers_gradients(stream.gradient_buffer):
         return None
     path = stream.gradients
     if path is None:
@@ -129,13 +144,17 @@ class DepthStream:
     Attributes:
         capacity: the most entries the pass may append, or None for no limit.
         keys, values: the entries, each (B, Hk, T, D), oldest first.
+        gradient_buffer: whether :meth:`attend` gathers the entries'
+            gradients in one buffer: True, False, or None (the default:
+            eagerly, not compiled; :func:`buffers_gradients` says why).
         gradients: the gradient path (2, B, Hk, T, n, D) of :meth:`attend`,
-            or None: a stream appended to with gradients has one.
+            or None: a stream appended to with gradients into a buffer has one.
     """
 
     capacity: Optional[int] = None
     keys: tuple = ()
     values: tuple = ()
+    gradient_buffer: Optional[bool] = None
     gradients: Optional[Tensor] = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -143,6 +162,8 @@ class DepthStream:
             isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity < 0
         ):
             raise ValueError(f"capacity must be an int >= 0 or None, got {self.capacity!r}")
+        if self.gradient_buffer not in (None, True, False):
+            raise ValueError(f"gradient_buffer must be True, False or None, got {self.gradient_buffer!r}")
         if len(self.keys) != len(self.values):
             raise ValueError(f"keys and values must pair up, got {len(self.keys)} keys and {len(self.values)} values")
 
@@ -178,7 +199,8 @@ class DepthStream:
                     raise ValueError(
                         f"entry {len(self)} has {what} {seen}, but the stream's entries have {expected}"
                     )
-        return DepthStream(self.capacity, self.keys + (k,), self.values + (v,), _path_after(self, k, v))
+        return dataclasses.replace(self, keys=self.keys + (k,), values=self.values + (v,),
+                                   gradients=_path_after(self, k, v))  # fmt: skip
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, **options) -> tuple:
         """``moda_attention`` over ``[k, v | every entry of the stream]``; returns its result and the stream.

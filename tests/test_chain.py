@@ -45,7 +45,7 @@ class IntoSpy:
 
 
 def _plain(monkeypatch):
-    """Every stream read as entries of their own, each summing its own gradients (no buffer)."""
+    """Every stream read as entries of their own, each summing its own gradients (no buffer), whatever it asks."""
     monkeypatch.setattr(backends, "stream_reader", lambda run: None)
 
 
@@ -55,8 +55,8 @@ def _blocks(depth_kv="attn+ffn", n_layer=3, backend="split", n_head=4):
     return torch.nn.ModuleList(Block(config, ffn_depth=i < n_layer - 1) for i in range(n_layer)).to(DEVICE, DTYPE)
 
 
-def _loss(blocks, x, checkpointed=False):
-    depth = DepthStream()
+def _loss(blocks, x, checkpointed=False, gradient_buffer=True):
+    depth = DepthStream(gradient_buffer=gradient_buffer)
     for block in blocks:
         x, depth = checkpoint(block, x, depth, use_reentrant=False) if checkpointed else block(x, depth)
     return x.square().mean()
@@ -143,7 +143,7 @@ def test_a_stream_two_branches_read_sums_both_buffers(monkeypatch):
     leaves = [t.detach().requires_grad_() for t in (q1, q2, k, v)]
 
     def loss(q1, q2, k, v):
-        stream = DepthStream().append(k.tanh(), v.sin()).append(k.cos(), v * 2)
+        stream = DepthStream(gradient_buffer=True).append(k.tanh(), v.sin()).append(k.cos(), v * 2)
         a, left = stream.attend(q1, k, v, backend="split")
         (b, lse), right = stream.attend(q2, k, v, backend="split", return_lse=True)
         c, _ = left.append(k * 3, v).attend(q2.flip(2), k, v, backend="split")
@@ -193,17 +193,37 @@ def test_the_depth_kernel_adds_to_or_writes_the_buffer(heads, variant):
         torch.testing.assert_close(buffer[..., 4:, :], held[..., 4:, :], atol=0, rtol=0)
 
 
-def test_a_stream_carries_a_path_only_where_its_entries_get_gradients():
+def test_a_stream_carries_a_path_only_where_its_entries_get_gradients_through_it():
     k, v = torch.randn(2, 1, 2, 3, 4).unbind(0)
     assert DepthStream().append(k, v).gradients is None  # no entry needs a gradient
     k.requires_grad_()
-    stream = DepthStream().append(k, v).append(k * 2, v)
+    assert DepthStream(gradient_buffer=False).append(k, v).gradients is None
+    stream = DepthStream().append(k, v).append(k * 2, v)  # eagerly, by default
     assert stream.gradients.shape == (2, 1, 2, 3, 2, 4)
     assert stream.gradients.untyped_storage().nbytes() == k.element_size()  # one element, expanded
     with torch.no_grad():
         assert stream.append(k, v).gradients is None
     before = DepthStream().append(k.detach(), v)  # an entry with no path: the path could not hand it back
     assert before.append(k, v).gradients is None
+
+
+@pytest.mark.parametrize("gradient_buffer, eager, compiled", [(None, True, False), (True, True, True),
+                                                              (False, False, False)])  # fmt: skip
+def test_a_compiled_stream_buffers_gradients_only_when_asked(gradient_buffer, eager, compiled):
+    """By default a compiled stream's entries sum their own gradients (inductor fuses those sums)."""
+    k, v = torch.randn(2, 1, 2, 3, 4, requires_grad=True).unbind(0)
+
+    def has_path(k, v):
+        return k.new_tensor(DepthStream(gradient_buffer=gradient_buffer).append(k, v).gradients is not None)
+
+    assert bool(has_path(k, v)) is eager
+    torch._dynamo.reset()
+    assert bool(torch.compile(has_path, backend="eager", fullgraph=True)(k, v)) is compiled
+
+
+def test_gradient_buffer_takes_a_bool_or_none():
+    with pytest.raises(ValueError, match="gradient_buffer must be True, False or None"):
+        DepthStream(gradient_buffer="yes")
 
 
 def test_a_stream_read_without_gradients_passes_its_path_through():
