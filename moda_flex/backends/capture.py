@@ -116,7 +116,10 @@ def _backward_into(grads: Grads, inputs: Inputs, opts: Options, into: Into) -> t
         return split_ops.backward_into(_split_grads(grads, opts), inputs, opts, into)
     dq, dk, dv, ddk, ddv = _fused_backward(grads, inputs, opts)
     for buffer, grad in zip(into.depth_grads, (ddk, ddv)):  # the fused kernel writes its own
-        buffer.add_(grad) if into.add else buffer.copy_(grad)
+        if into.add:
+            buffer.add_(grad)
+        else:
+            buffer.copy_(grad)
     return dq, dk, dv
 
 

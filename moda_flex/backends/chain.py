@@ -3,8 +3,9 @@
 A depth entry written by layer ``j`` is read by every later layer, and its
 gradient is the sum of theirs. Given the entries as leaves of their own,
 autograd sums them entry by entry: a model of N layers pays about N^2 / 2
-small additions a step. A :class:`moda_flex.DepthStream` carries a gradient
-path beside its entries instead (:func:`moda_flex.depth.append_to_path`): a
+small additions a step. A :class:`moda_flex.DepthStream` can carry a
+gradient path beside its entries instead (``DepthStream.append`` extends
+it; :func:`moda_flex.depth.buffers_gradients` says when a stream has one): a
 tensor of the stream's shape, (2, B, Hk, T, n, D), that is never stored
 (it expands one element) and whose gradient, flowing back from layer to
 layer, is the buffer of every entry's gradient so far::
@@ -18,9 +19,9 @@ layer's depth gradients into it (``DEPTH_ADD``: one pass over the slots,
 no separate summation); appending entry ``j`` hands ``G[:, ..., j, :]``,
 complete by then, to the entry's k and v. The entries themselves get no
 gradient from the call. Nothing is hidden: the buffer is the path's
-gradient, so ``torch.compile`` (where inductor adds in place into one
-buffer), activation checkpointing and a stream read twice (autograd sums
-the two buffers) keep the gradients exact.
+gradient, so ``torch.compile`` (where inductor re-inplaces the ops' writes
+into one buffer), activation checkpointing and a stream read twice
+(autograd sums the two buffers) keep the gradients exact.
 
 It runs the two kernels ``auto`` takes for a model's calls on CUDA:
 ``split`` and ``capture`` (:data:`KERNELS`). Any other backend reads the
