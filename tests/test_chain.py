@@ -12,17 +12,20 @@ import torch
 
 pytest.importorskip("triton")
 
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 from moda_flex import DepthStream, backends, moda_attention  # noqa: E402
-from moda_flex import variants as v  # noqa: E402
 from moda_flex.backends import capture  # noqa: E402
 from moda_flex.backends.split import ops as split_ops  # noqa: E402
 from moda_flex.nn import Block, BlockConfig  # noqa: E402
-from moda_flex.testing import MoDAShape, make_inputs  # noqa: E402
+from moda_flex.testing import MoDAShape, make_inputs, moda_shapes  # noqa: E402
 
+from budget import examples  # noqa: E402
 from test_capture import PAIRING_IDS, PAIRINGS, Captures  # noqa: E402
+from test_split import _split_variants  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -55,16 +58,19 @@ def _blocks(depth_kv="attn+ffn", n_layer=3, backend="split", n_head=4):
     return torch.nn.ModuleList(Block(config, ffn_depth=i < n_layer - 1) for i in range(n_layer)).to(DEVICE, DTYPE)
 
 
-def _loss(blocks, x, checkpointed=False, gradient_buffer=True):
+def _loss(blocks, x, readout, checkpointed=False, gradient_buffer=True):
+    """A loss every output element weighs into differently (with post-norm blocks, ``x.square().mean()`` would
+    be 1 whatever the weights, and every gradient about zero)."""
     depth = DepthStream(gradient_buffer=gradient_buffer)
     for block in blocks:
         x, depth = checkpoint(block, x, depth, use_reentrant=False) if checkpointed else block(x, depth)
-    return x.square().mean()
+    return (x * readout).sum()
 
 
 def _gradients(blocks, x, run=_loss, **kwargs):
     x = x.detach().requires_grad_()
-    loss = run(blocks, x, **kwargs)
+    readout = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(x)
+    loss = run(blocks, x, readout, **kwargs)
     return torch.autograd.grad(loss, [x, *blocks.parameters()])
 
 
@@ -118,7 +124,7 @@ def test_no_entry_sums_its_readers_gradients_one_by_one(monkeypatch):
     for plain in (False, True):
         if plain:
             _plain(monkeypatch)
-        loss = _loss(blocks, x.detach().requires_grad_())
+        loss = _loss(blocks, x.detach().requires_grad_(), torch.ones_like(x))
         with EntrySums(entry_shape) as sums:
             loss.backward()
         counts.append(sums.count)
@@ -168,29 +174,36 @@ def test_the_capture_kernels_add_into_the_buffer(states, monkeypatch):
     _assert_same(got, _gradients(blocks, x, run))
 
 
-@pytest.mark.parametrize("heads", [(6, 2), (8, 1)], ids=["per-token kernel", "tile kernel"])
-@pytest.mark.parametrize("variant", [v.causal(), v.depth_window(2)], ids=["causal", "depth window"])
-def test_the_depth_kernel_adds_to_or_writes_the_buffer(heads, variant):
-    """``split_backward_into``: the buffer gets exactly what ``split_backward`` returns, added or written; slots
+@settings(max_examples=examples(12))
+@given(
+    shape=moda_shapes(max_kv_len=20, max_slots=9, max_kv_heads=2, head_dims=(8, 16)),
+    with_lse_grad=st.booleans(),
+    data=st.data(),
+)
+def test_the_depth_kernel_adds_to_or_writes_the_buffer(shape, with_lse_grad, data):
+    """``split_backward_into``: the buffer gets exactly what ``split_backward`` returns, added or written, for
+    odd lengths, G of 1..8 (both kernel designs), L of 0..9, Tq < Tk under full, an lse gradient or none; slots
     the call does not reach keep what they held."""
-    Hq, Hk = heads
-    shape = MoDAShape(1, Hq, Hk, 7, 7, 4, 16)
+    variant = data.draw(_split_variants(shape))
     inputs = make_inputs(shape, device=DEVICE, dtype=DTYPE, depth_entries=True)
-    opts = split_ops.call_options(inputs["q"], inputs["k"], 4, variant, 0.25)
+    L = shape.slots
+    opts = split_ops.call_options(inputs["q"], inputs["k"], L, variant, 0.25)
     records = split_ops.Inputs(inputs["q"], inputs["k"], inputs["v"], list(inputs["depth_k"]),
                                list(inputs["depth_v"]))  # fmt: skip
     out, lse = torch.ops.moda_flex.split_forward(*records, *opts)
-    grads = split_ops.Grads(torch.randn_like(out), None, out, lse)
+    grad_lse = torch.randn_like(lse) if with_lse_grad else None
+    grads = split_ops.Grads(torch.randn_like(out), grad_lse, out, lse)
     dq, dk, dv, ddk, ddv = torch.ops.moda_flex.split_backward(*grads, *records, *opts)
-    held = torch.randn(2, 1, Hk, 7, 6, 16, device=DEVICE, dtype=DTYPE)  # two slots more than the call reads
+    B, Hk, Tq, D = shape.batch, shape.kv_heads, shape.q_len, shape.head_dim
+    held = torch.randn(2, B, Hk, Tq, L + 2, D, device=DEVICE, dtype=DTYPE)  # two slots more than the call reads
     for add in (True, False):
         buffer = held.clone()
-        got = torch.ops.moda_flex.split_backward_into(*grads, *records, *opts, buffer[..., :4, :], add)
+        got = torch.ops.moda_flex.split_backward_into(*grads, *records, *opts, buffer[..., :L, :], add)
         for g, e in zip(got, (dq, dk, dv)):
             torch.testing.assert_close(g, e, atol=0, rtol=0)
-        expected = torch.stack([ddk, ddv]) + (held[..., :4, :] if add else 0)
-        torch.testing.assert_close(buffer[..., :4, :], expected, **TOLERANCE)
-        torch.testing.assert_close(buffer[..., 4:, :], held[..., 4:, :], atol=0, rtol=0)
+        expected = torch.stack([ddk, ddv]) + (held[..., :L, :] if add else 0)
+        torch.testing.assert_close(buffer[..., :L, :], expected, **TOLERANCE)
+        torch.testing.assert_close(buffer[..., L:, :], held[..., L:, :], atol=0, rtol=0)
 
 
 def test_a_stream_carries_a_path_only_where_its_entries_get_gradients_through_it():
