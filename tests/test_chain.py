@@ -160,12 +160,13 @@ def test_a_stream_two_branches_read_sums_both_buffers(monkeypatch):
     _assert_same(got, torch.autograd.grad(loss(*leaves), leaves))
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
 @pytest.mark.parametrize("states", PAIRINGS, ids=PAIRING_IDS)
-def test_the_capture_kernels_add_into_the_buffer(states, monkeypatch):
-    """``auto``'s kernels for a model (fused, or split while captured), compiled: each pairing adds alike."""
+def test_the_capture_kernels_add_into_the_buffer(states, compiled, monkeypatch):
+    """``auto``'s kernels for a model (fused, or split while captured): each pairing adds alike."""
     blocks, x = _blocks(backend="auto"), _input()
     monkeypatch.setattr(backends, "_auto", lambda *args: capture.capture_attention)
-    run = torch.compile(_loss, backend="aot_eager", fullgraph=True)
+    run = torch.compile(_loss, backend="aot_eager", fullgraph=True) if compiled else _loss
     torch._dynamo.reset()
     Captures(monkeypatch, states * 2 * len(blocks))  # each call's forward launch, then its backward's; two runs
     got = _gradients(blocks, x, run)
