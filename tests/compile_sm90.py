@@ -16,6 +16,7 @@ PTX}}``, and exits non-zero at the first failure.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -31,8 +32,8 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 import moda_flex.backends.split.kernels  # noqa: E402,F401  (decorated as compiled kernels, not interpreted)
 import moda_flex.backends.triton.kernels  # noqa: E402,F401
-from moda_flex import moda_attention, scores, variants  # noqa: E402
-from moda_flex.backends import split  # noqa: E402
+from moda_flex import DepthStream, moda_attention, scores, variants  # noqa: E402
+from moda_flex.backends import chain, split  # noqa: E402
 from moda_flex.backends.triton import configs, triton_attention  # noqa: E402
 from moda_flex.testing import MoDAShape, make_inputs  # noqa: E402
 
@@ -135,6 +136,27 @@ def hopper_cases():
             variants.full(), dq_atomic
 
 
+def stream_cases():
+    """(name, kernel, inputs): two reads of one depth stream through its gradient buffer (backends/chain.py):
+    the last read's backward writes the buffer, the first's adds to it (``DEPTH_ADD``)."""
+    inputs = _inputs(1, 6, 2, 32, 32, 0, 64, torch.bfloat16)
+    yield "split stream buffer", "split", inputs
+    yield "triton stream buffer", "capture", inputs  # the fused kernel off a CUDA graph capture
+
+
+def _stream_reads(kernel: str, q, k, v) -> None:
+    entries = [t.detach().clone().requires_grad_() for t in (k, v, k, v)]
+    stream = DepthStream(gradient_buffer=True)
+    outs = []
+    for key, value in (entries[:2], entries[2:]):
+        stream = stream.append(key, value)
+        out, _, path = chain.read_stream(kernel, stream.gradients, q, k, v, list(stream.keys), list(stream.values),
+                                         variants.causal(), q.shape[-1] ** -0.5, False)  # fmt: skip
+        stream = dataclasses.replace(stream, gradients=path)
+        outs.append(out)
+    sum(out.float().sum() for out in outs).backward()
+
+
 def _backward(result) -> None:
     out, lse = result if isinstance(result, tuple) else (result, None)
     (out.float().sum() + (lse.sum() if lse is not None else 0)).backward()
@@ -148,6 +170,10 @@ def main() -> int:
     for name, backend, (q, k, v, dk, dv), variant, return_lse in cases():
         compiled.clear()
         _backward(moda_attention(q, k, v, dk, dv, variant=variant, backend=backend, return_lse=return_lse))
+        print(json.dumps({"case": name, "kernels": compiled}), flush=True)
+    for name, kernel, (q, k, v, _, _) in stream_cases():
+        compiled.clear()
+        _stream_reads(kernel, q, k, v)
         print(json.dumps({"case": name, "kernels": compiled}), flush=True)
     os.environ[configs.PATH_ENV] = "hopper"
     for name, (q, k, v, dk, dv), variant, dq_atomic in hopper_cases():

@@ -7,6 +7,8 @@ a stream that two branches read. On CPU the kernels run under Triton's
 interpreter in float32.
 """
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -178,28 +180,36 @@ def test_the_capture_kernels_add_into_the_buffer(states, compiled, monkeypatch):
 @settings(max_examples=examples(12))
 @given(
     shape=moda_shapes(max_kv_len=20, max_slots=9, max_kv_heads=2, head_dims=(8, 16)),
+    kernel=st.sampled_from(["split", "fused"]),
     with_lse_grad=st.booleans(),
     data=st.data(),
 )
-def test_the_depth_kernel_adds_to_or_writes_the_buffer(shape, with_lse_grad, data):
-    """``split_backward_into``: the buffer gets exactly what ``split_backward`` returns, added or written, for
-    odd lengths, G of 1..8 (both kernel designs), L of 0..9, Tq < Tk under full, an lse gradient or none; slots
-    the call does not reach keep what they held."""
+def test_the_depth_kernels_add_to_or_write_the_buffer(shape, kernel, with_lse_grad, data):
+    """``split_backward_into``, and ``capture_backward_into`` on the fused kernel: the buffer gets exactly what
+    the backward op returns, added or written, for odd lengths, G of 1..8 (both split designs), L of 0..9,
+    Tq < Tk under full, an lse gradient or none; slots the call does not reach keep what they held."""
     variant = data.draw(_split_variants(shape))
     inputs = make_inputs(shape, device=DEVICE, dtype=DTYPE, depth_entries=True)
     L = shape.slots
     opts = split_ops.call_options(inputs["q"], inputs["k"], L, variant, 0.25)
     records = split_ops.Inputs(inputs["q"], inputs["k"], inputs["v"], list(inputs["depth_k"]),
                                list(inputs["depth_v"]))  # fmt: skip
-    out, lse = torch.ops.moda_flex.split_forward(*records, *opts)
+    name = "split" if kernel == "split" else "capture"
+    ops = [getattr(torch.ops.moda_flex, f"{name}_{op}") for op in ("forward", "backward", "backward_into")]
+    with mock.patch.object(capture, "capturing", lambda device: False):  # capture's ops: the fused kernel
+        _check_into(shape, records, opts, *ops, with_lse_grad)
+
+
+def _check_into(shape, records, opts, forward_op, backward_op, into_op, with_lse_grad):
+    out, lse = forward_op(*records, *opts)
     grad_lse = torch.randn_like(lse) if with_lse_grad else None
     grads = split_ops.Grads(torch.randn_like(out), grad_lse, out, lse)
-    dq, dk, dv, ddk, ddv = torch.ops.moda_flex.split_backward(*grads, *records, *opts)
-    B, Hk, Tq, D = shape.batch, shape.kv_heads, shape.q_len, shape.head_dim
+    dq, dk, dv, ddk, ddv = backward_op(*grads, *records, *opts)
+    B, Hk, Tq, L, D = shape.batch, shape.kv_heads, shape.q_len, shape.slots, shape.head_dim
     held = torch.randn(2, B, Hk, Tq, L + 2, D, device=DEVICE, dtype=DTYPE)  # two slots more than the call reads
     for add in (True, False):
         buffer = held.clone()
-        got = torch.ops.moda_flex.split_backward_into(*grads, *records, *opts, buffer[..., :L, :], add)
+        got = into_op(*grads, *records, *opts, buffer[..., :L, :], add)
         for g, e in zip(got, (dq, dk, dv)):
             torch.testing.assert_close(g, e, atol=0, rtol=0)
         expected = torch.stack([ddk, ddv]) + (held[..., :L, :] if add else 0)

@@ -28,6 +28,8 @@ step's warm-up prepares its capture.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -114,13 +116,7 @@ def _backward_into(grads: Grads, inputs: Inputs, opts: Options, into: Into) -> t
     """dq, dk, dv, contiguous, with the depth gradients put into ``into``, by the kernel of :func:`kernel_now`."""
     if kernel_now(inputs.q.device) == "split":
         return split_ops.backward_into(_split_grads(grads, opts), inputs, opts, into)
-    dq, dk, dv, ddk, ddv = _fused_backward(grads, inputs, opts)
-    for buffer, grad in zip(into.depth_grads, (ddk, ddv)):  # the fused kernel writes its own
-        if into.add:
-            buffer.add_(grad)
-        else:
-            buffer.copy_(grad)
-    return dq, dk, dv
+    return _fused_backward(grads, inputs, opts, into)[:3]
 
 
 def _split_grads(grads: Grads, opts: Options) -> Grads:
@@ -128,11 +124,13 @@ def _split_grads(grads: Grads, opts: Options) -> Grads:
     return grads._replace(lse=sequence.lse_layout(opts.kernel, grads.lse))
 
 
-def _fused_backward(grads: Grads, inputs: Inputs, opts: Options) -> tuple[Tensor, ...]:
+def _fused_backward(grads: Grads, inputs: Inputs, opts: Options, into: Optional[Into] = None) -> tuple[Tensor, ...]:
+    """The fused kernel's dq, dk, dv and depth gradients (put into ``into`` where given)."""
     grad_out = torch.zeros_like(grads.out) if grads.grad_out is None else grads.grad_out.contiguous()
     fused_inputs, fused_opts = fused_records(inputs, opts)
     fused_grads = fused_launch.Grads(grad_out, grads.grad_lse, grads.out, grads.lse, bias_grad=False)
-    return fused_ops._run_backward(fused_grads, fused_inputs, fused_opts)[:5]
+    depth = dict(into=tuple(into.depth_grads.unbind(0)), add=into.add) if into is not None else {}
+    return fused_ops._run_backward(fused_grads, fused_inputs, fused_opts, **depth)[:5]
 
 
 # ---- torch.library ops -------------------------------------------------------------------------

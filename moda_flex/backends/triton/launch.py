@@ -122,14 +122,15 @@ def outputs(inputs: Inputs) -> tuple[Tensor, Tensor]:
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-def gradients(inputs: Inputs, bias_grad: bool) -> tuple[Tensor, ...]:
+def gradients(inputs: Inputs, bias_grad: bool, depth_grads: Optional[tuple[Tensor, Tensor]] = None) -> tuple:
     """The backward's results, unwritten (the launch's and the op's fake): dq (B, Hq, Tq, D), dk, dv
-    (B, Hk, Tk, D), contiguous, the depth gradients as two (B, Hk, Tq, L, D) tensors whatever the depth form,
-    and the bias's gradient in its shape and dtype with ``bias_grad``, else an empty tensor."""
+    (B, Hk, Tk, D), contiguous, the depth gradients as two (B, Hk, Tq, L, D) tensors whatever the depth form
+    (``depth_grads`` where given), and the bias's gradient in its shape and dtype with ``bias_grad``, else an
+    empty tensor."""
     q, k, v, depth_k, _, _, bias = inputs
     fmt = torch.contiguous_format
     return (torch.empty_like(q, memory_format=fmt), torch.empty_like(k, memory_format=fmt),
-            torch.empty_like(v, memory_format=fmt), *empty_grads(q, k, depth_k),
+            torch.empty_like(v, memory_format=fmt), *(depth_grads or empty_grads(q, k, depth_k)),
             torch.empty_like(bias) if bias_grad else q.new_empty(0))  # fmt: skip
 
 
@@ -168,15 +169,22 @@ def forward(inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None) 
     return out, lse
 
 
-def backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None) -> tuple[Tensor, ...]:
-    """Launch the backward, the dQ kernel then the dK/dV kernel: the results of :func:`gradients`, written."""
+def backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None,
+             into: Optional[tuple[Tensor, Tensor]] = None, add: bool = False) -> tuple[Tensor, ...]:  # fmt: skip
+    """Launch the backward, the dQ kernel then the dK/dV kernel: the results of :func:`gradients`, written.
+
+    ``into``: two (B, Hk, Tq, L, D) tensors, any strides, that get the depth gradients (and are returned), added
+    to what they hold with ``add``.
+    """
     q, k, v, depth_k, _, _, bias = inputs
     B, Hq, Tq, D = q.shape
     Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
-    dq, dk, dv, ddk, ddv, dbias = gradients(inputs, grads.bias_grad)
+    dq, dk, dv, ddk, ddv, dbias = results = gradients(inputs, grads.bias_grad, into)
     if q.numel() == 0 or k.numel() == 0:
-        return tuple(g.zero_() for g in (dq, dk, dv, ddk, ddv, dbias))
-    if opts.depth_first > 0:  # masked slots get a zero gradient
+        for g in (dq, dk, dv, dbias) if add else results:
+            g.zero_()
+        return results
+    if opts.depth_first > 0 and not add:  # masked slots get a zero gradient
         ddk.zero_()
         ddv.zero_()
     hopper, G = hopper_path(q, k, v, grads.grad_out), Hq // Hk
@@ -189,7 +197,7 @@ def backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[Confi
     # part of dQ, as float32 sums to which the dK/dV kernel adds the sequence part.
     dq_out = torch.empty_like(dq, dtype=torch.float32) if atomic and dq.dtype != torch.float32 else dq
     delta, gbias, dead = _launch_dq(grads, inputs, opts, dq_cfg, dq_out, ddk, ddv, dead_flags=dkdv_cfg["TMA"],
-                                    sums=atomic)  # fmt: skip
+                                    sums=atomic, depth_add=add)  # fmt: skip
     if sequence:
         _launch_dkdv(grads.grad_out, q, k, v, grads.lse, delta, dead, inputs.documents, dk, dv,
                      dq_out if atomic else None, opts, dkdv_cfg)  # fmt: skip
@@ -204,11 +212,12 @@ def backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[Confi
 
 
 def _launch_dq(grads: Grads, inputs: Inputs, opts: Options, cfg: dict, dq: Tensor, ddk: Tensor, ddv: Tensor,
-               dead_flags: bool, sums: bool):  # fmt: skip
+               dead_flags: bool, sums: bool, depth_add: bool = False):  # fmt: skip
     """The dQ kernel under launch configuration ``cfg``, writing ``dq`` and the depth gradients ``ddk``,
-    ``ddv``: returns delta for the dK/dV kernel, the bias's gradient in parts or None, and with ``dead_flags``
-    whether each block of rows has a dead one, (B * Hk, blocks) int8, else None. With ``sums``, ``dq`` is
-    float32 and gets only the depth part, for the dK/dV kernel to add the sequence part to."""
+    ``ddv`` (adding to them with ``depth_add``): returns delta for the dK/dV kernel, the bias's gradient in
+    parts or None, and with ``dead_flags`` whether each block of rows has a dead one, (B * Hk, blocks) int8,
+    else None. With ``sums``, ``dq`` is float32 and gets only the depth part, for the dK/dV kernel to add the
+    sequence part to."""
     from . import kernels
 
     grad_out, grad_lse, out, lse, bias_grad = grads
@@ -238,7 +247,7 @@ def _launch_dq(grads: Grads, inputs: Inputs, opts: Options, cfg: dict, dq: Tenso
         qk_scale=opts.scale * _LOG2E, softcap=opts.softcap,
         **layout, DEPTH_ROWS=max(layout["GP"], MIN_DOT_ROWS),
         HAS_SEQ=opts.sequence and Tk > 0 and not sums, HAS_DEPTH=has_depth, HAS_GLSE=grad_lse is not None,
-        HAS_SOFTCAP=opts.softcap > 0, BIAS_FIRST=opts.bias_first, BIAS_GRAD=with_bias_grad,
+        HAS_SOFTCAP=opts.softcap > 0, BIAS_FIRST=opts.bias_first, BIAS_GRAD=with_bias_grad, DEPTH_ADD=depth_add,
         **cfg,
     )
     return delta, gbias if with_bias_grad else None, dead

@@ -45,9 +45,10 @@ def _run_forward(inputs: Inputs, opts: Options, config: Optional[ConfigHook] = N
     return (out if cast is None else out.to(cast)), lse
 
 
-def _run_backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None):
+def _run_backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None,
+                  into: Optional[tuple[Tensor, Tensor]] = None, add: bool = False):  # fmt: skip
     inputs, (grad_out, out), cast = _interpreter_upcast(inputs, grads.grad_out, grads.out)
-    *result, dbias = backward(grads._replace(grad_out=grad_out, out=out), inputs, opts, config)
+    *result, dbias = backward(grads._replace(grad_out=grad_out, out=out), inputs, opts, config, into, add)
     return (*result, dbias) if cast is None else (*(g.to(cast) for g in result), dbias)
 
 

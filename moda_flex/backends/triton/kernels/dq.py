@@ -121,14 +121,15 @@ def _depth(
     G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_FIRST: tl.constexpr, BIAS_GRAD: tl.constexpr,
-    SLOTS_ALIGNED: tl.constexpr,
+    SLOTS_ALIGNED: tl.constexpr, DEPTH_ADD: tl.constexpr,
 ):  # fmt: skip
     """The depth phase of the backward in the forward's tiles: dQ, and the depth (and bias) gradients written.
 
     ``DDKO``, ``DDVO`` point at this program's head of the (B, Hk, Tq, L, D)
     gradients (strides ``sgd``). A token's depth entries are read only by its
     own G rows, which all live in this block, so its depth gradients are
-    written once, without atomics.
+    written once, without atomics; with ``DEPTH_ADD`` added to what they hold
+    (a depth stream's gradient buffer, :mod:`moda_flex.backends.chain`).
     """
     U: tl.constexpr = BLOCK_M // DEPTH_ROWS
     BLOCK_S: tl.constexpr = BLOCK_C // (DEPTH_ROWS // GP)
@@ -169,6 +170,9 @@ def _depth(
         gv = tl.dot(tl.permute(p, (0, 2, 1)).to(do3.dtype), do3)  # (U, BLOCK_C, D)
         gk = tl.dot(tl.permute(ds, (0, 2, 1)).to(q3.dtype), q3) * scale
         slot_offs = grad_offs + slot[None, :, None] * sgd[3]
+        if DEPTH_ADD:
+            gk += tl.load(DDKO + slot_offs, mask=store_ok, other=0.0).to(tl.float32)
+            gv += tl.load(DDVO + slot_offs, mask=store_ok, other=0.0).to(tl.float32)
         tl.store(DDKO + slot_offs, gk.to(DDKO.dtype.element_ty), mask=store_ok)
         tl.store(DDVO + slot_offs, gv.to(DDVO.dtype.element_ty), mask=store_ok)
     return tl.reshape(dq3, (BLOCK_M, HEAD_DIM))
@@ -186,6 +190,7 @@ def dq_kernel(
     HAS_SEQ: tl.constexpr, HAS_DEPTH: tl.constexpr, HAS_GLSE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_FIRST: tl.constexpr, BIAS_GRAD: tl.constexpr,
     TMA: tl.constexpr, LOOP_STAGES: tl.constexpr, DEAD_FLAGS: tl.constexpr, SLOTS_ALIGNED: tl.constexpr,
+    DEPTH_ADD: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query block, the depth gradients of its tokens, and DELTA of its rows for the dK/dV kernel.
 
@@ -198,7 +203,8 @@ def dq_kernel(
     (Hopper): the unmasked key blocks come through the descriptors ``KD``,
     ``VD`` (:func:`_interior_tma`), else they are None. With
     ``DEAD_FLAGS``, the program also writes whether its block has a dead row
-    to ``DEAD`` (B * Hk, blocks) int8, for the dK/dV kernel's descriptors.
+    to ``DEAD`` (B * Hk, blocks) int8, for the dK/dV kernel's descriptors. With ``DEPTH_ADD`` the depth
+    gradients are added to what DDKO, DDVO hold.
     """
     BLOCK_T: tl.constexpr = BLOCK_M // GP
     b, hk = batch_head(Hk)
@@ -248,7 +254,7 @@ def dq_kernel(
             offs_d=offs_d, d_ok=d_ok, sdk=sdk, sdv=sdv, sgd=sgd, sbias=sbias, Tq=Tq, L=L, depth_first=depth_first,
             scale=scale, qk_scale=qk_scale, softcap=softcap, G=G, GP=GP, DEPTH_ROWS=DEPTH_ROWS, HEAD_DIM=HEAD_DIM,
             BLOCK_M=BLOCK_M, BLOCK_C=BLOCK_C, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, BIAS_FIRST=BIAS_FIRST,
-            BIAS_GRAD=BIAS_GRAD, SLOTS_ALIGNED=SLOTS_ALIGNED,
+            BIAS_GRAD=BIAS_GRAD, SLOTS_ALIGNED=SLOTS_ALIGNED, DEPTH_ADD=DEPTH_ADD,
         )
 
     # a dead row's dq took NaN from the unmasked blocks (unsanitized keys): it sends no gradient
