@@ -48,10 +48,15 @@ def is_slab(depth: list[Tensor]) -> bool:
     return len(depth) == 1 and depth[0].dim() == 5
 
 
+def grads_shape(q: Tensor, k: Tensor, depth: list[Tensor]) -> tuple:
+    """(B, Hk, Tq, L, D): the shape of a kernel call's depth gradient on either side, whatever the form of
+    ``depth`` (the ops' list), for q (B, Hq, Tq, D) and k (B, Hk, Tk, D)."""
+    return (k.shape[0], k.shape[1], q.shape[2], slot_count(depth), q.shape[3])
+
+
 def empty_grads(q: Tensor, k: Tensor, depth: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """A kernel call's depth gradients, unwritten: two (B, Hk, Tq, L, D) tensors of q's dtype, whatever the form
-    of ``depth`` (the ops' list), for q (B, Hq, Tq, D) and k (B, Hk, Tk, D)."""
-    shape = (k.shape[0], k.shape[1], q.shape[2], slot_count(depth), q.shape[3])
+    """A kernel call's depth gradients, unwritten: two tensors of :func:`grads_shape` and q's dtype."""
+    shape = grads_shape(q, k, depth)
     return q.new_empty(shape), q.new_empty(shape)
 
 

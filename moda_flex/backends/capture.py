@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..depth import DepthKV, as_list, slot_count
+from ..depth import DepthKV, as_list, grads_shape, slot_count
 from ..variants import Variant
 from .records import define, unpack
 from .split import ops as split_ops
@@ -88,8 +88,7 @@ def _prepare(inputs: Inputs, opts: Options) -> None:
         out, lse = split_ops._forward(*inputs, opts, contiguous_out=True)
         grads = Grads(torch.zeros_like(out), None, out, lse)
         split_ops.backward_in_op_layouts(grads, inputs, opts)
-        q, k = inputs.q, inputs.k
-        buffer = q.new_zeros(2, k.shape[0], k.shape[1], q.shape[2], slot_count(inputs.depth_k), q.shape[3])
+        buffer = inputs.q.new_zeros(2, *grads_shape(inputs.q, inputs.k, inputs.depth_k))
         for add in (False, True):  # a depth stream's gradient buffer (chain.py), written first, then added to
             split_ops.backward_into(grads, inputs, opts, Into(buffer, add))
     _PREPARED.add(key)

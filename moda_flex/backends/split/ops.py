@@ -297,9 +297,10 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
 # The arguments are the records above, field by field. The ops run on CUDA, and on CPU under
 # Triton's interpreter (the tests), with SDPA's CPU flash op as the vendor.
 
-def _backward_without_dispatch(grads: Grads, inputs: Inputs, opts: Options):
-    """:func:`_backward` of the records the backward op takes: what the op and the eager path run."""
-    return _backward(grads.grad_out, grads.grad_lse, *inputs, grads.out, grads.lse, opts)
+def _backward_without_dispatch(grads: Grads, inputs: Inputs, opts: Options, into: Optional[Into] = None):
+    """:func:`_backward` of the records the backward ops take: what the ops and the eager path run."""
+    depth = dict(into=tuple(into.depth_grads.unbind(0)), add=into.add) if into is not None else {}
+    return _backward(grads.grad_out, grads.grad_lse, *inputs, grads.out, grads.lse, opts, **depth)
 
 
 def backward_in_op_layouts(grads: Grads, inputs: Inputs, opts: Options):
@@ -313,8 +314,7 @@ def backward_in_op_layouts(grads: Grads, inputs: Inputs, opts: Options):
 
 def backward_into(grads: Grads, inputs: Inputs, opts: Options, into: Into):
     """dq, dk, dv, contiguous, with the depth gradients put into ``into``."""
-    dq, dk, dv, _, _ = _backward(grads.grad_out, grads.grad_lse, *inputs, grads.out, grads.lse, opts,
-                                 into=tuple(into.depth_grads.unbind(0)), add=into.add)  # fmt: skip
+    dq, dk, dv, _, _ = _backward_without_dispatch(grads, inputs, opts, into)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
