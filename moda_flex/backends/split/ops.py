@@ -34,6 +34,7 @@ from torch import Tensor
 from ...depth import as_list, empty_grads, grads_like, slot_count
 from ..blocks import cdiv, next_pow2
 from ..first_order import refuse_create_graph
+from ..launcher import launch
 from ..records import ATTENTION, Written, define, restored, saved, unpack
 from ..slots import depth_args
 from . import sequence
@@ -138,7 +139,7 @@ def _sanitized_kv(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     v0 = torch.empty_like(k0)
     first = torch.full((B, Hk), Tk, device=k.device, dtype=torch.int32)
     grid = (cdiv(Tk, _BLOCK_T_ELEMENTWISE), B * Hk)
-    kernels._sanitize_kv_kernel[grid](
+    launch(kernels._sanitize_kv_kernel, grid, k.device,
         K=k, V=v, KO=k0, VO=v0, FIRST=first,
         sk=k.stride(), sv=v.stride(), so=k0.stride(),
         Hk=Hk, Tk=Tk, D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, next_pow2(D)),
@@ -180,7 +181,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
     kernel, layout = _depth_kernel(kernels.FORWARD, _layout(q, Hk, L))
     grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
     depth, _held = depth_args(depth_k, depth_v, L, q.device)  # _held: alive until launched
-    kernel[grid](
+    launch(kernel, grid, q.device,
         Q=q, OS=out_s, LS=ls, FIRST=first, O=out, LO=lo, **depth,
         sq=q.stride(), sos=out_s.stride(), sls=ls.stride(), so=out.stride(), slo=lo.stride(),
         Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, qk_scale=opts.scale * _LOG2E,
@@ -208,7 +209,7 @@ def _prepared(q: Tensor, out: Tensor, grad_out: Tensor, lse: Tensor, k: Tensor, 
         k0 = v0 = None
         kv_heads, kv_tokens, sko = 0, 0, k.stride()  # sko unread
     grid = (cdiv(max(Tq, kv_tokens), _BLOCK_T_ELEMENTWISE), B * Hq + kv_heads)
-    kernels._prepare_backward_kernel[grid](
+    launch(kernels._prepare_backward_kernel, grid, q.device,
         Q=q, O=out, DO=grad_out, LSE=lv, QC=q_c, OC=out_c, DOC=grad_c, LSEC=lcv, K=k, V=v, KO=k0, VO=v0,
         sq=q.stride(), so=out.stride(), sdo=grad_out.stride(), sl=lv.stride(),
         sqc=q_c.stride(), soc=out_c.stride(), sdoc=grad_c.stride(), slc=lcv.stride(),
@@ -283,7 +284,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     kernel, layout = _depth_kernel(kernels.BACKWARD, _layout(q, Hk, L, True))
     grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
     depth, _held = depth_args(depth_k, depth_v, L, q.device)  # _held: alive until launched
-    kernel[grid](
+    launch(kernel, grid, q.device,
         Q=q_c, O=out_c, DO=grad_c, LSE=lv, GLSE=glse, DQ=dq, DDK=ddk, DDV=ddv, **depth,
         sq=q_c.stride(), so=out_c.stride(), sdo=grad_c.stride(),
         sl=lv.stride(), sgl=glse.stride(), sdq=dq.stride(), sgk=ddk.stride(), sgv=ddv.stride(),

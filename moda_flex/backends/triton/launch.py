@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ...depth import empty_grads, slot_count
 from ..blocks import cdiv
+from ..launcher import launch
 from ..records import ATTENTION
 from ..slots import depth_args
 from .configs import MIN_DOT_ROWS, ConfigHook, hopper_path, launch_config, next_pow2, padded_head_dim
@@ -157,7 +158,7 @@ def forward(inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None) 
     if cfg["TMA"]:
         tiles = dict(QD=_row_descriptor(q, layout["G"], layout["GP"], block_t),
                      KD=_tile_descriptor(k, cfg["BLOCK_N"]), VD=_tile_descriptor(v, cfg["BLOCK_N"]))  # fmt: skip
-    kernels.forward_kernel[grid](
+    launch(kernels.forward_kernel, grid, q.device,
         Q=q, K=k, V=v, O=out, LSE=lse, **tiles, **depth, **_mask_args(opts, documents, q), **_bias_args(bias, q),
         sq=q.stride(), sk=k.stride(), sv=v.stride(), so=out.stride(), sl=lse.stride(),
         Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, qk_scale=opts.scale * _LOG2E, softcap=opts.softcap,
@@ -237,7 +238,7 @@ def _launch_dq(grads: Grads, inputs: Inputs, opts: Options, cfg: dict, dq: Tenso
     with_bias_grad = bias_grad and has_depth
     gbias = q.new_zeros((B * Hk, grid[0], layout["GP"], L) if with_bias_grad else (0,), dtype=torch.float32)
     dead = torch.empty((B * Hk, grid[0]), device=q.device, dtype=torch.int8) if dead_flags else None
-    kernels.dq_kernel[grid](
+    launch(kernels.dq_kernel, grid, q.device,
         Q=q, K=k, V=v, O=out, DO=grad_out, LSE=lse, GLSE=glse, DELTA=delta, DEAD=dead, DEAD_FLAGS=dead_flags,
         DQO=dq, DDKO=ddk, DDVO=ddv, GBIAS=gbias,
         **tiles, **depth, **_mask_args(opts, documents, q), **_bias_args(bias, q),
@@ -273,7 +274,7 @@ def _launch_dkdv(grad_out, q, k, v, lse, delta, dead, documents, dk, dv, dq_sums
         sums = dict(DQA=dq_sums, DQD=None, sa=dq_sums.stride()[:3])
         if cfg["DQ_ATOMIC"] == 2:
             sums["DQD"] = _row_descriptor(dq_sums, layout["G"], layout["GP"], cfg["BLOCK_M"] // layout["GP"])
-    kernels.dkdv_kernel[grid](
+    launch(kernels.dkdv_kernel, grid, q.device,
         Q=q, K=k, V=v, DO=grad_out, LSE=lse, DELTA=delta, DKO=dk, DVO=dv, **tiles, **sums,
         **_mask_args(opts, documents, q),
         sq=q.stride(), sk=k.stride(), sv=v.stride(), sdo=grad_out.stride(), sl=lse.stride(), sg=dk.stride(),

@@ -1,0 +1,110 @@
+"""Triton launches through the compiled binary's own launcher, once Triton has chosen the binary for a call's kind.
+
+``kernel[grid](**arguments)`` binds and specializes every argument, computes
+a cache key, looks the binary up and launches it: on an H100's host about
+57 us a launch, against 9 us through the binary's own launcher with the
+arguments bound (BENCHMARKS.md, ``benchmarks/launch_split.py``). A MoDA
+call launches three to five kernels, and a model compiled in the default mode
+is bound by its host, so this is step time.
+
+:func:`launch` keys a binary by what Triton specializes on, or finer: a
+tensor's dtype and whether its address is a multiple of 16 bytes, a tensor
+descriptor's fields, every other argument (ints, floats, flags, constexprs,
+tuples of them) by value. The first launch of a key goes through Triton,
+which compiles if it must and returns the binary; every later one calls
+that binary's launcher with the arguments in the kernel's order, on the
+current device's current stream (a CUDA graph's capture stream included).
+Calls on other devices than CUDA (Triton's interpreter), kernels that are
+not plain ``@triton.jit`` functions (a test's stand-in) and arguments of
+other kinds go through ``kernel[grid]`` every time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+_BY_TRITON = object()  # an argument of a kind keyed here by nothing: let Triton launch
+
+
+_SCALARS = frozenset({bool, int, float, str, type(None)})
+
+
+def _kind(value):
+    """What of ``value`` the binary depends on (or more), hashable; :data:`_BY_TRITON` for a kind not keyed."""
+    kind = type(value)
+    if kind in _SCALARS:  # with its type: True == 1 == 1.0, which Triton types apart
+        return (kind, value) if value == value else _BY_TRITON  # NaN: never equal to itself, never found
+    if isinstance(value, Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if kind is tuple or kind is list:
+        kinds = tuple(_kind(v) for v in value)
+        return _BY_TRITON if _BY_TRITON in kinds else kinds
+    if dataclasses.is_dataclass(value):  # a tensor descriptor: its base, shape, strides, block shape, padding
+        kinds = tuple(_kind(getattr(value, field.name)) for field in dataclasses.fields(value))
+        return _BY_TRITON if _BY_TRITON in kinds else (kind, kinds)
+    return _BY_TRITON
+
+
+def _current_device_and_stream() -> tuple[int, int]:
+    """The device and raw stream Triton's own launch would use."""
+    from triton.runtime.driver import driver
+
+    device = driver.active.get_current_device()
+    return device, driver.active.get_current_stream(device)
+
+
+class _Binaries:
+    """The binaries of one kernel, by the key of :func:`launch`, and the kernel's argument names and defaults."""
+
+    def __init__(self, kernel):
+        self.names = list(kernel.arg_names)
+        self.defaults = {p.name: p.default for p in kernel.params if p.has_default}
+        self.by_key: dict = {}
+
+
+_BINARIES: dict = {}  # a kernel -> its _Binaries
+
+
+def _binaries(kernel):
+    """The kernel's :class:`_Binaries`, or None for a kernel that is not a plain ``@triton.jit`` function."""
+    found = _BINARIES.get(kernel)
+    if found is None:
+        from triton.runtime.jit import JITFunction
+
+        if not isinstance(kernel, JITFunction):
+            return None
+        found = _BINARIES[kernel] = _Binaries(kernel)
+    return found
+
+
+def launch(kernel, grid: tuple, device: torch.device, **arguments) -> None:
+    """``kernel[grid](**arguments)`` for a call on ``device``, through the binary's own launcher after its first
+    launch (module docstring)."""
+    binaries = _binaries(kernel) if device.type == "cuda" else None
+    if binaries is None:
+        kernel[grid](**arguments)
+        return
+    gpu, stream = _current_device_and_stream()
+    key = (gpu, *(_kind(value) for value in arguments.values()))
+    binary = binaries.by_key.get(key) if _BY_TRITON not in key else None
+    if binary is None:
+        binary = kernel[grid](**arguments)
+        if _BY_TRITON not in key and binary is not None:
+            binaries.by_key[key] = binary
+        return
+    values = [arguments[name] if name in arguments else binaries.defaults[name] for name in binaries.names]
+    run_binary(binary, grid, stream, values)
+
+
+def run_binary(binary, grid: tuple, stream: int, values: list) -> None:
+    """Launch a compiled binary on ``stream`` with every argument of its kernel, in order, as Triton's own launch
+    does."""
+    from triton import knobs
+
+    grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    metadata = binary.launch_metadata(grid3, stream, *values)
+    binary.run(*grid3, stream, binary.function, binary.packed_metadata, metadata,
+               knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *values)  # fmt: skip

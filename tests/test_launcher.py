@@ -1,0 +1,135 @@
+"""``moda_flex.backends.launcher``: which launches reuse a binary through its own launcher, and with what.
+
+The kernel here is a stand-in for a ``@triton.jit`` function that records
+each launch Triton makes and each launch through the binary's launcher, so
+the rules run on CPU; the GPU tests run the real kernels through it.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from triton import knobs  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from moda_flex.backends import launcher  # noqa: E402
+
+CUDA = torch.device("cuda")
+STREAM = 77
+
+
+class _Param:
+    def __init__(self, name, default=None, has_default=False):
+        self.name, self.default, self.has_default = name, default, has_default
+
+
+class Binary:
+    function, packed_metadata = "function", "packed"
+
+    def __init__(self, runs):
+        self.runs = runs
+
+    def launch_metadata(self, grid, stream, *values):
+        return ("metadata", grid, stream)
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class Kernel(JITFunction):
+    """``kernel(X, n, FLAG=False)``: Triton's launches in ``triton_launches``, the binary's in ``binary_runs``."""
+
+    def __init__(self):  # noqa: D107 (no JIT compilation: nothing of JITFunction's own state is used)
+        self.arg_names = ["X", "n", "FLAG"]
+        self.params = [_Param("X"), _Param("n"), _Param("FLAG", False, True)]
+        self.triton_launches, self.binary_runs = [], []
+
+    def __getitem__(self, grid):
+        def run(**arguments):
+            self.triton_launches.append((grid, arguments))
+            return Binary(self.binary_runs)
+
+        return run
+
+    def __hash__(self):
+        return id(self)
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    monkeypatch.setattr(launcher, "_current_device_and_stream", lambda: (0, STREAM))
+    return Kernel()
+
+
+def test_a_launch_of_a_kind_seen_before_runs_the_binary_with_every_argument_in_order(kernel):
+    x = torch.zeros(8)
+    launcher.launch(kernel, (3, 2), CUDA, n=5, X=x)
+    assert len(kernel.triton_launches) == 1 and not kernel.binary_runs
+    y = torch.ones(8)  # another tensor of the same kind
+    launcher.launch(kernel, (4,), CUDA, n=5, X=y)
+    assert len(kernel.triton_launches) == 1
+    (run,) = kernel.binary_runs
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)  # Triton's own, as its launch passes
+    assert run[:9] == (4, 1, 1, STREAM, "function", "packed", ("metadata", (4, 1, 1), STREAM), *hooks)
+    assert run[9] is y and run[10:] == (5, False)  # in the kernel's order, the default filled in
+
+
+def _kinds():
+    x = torch.zeros(8)
+    yield "an int of another value", dict(X=x, n=6)
+    yield "a bool where an int was", dict(X=x, n=True)
+    yield "a float where an int was", dict(X=x, n=5.0)
+    yield "another dtype", dict(X=x.half(), n=5)
+    yield "an address not 16-byte aligned", dict(X=x[1:], n=5)
+    yield "a constexpr of another value", dict(X=x, n=5, FLAG=True)
+
+
+@pytest.mark.parametrize("name, arguments", list(_kinds()), ids=[name for name, _ in _kinds()])
+def test_a_launch_of_another_kind_goes_through_triton(kernel, name, arguments):
+    launcher.launch(kernel, (1,), CUDA, X=torch.zeros(8), n=5)
+    launcher.launch(kernel, (1,), CUDA, **arguments)
+    assert len(kernel.triton_launches) == 2 and not kernel.binary_runs
+    launcher.launch(kernel, (1,), CUDA, **arguments)  # now a kind seen before
+    assert len(kernel.triton_launches) == 2 and len(kernel.binary_runs) == 1
+
+
+@dataclasses.dataclass
+class Descriptor:
+    base: torch.Tensor
+    shape: list
+    block_shape: list
+
+
+def test_a_descriptor_is_keyed_by_its_base_and_fields(kernel):
+    x = torch.zeros(64)
+    launcher.launch(kernel, (1,), CUDA, X=Descriptor(x, [64], [16]), n=1)
+    launcher.launch(kernel, (1,), CUDA, X=Descriptor(torch.ones(64), [64], [16]), n=1)
+    assert len(kernel.triton_launches) == 1 and len(kernel.binary_runs) == 1
+    launcher.launch(kernel, (1,), CUDA, X=Descriptor(x, [64], [32]), n=1)
+    assert len(kernel.triton_launches) == 2
+
+
+@pytest.mark.parametrize("arguments", [dict(n=float("nan")), dict(n=object())], ids=["NaN", "unknown kind"])
+def test_an_argument_keyed_by_nothing_always_goes_through_triton(kernel, arguments):
+    for _ in range(2):
+        launcher.launch(kernel, (1,), CUDA, X=torch.zeros(8), **arguments)
+    assert len(kernel.triton_launches) == 2 and not kernel.binary_runs
+
+
+def test_calls_off_cuda_and_other_kernels_always_go_through_triton(kernel):
+    for _ in range(2):
+        launcher.launch(kernel, (1,), torch.device("cpu"), X=torch.zeros(8), n=5)
+    assert len(kernel.triton_launches) == 2 and not kernel.binary_runs
+
+    launches = []
+
+    class StandIn:  # a test's stand-in for a kernel: not a JITFunction
+        def __getitem__(self, grid):
+            return lambda **arguments: launches.append(grid)
+
+    for _ in range(2):
+        launcher.launch(StandIn(), (1,), CUDA, X=torch.zeros(8))
+    assert launches == [(1,), (1,)]
