@@ -9,6 +9,8 @@ so neither form is copied.
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -46,63 +48,75 @@ def slot_table(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: tor
             addresses += range(t.data_ptr(), t.data_ptr() + L * step, step) if step else [t.data_ptr()] * L
             strides.append((t.stride(0), t.stride(1), t.stride(2), t.stride(4)))
             continue
-        strides_seen = {t.stride() for t in depth}
-        if len(strides_seen) > 1:
+        each = [t.stride() for t in depth]
+        if each and each.count(each[0]) < len(each):
             depth = [t.contiguous() for t in depth]
-            strides_seen = {t.stride() for t in depth}
+            each = [t.stride() for t in depth]
         addresses += [t.data_ptr() for t in depth]
-        strides.append(strides_seen.pop() if strides_seen else (0, 0, 0, 0))
+        strides.append(each[0] if each else (0, 0, 0, 0))
         held.append(depth)
-    aligned = all(address % SLOT_ALIGNMENT == 0 for address in addresses)
+    aligned = functools.reduce(operator.or_, addresses, 0) % SLOT_ALIGNMENT == 0
     return SlotTable(device_table(tuple(addresses or [0]), device), strides[0], strides[1], held, aligned)
 
 
-class PinnedTables:
-    """Pinned host copies of slot tables, by device and addresses, from which a table is copied without a wait.
+class Tables:
+    """Slot tables by device and addresses, the least recently used dropped first past ``limit``: those made
+    while the current stream captures a CUDA graph are kept for good.
 
-    A CUDA graph captures a table's copy from its host buffer and replays it: a table made while the current
-    stream is capturing is kept for good (the graph's memory keeps its addresses, so a model meets few). Any
-    other table is kept for reuse, at most ``limit`` of them, the least recently used dropped first: eager calls
-    whose addresses keep changing (lengths that vary from batch to batch) would otherwise pin host memory
-    without end. A dropped buffer still being copied from stays allocated until its copy ends (PyTorch's pinned
-    allocator records the copy's stream).
+    Two of them. ``_PINNED`` holds pinned host copies, from which a table is copied to the device without a
+    wait. A CUDA graph captures a table's copy from its host buffer and replays it, so a buffer a capture used
+    is kept (the graph's memory keeps its addresses, so a model meets few); without the limit, eager calls
+    whose addresses keep changing (lengths that vary from batch to batch) would pin host memory without end.
+    A dropped buffer still being copied from stays allocated until its copy ends (PyTorch's pinned allocator
+    records the copy's stream). ``_ON_DEVICE`` holds the device copies of uncaptured calls: the forward's
+    table is the backward's, and a compiled step's entries come back at the same addresses step after step,
+    so most calls copy nothing. No kernel writes a table, and one is dropped only after ``limit`` other
+    tables were made since it was last used.
     """
 
-    def __init__(self, limit: int = 1024):
+    def __init__(self, limit: int):
         self.limit = limit
         self.captured: dict = {}
         self.recent: OrderedDict = OrderedDict()
 
     def get(self, key, make, capturing: bool) -> Tensor:
-        """The buffer of ``key``, made by ``make()`` if it has none."""
-        host = self.captured.get(key)
-        if host is not None:
-            return host
-        host = self.recent.pop(key, None)
-        if host is None:
-            host = make()
+        """The table of ``key``, made by ``make()`` if it has none."""
+        table = self.captured.get(key)
+        if table is not None:
+            return table
+        table = self.recent.pop(key, None)
+        if table is None:
+            table = make()
         if capturing:
-            self.captured[key] = host
+            self.captured[key] = table
         else:
-            self.recent[key] = host
+            self.recent[key] = table
             if len(self.recent) > self.limit:
                 self.recent.popitem(last=False)
-        return host
+        return table
 
     def __len__(self) -> int:
         return len(self.captured) + len(self.recent)
 
 
-_PINNED = PinnedTables()
+_PINNED = Tables(limit=1024)
+_ON_DEVICE = Tables(limit=256)
 
 
 def device_table(addresses: tuple, device: torch.device) -> Tensor:
-    """(len(addresses),) int64 on ``device``, copied without a wait from a pinned buffer (:class:`PinnedTables`)."""
+    """(len(addresses),) int64 on ``device``: a table an uncaptured call made before (:class:`Tables`), else
+    copied without a wait from a pinned buffer."""
     if device.type != "cuda":
         return torch.tensor(addresses, dtype=torch.int64)
-    host = _PINNED.get((device, addresses), lambda: torch.tensor(addresses, dtype=torch.int64).pin_memory(),
-                       torch.cuda.is_current_stream_capturing())  # fmt: skip
-    return host.to(device, non_blocking=True)
+    key = (device, addresses)
+
+    def copied():
+        host = _PINNED.get(key, lambda: torch.tensor(addresses, dtype=torch.int64).pin_memory(), capturing)
+        return host.to(device, non_blocking=True)
+
+    capturing = torch.cuda.is_current_stream_capturing()
+    # A capture copies its tables anew: a device table kept from before could be dropped while the graph lives.
+    return copied() if capturing else _ON_DEVICE.get(key, copied, capturing=False)
 
 
 def depth_args(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device) -> tuple[dict, list]:

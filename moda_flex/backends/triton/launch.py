@@ -76,14 +76,22 @@ def _tile_descriptor(t: Tensor, block_n: int):
 
 
 
-def _placeholder(device: torch.device) -> Tensor:
-    """A never-read int32 pointer argument for a launch without documents or bias.
+_PLACEHOLDERS: dict = {}  # a device -> its placeholder
 
-    Made per launch, not cached: a tensor first made while a CUDA graph is
-    recorded lives in the graph's memory pool, and one kept beyond the graph
-    fails ``torch.compile(mode="reduce-overhead")``.
+
+def _placeholder(device: torch.device) -> Tensor:
+    """A never-read int32 pointer argument for a launch without documents or bias: one a device.
+
+    One first made while a CUDA graph is recorded lives in the graph's memory
+    pool, and one kept beyond the graph fails
+    ``torch.compile(mode="reduce-overhead")``: such a one is not kept.
     """
-    return torch.empty(1, dtype=torch.int32, device=device)
+    held = _PLACEHOLDERS.get(device)
+    if held is None:
+        held = torch.empty(1, dtype=torch.int32, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _PLACEHOLDERS[device] = held
+    return held
 
 
 def _layout_args(q: Tensor, k: Tensor) -> dict:
