@@ -1,7 +1,7 @@
-"""The host's share of one split-path call: its Python, allocations and dispatch.
+"""The host's share of one call of the split path and of the fused kernel: its Python, allocations and dispatch.
 
 At short lengths a call is bound by the host. This times, with tiny tensors
-(so the kernels cost little), the two ways a call is issued:
+(so the kernels cost little), the two ways a split-path call is issued:
 
 - ``eager``: ``moda_attention(..., backend="split")`` forward + backward,
   L depth entries as a model passes them (each a leaf of its own);
@@ -9,12 +9,12 @@ At short lengths a call is bound by the host. This times, with tiny tensors
   graph's wrapper calls them;
 
 and beside them ``vendor``, the sequence part's aten ops alone (forward +
-backward), which a baseline's SDPA calls cost too. On CPU (the default;
-no GPU is needed) every Triton launch is stubbed out and the vendor is
-SDPA's CPU op. With ``--device cuda`` each L gets two rows, launches
-stubbed and real: their difference is what Triton's launcher costs; the
-row with real launches also times ``fused ops``, the fused kernel's two
-ops (what ``auto`` runs at these shapes).
+backward), which a baseline's SDPA calls cost too, and ``fused ops``, the
+fused kernel's two ops (what ``auto`` runs in a compiled model's default
+mode). On CPU (the default; no GPU is needed) every Triton launch is
+stubbed out and the vendor is SDPA's CPU op: the rows time the Python
+around the launches. With ``--device cuda`` each L gets two rows, launches
+stubbed and real: their difference is what the launches cost the host.
 
 Median us per call of repeats after warm-up (on CUDA each repeat ends with
 a synchronize, so a call costs at least its kernels' GPU time).
@@ -51,22 +51,26 @@ class _NoLaunch:
 
 @contextlib.contextmanager
 def launches_stubbed():
-    """Every Triton kernel of the split path a :class:`_NoLaunch` inside the block, as it was after."""
+    """Every Triton kernel of the split path and of the fused kernel a :class:`_NoLaunch` inside the block, as it
+    was after."""
     from moda_flex.backends.split import kernels
+    from moda_flex.backends.triton import kernels as fused_kernels
 
-    names = ("_sanitize_kv_kernel", "_prepare_backward_kernel")
-    saved = {name: getattr(kernels, name) for name in names}, [dict(kernels.FORWARD), dict(kernels.BACKWARD)]
-    for name in names:
-        setattr(kernels, name, _NoLaunch())
+    modules = {kernels: ("_sanitize_kv_kernel", "_prepare_backward_kernel"),
+               fused_kernels: ("forward_kernel", "dq_kernel", "dkdv_kernel")}  # fmt: skip
+    saved = {(module, name): getattr(module, name) for module, names in modules.items() for name in names}
+    designs_saved = [dict(kernels.FORWARD), dict(kernels.BACKWARD)]
+    for module, name in saved:
+        setattr(module, name, _NoLaunch())
     for designs in (kernels.FORWARD, kernels.BACKWARD):
         designs.update({design: _NoLaunch() for design in designs})
     try:
         yield
     finally:
-        for name, kernel in saved[0].items():
-            setattr(kernels, name, kernel)
-        kernels.FORWARD.update(saved[1][0])
-        kernels.BACKWARD.update(saved[1][1])
+        for (module, name), kernel in saved.items():
+            setattr(module, name, kernel)
+        kernels.FORWARD.update(designs_saved[0])
+        kernels.BACKWARD.update(designs_saved[1])
 
 
 def _median_us(fn, repeats: int, device: torch.device, calls: int = 100) -> float:
@@ -83,9 +87,8 @@ def _median_us(fn, repeats: int, device: torch.device, calls: int = 100) -> floa
     return statistics.median(times)
 
 
-def measure(slots: int, repeats: int, device: torch.device, fused: bool = False) -> dict:
-    """us per call of each way (module docstring), B=1, Hq=6, Hk=2, T=8, D=64, causal (bfloat16 on CUDA); with
-    ``fused``, also the fused kernel's ops."""
+def measure(slots: int, repeats: int, device: torch.device) -> dict:
+    """us per call of each way (module docstring), B=1, Hq=6, Hk=2, T=8, D=64, causal (bfloat16 on CUDA)."""
     from moda_flex.backends.capture import fused_records
     from moda_flex.backends.split import ops, sequence
     from moda_flex.backends.triton import launch as triton_launch
@@ -121,17 +124,15 @@ def measure(slots: int, repeats: int, device: torch.device, fused: bool = False)
         out_s, lse_s = sequence.forward(kernel, *inputs[:3], True, opts.scale)
         sequence.backward(kernel, grads.grad_out, *inputs[:3], out_s, lse_s, True, opts.scale)
 
-    ways = {"eager forward": eager_forward, "eager": eager, "ops": by_ops, "vendor": vendor}
-    if fused:
-        fused_inputs, fused_opts = fused_records(inputs, opts)
-        fused_out, fused_lse = torch.ops.moda_flex.triton_forward(*fused_inputs, *fused_opts)
-        fused_grads = triton_launch.Grads(grads.grad_out, None, fused_out, fused_lse, False)
+    fused_inputs, fused_opts = fused_records(inputs, opts)
+    fused_out, fused_lse = torch.ops.moda_flex.triton_forward(*fused_inputs, *fused_opts)
+    fused_grads = triton_launch.Grads(grads.grad_out, None, fused_out, fused_lse, False)
 
-        def by_fused_ops():
-            torch.ops.moda_flex.triton_forward(*fused_inputs, *fused_opts)
-            torch.ops.moda_flex.triton_backward(*fused_grads, *fused_inputs, *fused_opts)
+    def by_fused_ops():
+        torch.ops.moda_flex.triton_forward(*fused_inputs, *fused_opts)
+        torch.ops.moda_flex.triton_backward(*fused_grads, *fused_inputs, *fused_opts)
 
-        ways["fused ops"] = by_fused_ops
+    ways = {"eager forward": eager_forward, "eager": eager, "ops": by_ops, "vendor": vendor, "fused ops": by_fused_ops}
     return {name: _median_us(fn, repeats, device) for name, fn in ways.items()}
 
 
@@ -152,7 +153,7 @@ def main(argv=None) -> None:
         stubbed = [True, False] if device.type == "cuda" else [True]
         for stub in stubbed:
             with launches_stubbed() if stub else contextlib.nullcontext():
-                row = measure(slots, args.repeats, device, fused=not stub)
+                row = measure(slots, args.repeats, device)
             cells = " | ".join(f"{row[name]:.0f}" if name in row else "-" for name in names)
             print(f"| {slots} | {'stubbed' if stub else 'real'} | {cells} |")
 
