@@ -134,19 +134,22 @@ def test_custom_variant_learns_its_depth_bias(capsys):
 
 
 def test_host_split_times_both_ways_and_restores_the_kernels(monkeypatch, capsys):
-    """benchmarks/host_split.py stubs the split path's launches for its timing only: the kernels are back after."""
+    """benchmarks/host_split.py stubs both paths' launches for its timing only: the kernels are back after."""
     pytest.importorskip("triton")
     from moda_flex.backends.split import kernels
+    from moda_flex.backends.triton import kernels as fused
 
-    before = (kernels._sanitize_kv_kernel, kernels._prepare_backward_kernel, dict(kernels.FORWARD),
-              dict(kernels.BACKWARD))  # fmt: skip
+    def kernels_now():
+        return (kernels._sanitize_kv_kernel, kernels._prepare_backward_kernel, dict(kernels.FORWARD),
+                dict(kernels.BACKWARD), fused.forward_kernel, fused.dq_kernel, fused.dkdv_kernel)  # fmt: skip
+
+    before = kernels_now()
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     importlib.import_module("host_split").main(["--slots", "1,3", "--repeats", "1"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 |", "| 3 |"))]
     assert len(rows) == 2 and all(len(row.split("|")) == 9 and "| stubbed |" in row for row in rows)
-    after = (kernels._sanitize_kv_kernel, kernels._prepare_backward_kernel, dict(kernels.FORWARD),
-             dict(kernels.BACKWARD))  # fmt: skip
-    assert after == before
+    assert all(row.split("|")[-2].strip().isdigit() for row in rows)  # the fused ops, timed too
+    assert kernels_now() == before
 
 
 # Every command line: --help exits 0 and gives each option a description and a default.
