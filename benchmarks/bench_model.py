@@ -8,6 +8,10 @@ steps after warm-up (compilation included in the warm-up), tokens/s, and peak
 memory over the timed steps. Ratios are to the compiled baseline of the same
 run.
 
+``host``: the median time the host takes to issue a step (``step()``
+returning, before the synchronize). Where it is about the step's time, the
+step is bound by the host: the GPU waits for launches.
+
 ``floor``: the extra HBM bytes MoDA must move per step, over the bandwidth of
 a device-to-device copy measured in the same run: every depth entry a layer
 reads is read in the forward and in the backward, and its gradient written
@@ -95,13 +99,13 @@ def depth_reads(config: GPTConfig) -> int:
 
 def measure(config: GPTConfig, batch: int, seq: int, mode: str, steps: int, warmup: int,
             profile: bool = False, host_profile: bool = False) -> dict:  # fmt: skip
-    """Median step time (ms) and peak memory (MiB) of one model.
+    """Median step time (ms), the host's median time to issue a step (ms) and peak memory (MiB) of one model.
 
     ``profile`` prints its top kernels (torch.profiler), its kernel launches
     per step and the step's time by kind (:func:`time_split`: the kinds of
     :data:`KERNEL_KINDS`, other, and the host gap),
-    ``host_profile`` its top Python functions by own time (cProfile), both
-    over 3 steps.
+    ``host_profile`` its top Python functions by own time and by cumulative
+    time (cProfile), both over 3 steps.
     """
     torch.manual_seed(0)
     model = GPT(config).cuda()
@@ -124,10 +128,11 @@ def measure(config: GPTConfig, batch: int, seq: int, mode: str, steps: int, warm
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, issued = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         step()
+        issued.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**20
@@ -150,11 +155,12 @@ def measure(config: GPTConfig, batch: int, seq: int, mode: str, steps: int, warm
             step()
         torch.cuda.synchronize()
         profiler.disable()
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+        for order in ("tottime", "cumulative"):  # where the host's time goes, then which calls hold it
+            pstats.Stats(profiler).sort_stats(order).print_stats(30)
     del model, optimizer, run
     torch._dynamo.reset()
     torch.cuda.empty_cache()
-    return {"ms": ms, "peak_mib": peak}
+    return {"ms": ms, "host_ms": 1e3 * statistics.median(issued), "peak_mib": peak}
 
 
 @contextlib.contextmanager
@@ -208,17 +214,19 @@ def main(argv=None) -> None:
                 floor_bytes = 6 * depth_reads(config) * B * Hk * T * D * 2
                 name = arm if how == "auto" else f"{arm}, {how}"
                 rows.append({"arm": name, "mode": mode, "floor_ms": floor_bytes / bandwidth * 1e3, **result})
-                print(f"  {name:9s} {mode:9s} {result['ms']:8.1f} ms  {result['peak_mib']:8.0f} MiB", flush=True)
+                print(f"  {name:9s} {mode:9s} {result['ms']:8.1f} ms (host {result['host_ms']:.1f})  "
+                      f"{result['peak_mib']:8.0f} MiB", flush=True)  # fmt: skip
 
     bases = {r["mode"]: r for r in rows if r["arm"] == "none"}
     print()
-    print("| model | mode | step (ms) | tokens/s | peak (MiB) | step / base | mem / base "
+    print("| model | mode | step (ms) | host (ms) | tokens/s | peak (MiB) | step / base | mem / base "
           "| floor (ms) | base+floor (ms) | step / (base+floor) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         base = bases.get(r["mode"], rows[0])
         target = base["ms"] + r["floor_ms"]
-        print(f"| {r['arm']} | {r['mode']} | {r['ms']:.1f} | {B * T / r['ms'] * 1e3:,.0f} | {r['peak_mib']:.0f} | "
+        print(f"| {r['arm']} | {r['mode']} | {r['ms']:.1f} | {r['host_ms']:.1f} | {B * T / r['ms'] * 1e3:,.0f} | "
+              f"{r['peak_mib']:.0f} | "
               f"{r['ms'] / base['ms']:.2f}x | {r['peak_mib'] / base['peak_mib']:.2f}x | {r['floor_ms']:.2f} | "
               f"{target:.1f} | {r['ms'] / target:.2f}x |")  # fmt: skip
 
