@@ -77,6 +77,13 @@ def test_a_launch_of_a_kind_seen_before_runs_the_binary_with_every_argument_in_o
     assert run[9] is y and run[10:] == (5, False)  # in the kernel's order, the default filled in
 
 
+@dataclasses.dataclass
+class Descriptor:
+    base: torch.Tensor
+    shape: list
+    block_shape: list
+
+
 def _kinds():
     x = torch.zeros(8)
     yield "an int of another value", dict(X=x, n=6)
@@ -96,11 +103,10 @@ def test_a_launch_of_another_kind_goes_through_triton(kernel, name, arguments):
     assert len(kernel.triton_launches) == 2 and len(kernel.binary_runs) == 1
 
 
-@dataclasses.dataclass
-class Descriptor:
-    base: torch.Tensor
-    shape: list
-    block_shape: list
+def test_a_tuple_is_keyed_by_its_elements_and_their_types(kernel):
+    for n in [(5, 1), (5.0, 1), (5, True), (5.0, 1)]:  # strides: tuples of ints; the last a kind seen before
+        launcher.launch(kernel, (1,), CUDA, X=torch.zeros(8), n=n)
+    assert len(kernel.triton_launches) == 3 and len(kernel.binary_runs) == 1
 
 
 def test_a_descriptor_is_keyed_by_its_base_and_fields(kernel):
@@ -112,11 +118,22 @@ def test_a_descriptor_is_keyed_by_its_base_and_fields(kernel):
     assert len(kernel.triton_launches) == 2
 
 
-@pytest.mark.parametrize("arguments", [dict(n=float("nan")), dict(n=object())], ids=["NaN", "unknown kind"])
-def test_an_argument_keyed_by_nothing_always_goes_through_triton(kernel, arguments):
+@pytest.mark.parametrize("n", [object(), (1, object()), Descriptor(torch.zeros(64), [64], object())],
+                         ids=["unknown kind", "in a tuple", "in a descriptor"])  # fmt: skip
+def test_an_argument_keyed_by_nothing_always_goes_through_triton(kernel, n):
     for _ in range(2):
-        launcher.launch(kernel, (1,), CUDA, X=torch.zeros(8), **arguments)
+        launcher.launch(kernel, (1,), CUDA, X=torch.zeros(8), n=n)
     assert len(kernel.triton_launches) == 2 and not kernel.binary_runs
+
+
+def test_a_kernel_keeps_a_bounded_number_of_binaries(kernel, monkeypatch):
+    """Sizes are keyed by value: calls whose sizes keep changing must not grow the binaries without end."""
+    monkeypatch.setattr(launcher, "_MOST_KINDS", 4)
+    for n in range(10):
+        launcher.launch(kernel, (1,), CUDA, X=torch.zeros(8), n=n)
+    assert 0 < len(launcher._binaries(kernel).by_key) <= 4
+    launcher.launch(kernel, (1,), CUDA, X=torch.zeros(8), n=9)  # the latest is still kept
+    assert len(kernel.binary_runs) == 1
 
 
 def test_calls_off_cuda_and_other_kernels_always_go_through_triton(kernel):

@@ -27,25 +27,29 @@ import torch
 from torch import Tensor
 
 _BY_TRITON = object()  # an argument of a kind keyed here by nothing: let Triton launch
-
-
 _SCALARS = frozenset({bool, int, float, str, type(None)})
 
 
+def _key(values) -> tuple:
+    """The kinds of ``values`` (:func:`_kind`) and their types (True == 1 == 1.0, which Triton types apart)."""
+    return tuple(map(type, values)), tuple([v if type(v) in _SCALARS else _kind(v) for v in values])
+
+
 def _kind(value):
-    """What of ``value`` the binary depends on (or more), hashable; :data:`_BY_TRITON` for a kind not keyed."""
-    kind = type(value)
-    if kind in _SCALARS:  # with its type: True == 1 == 1.0, which Triton types apart
-        return (kind, value) if value == value else _BY_TRITON  # NaN: never equal to itself, never found
+    """What of a non-scalar ``value`` the binary depends on (or more), hashable; :data:`_BY_TRITON` for a kind
+    not keyed, or holding one."""
     if isinstance(value, Tensor):
         return value.dtype, value.data_ptr() % 16 == 0
-    if kind is tuple or kind is list:
-        kinds = tuple(_kind(v) for v in value)
-        return _BY_TRITON if _BY_TRITON in kinds else kinds
-    if dataclasses.is_dataclass(value):  # a tensor descriptor: its base, shape, strides, block shape, padding
-        kinds = tuple(_kind(getattr(value, field.name)) for field in dataclasses.fields(value))
-        return _BY_TRITON if _BY_TRITON in kinds else (kind, kinds)
-    return _BY_TRITON
+    if type(value) in (tuple, list):
+        types = tuple(map(type, value))
+        if _SCALARS.issuperset(types):  # strides
+            return types, tuple(value)
+        nested = _key(value)
+    elif dataclasses.is_dataclass(value):  # a tensor descriptor: its base, shape, strides, block shape, padding
+        nested = _key([getattr(value, field.name) for field in dataclasses.fields(value)])
+    else:
+        return _BY_TRITON
+    return _BY_TRITON if _BY_TRITON in nested[1] else nested
 
 
 def _current_device_and_stream() -> tuple[int, int]:
@@ -66,6 +70,7 @@ class _Binaries:
 
 
 _BINARIES: dict = {}  # a kernel -> its _Binaries
+_MOST_KINDS = 256  # binaries kept a kernel: sizes are keyed by value, and a model's calls have few
 
 
 def _binaries(kernel):
@@ -88,11 +93,13 @@ def launch(kernel, grid: tuple, device: torch.device, **arguments) -> None:
         kernel[grid](**arguments)
         return
     gpu, stream = _current_device_and_stream()
-    key = (gpu, *(_kind(value) for value in arguments.values()))
-    binary = binaries.by_key.get(key) if _BY_TRITON not in key else None
+    key = (gpu, *_key(arguments.values()))
+    binary = binaries.by_key.get(key)
     if binary is None:
         binary = kernel[grid](**arguments)
-        if _BY_TRITON not in key and binary is not None:
+        if binary is not None and _BY_TRITON not in key[2]:
+            if len(binaries.by_key) >= _MOST_KINDS:  # calls whose sizes keep changing: start afresh
+                binaries.by_key.clear()
             binaries.by_key[key] = binary
         return
     values = [arguments[name] if name in arguments else binaries.defaults[name] for name in binaries.names]
