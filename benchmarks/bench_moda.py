@@ -55,7 +55,7 @@ def depth_utilization(G: int, L: int) -> float:
     from moda_flex.backends.blocks import next_pow2
     from moda_flex.backends.triton.configs import MIN_DOT_ROWS, launch_config
 
-    block_c = launch_config(torch.empty(0, 1, 1, D, device="cuda"), G, "fwd", None)["BLOCK_C"]
+    block_c = launch_config(torch.device("cuda", torch.cuda.current_device()), D, G, "fwd", None)["BLOCK_C"]
     rows = max(next_pow2(G), MIN_DOT_ROWS)
     block_s = block_c // (rows // next_pow2(G))
     return G / rows * L / (block_s * math.ceil(L / block_s))

@@ -171,7 +171,7 @@ def test_config_hook_changes_the_launches_not_the_result():
         return triton_attention(q, k, vv, depth_k, depth_v, variant, scale, config=config)
 
     assert_matches_reference(inputs, backend=run, variant=v.causal())
-    assert seen == ["fwd", "dq", "dkdv"]
+    assert sorted(seen) == ["dkdv", "dq", "fwd"]  # each kernel's launch, once
 
 
 def test_compiles_fullgraph():

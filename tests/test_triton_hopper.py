@@ -60,7 +60,7 @@ def test_hopper_path_matches_reference(hopper, shape, variant, dq_atomic):
 
     inputs = make_inputs(shape, dtype=DTYPE, device=DEVICE, strided_depth=True, seed=2)
     assert_matches_reference(inputs, backend=run, variant=variant)
-    assert seen == [("fwd", True), ("dq", True), ("dkdv", True)]
+    assert sorted(seen) == [("dkdv", True), ("dq", True), ("fwd", True)]  # each kernel once, on the path
 
 
 # Lengths past two key blocks (16 on CPU), so that the dK/dV kernel has unmasked query blocks: a head with

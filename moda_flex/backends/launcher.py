@@ -17,6 +17,10 @@ current device's current stream (a CUDA graph's capture stream included).
 Calls on other devices than CUDA (Triton's interpreter), kernels that are
 not plain ``@triton.jit`` functions (a test's stand-in) and arguments of
 other kinds go through ``kernel[grid]`` every time.
+
+:func:`launch_fixed` is the same for a launch whose grid and most arguments
+a :class:`Fixed` holds, made once for a call's layout: only the other
+arguments are keyed and bound per call.
 """
 
 from __future__ import annotations
@@ -104,6 +108,54 @@ def launch(kernel, grid: tuple, device: torch.device, **arguments) -> None:
         return
     values = [arguments[name] if name in arguments else binaries.defaults[name] for name in binaries.names]
     run_binary(binary, grid, stream, values)
+
+
+class Fixed:
+    """A launch's grid and the arguments that stay the same from call to call of one layout (sizes, flags,
+    block sizes, constexprs), and the binaries Triton chose for them, by kernel and the kinds of the rest.
+
+    Made once a layout (cache it by what its arguments are computed from) and never changed after.
+    """
+
+    def __init__(self, grid: tuple, arguments: dict):
+        self.grid, self.arguments = grid, arguments
+        self.binaries: dict = {}
+        self.templates: dict = {}  # a kernel -> (its argument values, the fixed in place; the others' places)
+
+    def values(self, binaries: _Binaries, kernel, arguments: dict) -> list:
+        """Every argument of ``kernel`` in its order: the fixed ones, ``arguments``, the kernel's defaults."""
+        template = self.templates.get(kernel)
+        if template is None:
+            names = binaries.names
+            template = self.templates[kernel] = (
+                [self.arguments.get(name) for name in names],
+                [(i, name) for i, name in enumerate(names) if name not in self.arguments],
+            )
+        values, holes = template
+        values = values.copy()
+        for i, name in holes:
+            values[i] = arguments[name] if name in arguments else binaries.defaults[name]
+        return values
+
+
+def launch_fixed(kernel, fixed: Fixed, device: torch.device, **arguments) -> None:
+    """``kernel[fixed.grid](**fixed.arguments, **arguments)`` for a call on ``device``, through the binary's own
+    launcher after the first launch of the kinds of ``arguments`` (module docstring)."""
+    binaries = _binaries(kernel) if device.type == "cuda" else None
+    if binaries is None:
+        kernel[fixed.grid](**fixed.arguments, **arguments)
+        return
+    gpu, stream = _current_device_and_stream()
+    key = (kernel, gpu, *_key(arguments.values()))
+    binary = fixed.binaries.get(key)
+    if binary is None:
+        binary = kernel[fixed.grid](**fixed.arguments, **arguments)
+        if binary is not None and _BY_TRITON not in key[3]:
+            if len(fixed.binaries) >= _MOST_KINDS:
+                fixed.binaries.clear()
+            fixed.binaries[key] = binary
+        return
+    run_binary(binary, fixed.grid, stream, fixed.values(binaries, kernel, arguments))
 
 
 def run_binary(binary, grid: tuple, stream: int, values: list) -> None:

@@ -86,9 +86,10 @@ def _capability(device: torch.device) -> tuple[int, int]:
 ConfigHook = Callable[[str, dict], dict]
 
 
-def launch_config(q: Tensor, G: int, which: str, hook: Optional[ConfigHook], has_depth: bool = True,
-                  programs: int = 0, hopper: bool = False) -> dict:  # fmt: skip
-    """Block sizes and launch options for ``which`` in {"fwd", "dkdv", "dq"}, through ``hook`` if given.
+def launch_config(device: torch.device, head_dim: int, G: int, which: str, hook: Optional[ConfigHook],
+                  has_depth: bool = True, programs: int = 0, hopper: bool = False) -> dict:  # fmt: skip
+    """Block sizes and launch options for ``which`` in {"fwd", "dkdv", "dq"} of a call on ``device`` with
+    queries of ``head_dim``, through ``hook`` if given.
 
     ``programs``: for "dkdv", the number of (key block, batch x KV head)
     programs at the default BLOCK_N = 128; fewer than the GPU has SMs halves
@@ -106,9 +107,9 @@ def launch_config(q: Tensor, G: int, which: str, hook: Optional[ConfigHook], has
     only), which saves two of the backward's seven matrix products but makes
     dQ's last bits vary between runs.
     """
-    few = which == "dkdv" and q.device.type == "cuda" and programs < _sm_count(q.device)
-    sm90 = q.is_cuda and _capability(q.device)[0] == 9
-    cfg = _config_for(q.device.type, padded_head_dim(q.shape[-1]), G, which, has_depth, few, hopper, sm90)
+    few = which == "dkdv" and device.type == "cuda" and programs < _sm_count(device)
+    sm90 = device.type == "cuda" and _capability(device)[0] == 9
+    cfg = _config_for(device.type, padded_head_dim(head_dim), G, which, has_depth, few, hopper, sm90)
     return cfg if hook is None else hook(which, dict(cfg))
 
 

@@ -11,6 +11,7 @@ one eager call (benchmarks/tune_moda.py, benchmarks/bench_hopper.py).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from ...depth import empty_grads, slot_count
 from ..blocks import cdiv
-from ..launcher import launch
+from ..launcher import Fixed, launch_fixed
 from ..records import ATTENTION
 from ..slots import depth_args
 from .configs import MIN_DOT_ROWS, ConfigHook, hopper_path, launch_config, next_pow2, padded_head_dim
@@ -94,22 +95,23 @@ def _placeholder(device: torch.device) -> Tensor:
     return held
 
 
-def _layout_args(q: Tensor, k: Tensor) -> dict:
+def _layout(G: int, D: int) -> dict:
     """The row layout's constants: G query heads per KV head, G rounded up to GP, the padded and real head dim."""
-    G, D = q.shape[1] // k.shape[1], q.shape[-1]
     return dict(G=G, GP=next_pow2(G), HEAD_DIM=padded_head_dim(D), D_REAL=D)
 
 
-def _mask_args(opts: Options, documents: Optional[Tensor], like: Tensor) -> dict:
-    """The sequence mask's arguments: window, flags, and the (3, Bd, Tk) packed documents with their batch stride."""
+def _mask_flags(opts: Options, documents: bool) -> dict:
+    """The sequence mask's fixed arguments: the window and the flags (``documents``: the call has them)."""
+    return dict(window=opts.window, CAUSAL=opts.causal, WINDOW=opts.window > 0, DOC=documents)
+
+
+def _mask_tensors(documents: Optional[Tensor], like: Tensor) -> dict:
+    """The (3, Bd, Tk) packed documents' rows and their batch stride (placeholders without documents)."""
     if documents is None:
-        ids = lo = hi = _placeholder(like.device)
-        sdoc = 0
-    else:
-        ids, lo, hi = documents[0], documents[1], documents[2]
-        sdoc = documents.stride(1) if documents.shape[1] > 1 else 0
-    return dict(DOC_IDS=ids, DOC_LO=lo, DOC_HI=hi, sdoc=sdoc, window=opts.window,
-                CAUSAL=opts.causal, WINDOW=opts.window > 0, DOC=documents is not None)  # fmt: skip
+        ids = _placeholder(like.device)
+        return dict(DOC_IDS=ids, DOC_LO=ids, DOC_HI=ids, sdoc=0)
+    sdoc = documents.stride(1) if documents.shape[1] > 1 else 0
+    return dict(DOC_IDS=documents[0], DOC_LO=documents[1], DOC_HI=documents[2], sdoc=sdoc)
 
 
 def _bias_args(bias: Optional[Tensor], like: Tensor) -> dict:
@@ -143,6 +145,30 @@ def gradients(inputs: Inputs, bias_grad: bool, depth_grads: Optional[tuple[Tenso
             torch.empty_like(bias) if bias_grad else q.new_empty(0))  # fmt: skip
 
 
+def _fixed(build, config: Optional[ConfigHook], *layout) -> Fixed:
+    """``build(*layout, config)``: kept by layout without a hook; made afresh with one (a hook may record)."""
+    return build(*layout, None) if config is None else build.__wrapped__(*layout, config)
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_fixed(device, D, G, B, Hk, Tq, Tk, L, opts: Options, documents: bool, hopper: bool, config) -> Fixed:
+    """The forward launch's grid and fixed arguments for a call of this layout."""
+    layout = _layout(G, D)
+    has_depth = L > opts.depth_first
+    cfg = launch_config(device, D, G, "fwd", config, has_depth=has_depth, hopper=hopper)
+    block_t = cfg["BLOCK_M"] // layout["GP"]
+    arguments = dict(
+        Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, qk_scale=opts.scale * _LOG2E, softcap=opts.softcap,
+        **layout, DEPTH_ROWS=max(layout["GP"], MIN_DOT_ROWS), **_mask_flags(opts, documents),
+        HAS_SEQ=opts.sequence and Tk > 0, HAS_DEPTH=has_depth,
+        HAS_SOFTCAP=opts.softcap > 0, BIAS_FIRST=opts.bias_first,
+        **cfg,
+    )  # fmt: skip
+    if not cfg["TMA"]:
+        arguments.update(QD=None, KD=None, VD=None)
+    return Fixed((cdiv(Tq, block_t), B * Hk), arguments)
+
+
 def forward(inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel: out (B, Hq, Tq, D) contiguous and lse (B, Hq, Tq) float32.
 
@@ -151,30 +177,23 @@ def forward(inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None) 
     from . import kernels
 
     q, k, v, depth_k, depth_v, documents, bias = inputs
-    B, Hq, Tq, _ = q.shape
+    B, Hq, Tq, D = q.shape
     Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
     out, lse = outputs(inputs)
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))
-    layout = _layout_args(q, k)
-    has_depth = L > opts.depth_first
-    cfg = launch_config(q, layout["G"], "fwd", config, has_depth=has_depth, hopper=hopper_path(q, k, v))
+    fixed = _fixed(_forward_fixed, config, q.device, D, Hq // Hk, B, Hk, Tq, Tk, L, opts, documents is not None,
+                   hopper_path(q, k, v))  # fmt: skip
     depth, _held = depth_args(depth_k, depth_v, L, q.device)  # _held: alive until launched
-    block_t = cfg["BLOCK_M"] // layout["GP"]
-    grid = (cdiv(Tq, block_t), B * Hk)
-    tiles = dict(QD=None, KD=None, VD=None)
-    if cfg["TMA"]:
-        tiles = dict(QD=_row_descriptor(q, layout["G"], layout["GP"], block_t),
-                     KD=_tile_descriptor(k, cfg["BLOCK_N"]), VD=_tile_descriptor(v, cfg["BLOCK_N"]))  # fmt: skip
-    launch(kernels.forward_kernel, grid, q.device,
-        Q=q, K=k, V=v, O=out, LSE=lse, **tiles, **depth, **_mask_args(opts, documents, q), **_bias_args(bias, q),
+    tiles = {}
+    if fixed.arguments["TMA"]:
+        G, GP, block_n = fixed.arguments["G"], fixed.arguments["GP"], fixed.arguments["BLOCK_N"]
+        tiles = dict(QD=_row_descriptor(q, G, GP, fixed.arguments["BLOCK_M"] // GP),
+                     KD=_tile_descriptor(k, block_n), VD=_tile_descriptor(v, block_n))  # fmt: skip
+    launch_fixed(kernels.forward_kernel, fixed, q.device,
+        Q=q, K=k, V=v, O=out, LSE=lse, **tiles, **depth, **_mask_tensors(documents, q), **_bias_args(bias, q),
         sq=q.stride(), sk=k.stride(), sv=v.stride(), so=out.stride(), sl=lse.stride(),
-        Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, qk_scale=opts.scale * _LOG2E, softcap=opts.softcap,
-        **layout, DEPTH_ROWS=max(layout["GP"], MIN_DOT_ROWS),
-        HAS_SEQ=opts.sequence and Tk > 0, HAS_DEPTH=has_depth,
-        HAS_SOFTCAP=opts.softcap > 0, BIAS_FIRST=opts.bias_first,
-        **cfg,
-    )
+    )  # fmt: skip
     return out, lse
 
 
@@ -185,7 +204,7 @@ def backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[Confi
     ``into``: two (B, Hk, Tq, L, D) tensors, any strides, that get the depth gradients (and are returned), added
     to what they hold with ``add``.
     """
-    q, k, v, depth_k, _, _, bias = inputs
+    q, k, v, depth_k, _, documents, bias = inputs
     B, Hq, Tq, D = q.shape
     Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
     dq, dk, dv, ddk, ddv, dbias = results = gradients(inputs, grads.bias_grad, into)
@@ -197,19 +216,20 @@ def backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[Confi
         ddk.zero_()
         ddv.zero_()
     hopper, G = hopper_path(q, k, v, grads.grad_out), Hq // Hk
-    dq_cfg = launch_config(q, G, "dq", config, has_depth=L > opts.depth_first, hopper=hopper)
-    dkdv_cfg = launch_config(q, G, "dkdv", config, programs=cdiv(Tk, 128) * B * Hk, hopper=hopper)
+    layout = (q.device, D, G, B, Hk, Tq, Tk, opts, documents is not None, hopper)
+    dkdv_fixed = _fixed(_dkdv_fixed, config, *layout)
     sequence = opts.sequence and Tk > 0
-    atomic = sequence and dkdv_cfg["DQ_ATOMIC"]
+    atomic = sequence and dkdv_fixed.arguments["DQ_ATOMIC"]
     # The dQ kernel runs first: it also writes delta = rowsum(dO * O) - dLSE, which the dK/dV kernel reads,
     # and for its descriptors, which blocks of rows have a dead one. With DQ_ATOMIC it writes only the depth
     # part of dQ, as float32 sums to which the dK/dV kernel adds the sequence part.
     dq_out = torch.empty_like(dq, dtype=torch.float32) if atomic and dq.dtype != torch.float32 else dq
-    delta, gbias, dead = _launch_dq(grads, inputs, opts, dq_cfg, dq_out, ddk, ddv, dead_flags=dkdv_cfg["TMA"],
-                                    sums=atomic, depth_add=add)  # fmt: skip
+    dq_fixed = _fixed(_dq_fixed, config, *layout, L, bool(dkdv_fixed.arguments["TMA"]), bool(atomic),
+                      grads.grad_lse is not None, grads.bias_grad, add)  # fmt: skip
+    delta, gbias, dead = _launch_dq(grads, inputs, dq_fixed, dq_out, ddk, ddv)
     if sequence:
-        _launch_dkdv(grads.grad_out, q, k, v, grads.lse, delta, dead, inputs.documents, dk, dv,
-                     dq_out if atomic else None, opts, dkdv_cfg)  # fmt: skip
+        _launch_dkdv(grads.grad_out, q, k, v, grads.lse, delta, dead, documents, dk, dv,
+                     dq_out if atomic else None, dkdv_fixed)  # fmt: skip
     else:
         dk.zero_()
         dv.zero_()
@@ -220,76 +240,96 @@ def backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[Confi
     return dq, dk, dv, ddk, ddv, dbias
 
 
-def _launch_dq(grads: Grads, inputs: Inputs, opts: Options, cfg: dict, dq: Tensor, ddk: Tensor, ddv: Tensor,
-               dead_flags: bool, sums: bool, depth_add: bool = False):  # fmt: skip
-    """The dQ kernel under launch configuration ``cfg``, writing ``dq`` and the depth gradients ``ddk``,
-    ``ddv`` (adding to them with ``depth_add``): returns delta for the dK/dV kernel, the bias's gradient in
-    parts or None, and with ``dead_flags`` whether each block of rows has a dead one, (B * Hk, blocks) int8,
-    else None. With ``sums``, ``dq`` is float32 and gets only the depth part, for the dK/dV kernel to add the
-    sequence part to."""
+@functools.lru_cache(maxsize=256)
+def _dq_fixed(device, D, G, B, Hk, Tq, Tk, opts: Options, documents: bool, hopper: bool, L: int, dead_flags: bool,
+              sums: bool, glse: bool, bias_grad: bool, depth_add: bool, config) -> Fixed:  # fmt: skip
+    """The dQ launch's grid and fixed arguments for a call of this layout: with ``dead_flags`` it flags the
+    blocks of rows that have a dead one; with ``sums`` it writes only dQ's depth part (as float32 sums)."""
+    layout = _layout(G, D)
+    has_depth = L > opts.depth_first
+    cfg = launch_config(device, D, G, "dq", config, has_depth=has_depth, hopper=hopper)
+    arguments = dict(
+        DEAD_FLAGS=dead_flags, Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, scale=opts.scale,
+        qk_scale=opts.scale * _LOG2E, softcap=opts.softcap,
+        **layout, DEPTH_ROWS=max(layout["GP"], MIN_DOT_ROWS), **_mask_flags(opts, documents),
+        HAS_SEQ=opts.sequence and Tk > 0 and not sums, HAS_DEPTH=has_depth, HAS_GLSE=glse,
+        HAS_SOFTCAP=opts.softcap > 0, BIAS_FIRST=opts.bias_first, BIAS_GRAD=bias_grad and has_depth,
+        DEPTH_ADD=depth_add,
+        **cfg,
+    )  # fmt: skip
+    if not cfg["TMA"]:
+        arguments.update(KD=None, VD=None)
+    return Fixed((cdiv(Tq, cfg["BLOCK_M"] // layout["GP"]), B * Hk), arguments)
+
+
+def _launch_dq(grads: Grads, inputs: Inputs, fixed: Fixed, dq: Tensor, ddk: Tensor, ddv: Tensor):
+    """The dQ kernel as ``fixed`` says, writing ``dq`` and the depth gradients ``ddk``, ``ddv`` (adding to them
+    with ``DEPTH_ADD``): returns delta for the dK/dV kernel, the bias's gradient in parts or None, and with
+    ``DEAD_FLAGS`` whether each block of rows has a dead one, (B * Hk, blocks) int8, else None."""
     from . import kernels
 
-    grad_out, grad_lse, out, lse, bias_grad = grads
+    grad_out, grad_lse, out, lse, _ = grads
     q, k, v, depth_k, depth_v, documents, bias = inputs
-    B, Hq, Tq, D = q.shape
-    Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
-    layout = _layout_args(q, k)
-    has_depth = L > opts.depth_first
+    B, Hk, L = q.shape[0], k.shape[1], slot_count(depth_k)
+    arguments = fixed.arguments
     delta = torch.empty_like(lse)
     glse = delta if grad_lse is None else grad_lse.float().contiguous()
     depth, _held = depth_args(depth_k, depth_v, L, q.device)  # _held: alive until launched
-    grid = (cdiv(Tq, cfg["BLOCK_M"] // layout["GP"]), B * Hk)
-    tiles = dict(KD=None, VD=None)
-    if cfg["TMA"]:
-        tiles = dict(KD=_tile_descriptor(k, cfg["BLOCK_N"]), VD=_tile_descriptor(v, cfg["BLOCK_N"]))
+    blocks = fixed.grid[0]
+    tiles = {}
+    if arguments["TMA"]:
+        tiles = dict(KD=_tile_descriptor(k, arguments["BLOCK_N"]), VD=_tile_descriptor(v, arguments["BLOCK_N"]))
     # Each program's part of the bias gradient, summed over its tokens, (B * Hk, blocks, GP, L).
-    with_bias_grad = bias_grad and has_depth
-    gbias = q.new_zeros((B * Hk, grid[0], layout["GP"], L) if with_bias_grad else (0,), dtype=torch.float32)
-    dead = torch.empty((B * Hk, grid[0]), device=q.device, dtype=torch.int8) if dead_flags else None
-    launch(kernels.dq_kernel, grid, q.device,
-        Q=q, K=k, V=v, O=out, DO=grad_out, LSE=lse, GLSE=glse, DELTA=delta, DEAD=dead, DEAD_FLAGS=dead_flags,
+    with_bias_grad = arguments["BIAS_GRAD"]
+    gbias = q.new_zeros((B * Hk, blocks, arguments["GP"], L) if with_bias_grad else (0,), dtype=torch.float32)
+    dead = torch.empty((B * Hk, blocks), device=q.device, dtype=torch.int8) if arguments["DEAD_FLAGS"] else None
+    launch_fixed(kernels.dq_kernel, fixed, q.device,
+        Q=q, K=k, V=v, O=out, DO=grad_out, LSE=lse, GLSE=glse, DELTA=delta, DEAD=dead,
         DQO=dq, DDKO=ddk, DDVO=ddv, GBIAS=gbias,
-        **tiles, **depth, **_mask_args(opts, documents, q), **_bias_args(bias, q),
+        **tiles, **depth, **_mask_tensors(documents, q), **_bias_args(bias, q),
         sq=q.stride(), so=out.stride(), sk=k.stride(), sv=v.stride(), sdo=grad_out.stride(), sl=lse.stride(),
         sgq=dq.stride(), sgd=ddk.stride(),
-        Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, scale=opts.scale,
-        qk_scale=opts.scale * _LOG2E, softcap=opts.softcap,
-        **layout, DEPTH_ROWS=max(layout["GP"], MIN_DOT_ROWS),
-        HAS_SEQ=opts.sequence and Tk > 0 and not sums, HAS_DEPTH=has_depth, HAS_GLSE=grad_lse is not None,
-        HAS_SOFTCAP=opts.softcap > 0, BIAS_FIRST=opts.bias_first, BIAS_GRAD=with_bias_grad, DEPTH_ADD=depth_add,
-        **cfg,
-    )
+    )  # fmt: skip
     return delta, gbias if with_bias_grad else None, dead
 
 
-def _launch_dkdv(grad_out, q, k, v, lse, delta, dead, documents, dk, dv, dq_sums, opts, cfg) -> None:
-    """The dK/dV kernel under launch configuration ``cfg``: writes dk, dv (B, Hk, Tk, D), contiguous, from delta
-    and (with ``cfg["TMA"]``) the dead-row flags of the dQ kernel; with ``cfg["DQ_ATOMIC"]`` also adds the
-    sequence part of dQ to ``dq_sums`` (B, Hq, Tq, D) float32."""
+@functools.lru_cache(maxsize=256)
+def _dkdv_fixed(device, D, G, B, Hk, Tq, Tk, opts: Options, documents: bool, hopper: bool, config) -> Fixed:
+    """The dK/dV launch's grid and fixed arguments for a call of this layout."""
+    layout = _layout(G, D)
+    cfg = launch_config(device, D, G, "dkdv", config, programs=cdiv(Tk, 128) * B * Hk, hopper=hopper)
+    arguments = dict(
+        Hk=Hk, Tq=Tq, Tk=Tk, scale=opts.scale, qk_scale=opts.scale * _LOG2E, softcap=opts.softcap,
+        **layout, **_mask_flags(opts, documents), HAS_SOFTCAP=opts.softcap > 0,
+        **cfg,
+    )  # fmt: skip
+    if not cfg["TMA"]:
+        arguments.update(QD=None, DOD=None, DEAD=None, dead_blocks=0)
+    return Fixed((cdiv(Tk, cfg["BLOCK_N"]), B * Hk), arguments)
+
+
+def _launch_dkdv(grad_out, q, k, v, lse, delta, dead, documents, dk, dv, dq_sums, fixed: Fixed) -> None:
+    """The dK/dV kernel as ``fixed`` says: writes dk, dv (B, Hk, Tk, D), contiguous, from delta and (with
+    ``TMA``) the dead-row flags of the dQ kernel; with ``DQ_ATOMIC`` also adds the sequence part of dQ to
+    ``dq_sums`` (B, Hq, Tq, D) float32."""
     from . import kernels
 
-    B, Hk, Tk = k.shape[0], k.shape[1], k.shape[2]
-    layout = _layout_args(q, k)
-    grid = (cdiv(Tk, cfg["BLOCK_N"]), B * Hk)
-    tiles = dict(QD=None, DOD=None, DEAD=None, dead_blocks=0)
-    if cfg["TMA"]:
-        block_t = cfg["BLOCK_M"] // layout["GP"]
-        tiles = dict(QD=_row_descriptor(q, layout["G"], layout["GP"], block_t),
-                     DOD=_row_descriptor(grad_out, layout["G"], layout["GP"], block_t),
+    arguments = fixed.arguments
+    G, GP, block_t = arguments["G"], arguments["GP"], arguments["BLOCK_M"] // arguments["GP"]
+    tiles = {}
+    if arguments["TMA"]:
+        tiles = dict(QD=_row_descriptor(q, G, GP, block_t), DOD=_row_descriptor(grad_out, G, GP, block_t),
                      DEAD=dead, dead_blocks=dead.shape[1])  # fmt: skip
     sums = dict(DQA=_placeholder(q.device), DQD=None, sa=(0, 0, 0))
     if dq_sums is not None:
         sums = dict(DQA=dq_sums, DQD=None, sa=dq_sums.stride()[:3])
-        if cfg["DQ_ATOMIC"] == 2:
-            sums["DQD"] = _row_descriptor(dq_sums, layout["G"], layout["GP"], cfg["BLOCK_M"] // layout["GP"])
-    launch(kernels.dkdv_kernel, grid, q.device,
+        if arguments["DQ_ATOMIC"] == 2:
+            sums["DQD"] = _row_descriptor(dq_sums, G, GP, block_t)
+    launch_fixed(kernels.dkdv_kernel, fixed, q.device,
         Q=q, K=k, V=v, DO=grad_out, LSE=lse, DELTA=delta, DKO=dk, DVO=dv, **tiles, **sums,
-        **_mask_args(opts, documents, q),
+        **_mask_tensors(documents, q),
         sq=q.stride(), sk=k.stride(), sv=v.stride(), sdo=grad_out.stride(), sl=lse.stride(), sg=dk.stride(),
-        Hk=Hk, Tq=q.shape[2], Tk=Tk, scale=opts.scale, qk_scale=opts.scale * _LOG2E, softcap=opts.softcap,
-        **layout, HAS_SOFTCAP=opts.softcap > 0,
-        **cfg,
-    )
+    )  # fmt: skip
 
 
 def _reduce_bias_grad(parts: Tensor, bias: Tensor, B: int, Hk: int, G: int) -> Tensor:
