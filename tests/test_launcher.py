@@ -150,3 +150,27 @@ def test_calls_off_cuda_and_other_kernels_always_go_through_triton(kernel):
     for _ in range(2):
         launcher.launch(StandIn(), (1,), CUDA, X=torch.zeros(8))
     assert launches == [(1,), (1,)]
+
+
+def test_a_fixed_launch_keys_only_the_other_arguments_and_binds_both_in_order(kernel):
+    fixed = launcher.Fixed((3,), dict(n=5))
+    x = torch.zeros(8)
+    launcher.launch_fixed(kernel, fixed, CUDA, X=x)
+    assert kernel.triton_launches == [((3,), dict(n=5, X=x))]
+    y = torch.ones(8)
+    launcher.launch_fixed(kernel, fixed, CUDA, X=y)
+    (run,) = kernel.binary_runs
+    assert run[:3] == (3, 1, 1) and run[9] is y and run[10:] == (5, False)
+    launcher.launch_fixed(kernel, fixed, CUDA, X=y.half())  # another kind of the bound tensor
+    assert len(kernel.triton_launches) == 2
+    other = launcher.Fixed((3,), dict(n=6))  # another layout: its own binaries
+    launcher.launch_fixed(kernel, other, CUDA, X=y)
+    assert len(kernel.triton_launches) == 3 and len(kernel.binary_runs) == 1
+
+
+def test_a_fixed_launch_off_cuda_goes_through_triton_with_both_parts(kernel):
+    fixed = launcher.Fixed((2, 2), dict(n=5, FLAG=True))
+    x = torch.zeros(8)
+    for _ in range(2):
+        launcher.launch_fixed(kernel, fixed, torch.device("cpu"), X=x)
+    assert kernel.triton_launches == [((2, 2), dict(n=5, FLAG=True, X=x))] * 2 and not kernel.binary_runs
