@@ -7,6 +7,11 @@ kernels as the depth bias tensor and the cap (:func:`.support.score_args`).
 Block sizes come from :func:`.configs.launch_config`, which a ``config=``
 hook of :func:`moda_flex.backends.triton.triton_attention` may change for
 one eager call (benchmarks/tune_moda.py, benchmarks/bench_hopper.py).
+
+A call is host time at a model's lengths, so each launch's grid and the
+arguments its layout fixes (sizes, flags, block sizes) are made once a
+layout (``_forward_fixed``, ``_dq_fixed``, ``_dkdv_fixed``) and a call binds
+only its tensors and strides (:func:`..launcher.launch_fixed`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from ..slots import depth_args
 from .configs import MIN_DOT_ROWS, ConfigHook, hopper_path, launch_config, next_pow2, padded_head_dim
 
 _LOG2E = math.log2(math.e)  # the kernels keep logits in base 2
+_KEPT_LAYOUTS = 256  # each launch's fixed arguments (launcher.Fixed) kept for this many layouts, the latest
 
 
 # A call's tensors, in the order the ops take them: those of every kernel call (records.ATTENTION), the
@@ -150,7 +156,7 @@ def _fixed(build, config: Optional[ConfigHook], *layout) -> Fixed:
     return build(*layout, None) if config is None else build.__wrapped__(*layout, config)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=_KEPT_LAYOUTS)
 def _forward_fixed(device, D, G, B, Hk, Tq, Tk, L, opts: Options, documents: bool, hopper: bool, config) -> Fixed:
     """The forward launch's grid and fixed arguments for a call of this layout."""
     layout = _layout(G, D)
@@ -240,7 +246,7 @@ def backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[Confi
     return dq, dk, dv, ddk, ddv, dbias
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=_KEPT_LAYOUTS)
 def _dq_fixed(device, D, G, B, Hk, Tq, Tk, opts: Options, documents: bool, hopper: bool, L: int, dead_flags: bool,
               sums: bool, glse: bool, bias_grad: bool, depth_add: bool, config) -> Fixed:  # fmt: skip
     """The dQ launch's grid and fixed arguments for a call of this layout: with ``dead_flags`` it flags the
@@ -293,7 +299,7 @@ def _launch_dq(grads: Grads, inputs: Inputs, fixed: Fixed, dq: Tensor, ddk: Tens
     return delta, gbias if with_bias_grad else None, dead
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=_KEPT_LAYOUTS)
 def _dkdv_fixed(device, D, G, B, Hk, Tq, Tk, opts: Options, documents: bool, hopper: bool, config) -> Fixed:
     """The dK/dV launch's grid and fixed arguments for a call of this layout."""
     layout = _layout(G, D)
