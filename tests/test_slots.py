@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moda_flex.backends import slots
-from moda_flex.backends.slots import SLOT_ALIGNMENT, Tables, depth_args, device_table, slot_table
+from moda_flex.backends.slots import SLOT_ALIGNMENT, PinnedTables, depth_args, device_table, slot_table
 from moda_flex.depth import as_list
 
 B, HK, T, L, D = 2, 3, 5, 4, 8
@@ -57,7 +57,7 @@ def test_no_slots_give_a_table_of_one_placeholder():
 
 
 def test_pinned_tables_are_bounded_unless_a_graph_captured_them():
-    tables = Tables(limit=3)
+    tables = PinnedTables(limit=3)
     made = []
 
     def maker(key):
@@ -94,18 +94,3 @@ def test_a_captured_table_outlives_eager_calls_past_the_limit():
     table.zero_()
     graph.replay()
     assert table.tolist() == list(addresses)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_an_uncaptured_call_reuses_its_device_table_and_a_capture_copies_its_own():
-    device = torch.device("cuda")
-    addresses = tuple(range(32, 32 * 5, 32))
-    eager = device_table(addresses, device)
-    assert device_table(addresses, device) is eager  # the backward's table is the forward's: no copy
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        captured = device_table(addresses, device)
-    assert captured.data_ptr() != eager.data_ptr()
-    captured.zero_()
-    graph.replay()
-    assert captured.tolist() == eager.tolist() == list(addresses)

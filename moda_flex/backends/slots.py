@@ -59,64 +59,52 @@ def slot_table(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: tor
     return SlotTable(device_table(tuple(addresses or [0]), device), strides[0], strides[1], held, aligned)
 
 
-class Tables:
-    """Slot tables by device and addresses, the least recently used dropped first past ``limit``: those made
-    while the current stream captures a CUDA graph are kept for good.
+class PinnedTables:
+    """Pinned host copies of slot tables, by device and addresses, from which a table is copied without a wait.
 
-    Two of them. ``_PINNED`` holds pinned host copies, from which a table is copied to the device without a
-    wait. A CUDA graph captures a table's copy from its host buffer and replays it, so a buffer a capture used
-    is kept (the graph's memory keeps its addresses, so a model meets few); without the limit, eager calls
-    whose addresses keep changing (lengths that vary from batch to batch) would pin host memory without end.
-    A dropped buffer still being copied from stays allocated until its copy ends (PyTorch's pinned allocator
-    records the copy's stream). ``_ON_DEVICE`` holds the device copies of uncaptured calls: the forward's
-    table is the backward's, and a compiled step's entries come back at the same addresses step after step,
-    so most calls copy nothing. No kernel writes a table, and one is dropped only after ``limit`` other
-    tables were made since it was last used.
+    A CUDA graph captures a table's copy from its host buffer and replays it: a table made while the current
+    stream is capturing is kept for good (the graph's memory keeps its addresses, so a model meets few). Any
+    other table is kept for reuse, at most ``limit`` of them, the least recently used dropped first: eager calls
+    whose addresses keep changing (lengths that vary from batch to batch) would otherwise pin host memory
+    without end. A dropped buffer still being copied from stays allocated until its copy ends (PyTorch's pinned
+    allocator records the copy's stream).
     """
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int = 1024):
         self.limit = limit
         self.captured: dict = {}
         self.recent: OrderedDict = OrderedDict()
 
     def get(self, key, make, capturing: bool) -> Tensor:
-        """The table of ``key``, made by ``make()`` if it has none."""
-        table = self.captured.get(key)
-        if table is not None:
-            return table
-        table = self.recent.pop(key, None)
-        if table is None:
-            table = make()
+        """The buffer of ``key``, made by ``make()`` if it has none."""
+        host = self.captured.get(key)
+        if host is not None:
+            return host
+        host = self.recent.pop(key, None)
+        if host is None:
+            host = make()
         if capturing:
-            self.captured[key] = table
+            self.captured[key] = host
         else:
-            self.recent[key] = table
+            self.recent[key] = host
             if len(self.recent) > self.limit:
                 self.recent.popitem(last=False)
-        return table
+        return host
 
     def __len__(self) -> int:
         return len(self.captured) + len(self.recent)
 
 
-_PINNED = Tables(limit=1024)
-_ON_DEVICE = Tables(limit=256)
+_PINNED = PinnedTables()
 
 
 def device_table(addresses: tuple, device: torch.device) -> Tensor:
-    """(len(addresses),) int64 on ``device``: a table an uncaptured call made before (:class:`Tables`), else
-    copied without a wait from a pinned buffer."""
+    """(len(addresses),) int64 on ``device``, copied without a wait from a pinned buffer (:class:`PinnedTables`)."""
     if device.type != "cuda":
         return torch.tensor(addresses, dtype=torch.int64)
-    key = (device, addresses)
-
-    def copied():
-        host = _PINNED.get(key, lambda: torch.tensor(addresses, dtype=torch.int64).pin_memory(), capturing)
-        return host.to(device, non_blocking=True)
-
-    capturing = torch.cuda.is_current_stream_capturing()
-    # A capture copies its tables anew: a device table kept from before could be dropped while the graph lives.
-    return copied() if capturing else _ON_DEVICE.get(key, copied, capturing=False)
+    host = _PINNED.get((device, addresses), lambda: torch.tensor(addresses, dtype=torch.int64).pin_memory(),
+                       torch.cuda.is_current_stream_capturing())  # fmt: skip
+    return host.to(device, non_blocking=True)
 
 
 def depth_args(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device) -> tuple[dict, list]:

@@ -83,22 +83,14 @@ def _tile_descriptor(t: Tensor, block_n: int):
 
 
 
-_PLACEHOLDERS: dict = {}  # a device -> its placeholder
-
-
 def _placeholder(device: torch.device) -> Tensor:
-    """A never-read int32 pointer argument for a launch without documents or bias: one a device.
+    """A never-read int32 pointer argument for a launch without documents or bias.
 
-    One first made while a CUDA graph is recorded lives in the graph's memory
-    pool, and one kept beyond the graph fails
-    ``torch.compile(mode="reduce-overhead")``: such a one is not kept.
+    Made per launch, not cached: a tensor first made while a CUDA graph is
+    recorded lives in the graph's memory pool, and one kept beyond the graph
+    fails ``torch.compile(mode="reduce-overhead")``.
     """
-    held = _PLACEHOLDERS.get(device)
-    if held is None:
-        held = torch.empty(1, dtype=torch.int32, device=device)
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            _PLACEHOLDERS[device] = held
-    return held
+    return torch.empty(1, dtype=torch.int32, device=device)
 
 
 def _layout(G: int, D: int) -> dict:
