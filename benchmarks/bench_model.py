@@ -10,7 +10,10 @@ run.
 
 ``host``: the median time the host takes to issue a step (``step()``
 returning, before the synchronize). Where it is about the step's time, the
-step is bound by the host: the GPU waits for launches.
+step is bound by the host: the GPU waits for launches. Each row's line
+also says how many depth slot tables a timed step made (pinned host
+buffers, :mod:`moda_flex.backends.slots`): none where every call found its
+addresses from an earlier step.
 
 ``floor``: the extra HBM bytes MoDA must move per step, over the bandwidth of
 a device-to-device copy measured in the same run: every depth entry a layer
@@ -39,6 +42,7 @@ from pathlib import Path
 import torch
 
 from moda_flex import depth
+from moda_flex.backends import slots
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import cli  # noqa: E402
@@ -128,6 +132,7 @@ def measure(config: GPTConfig, batch: int, seq: int, mode: str, steps: int, warm
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    tables_before = slots._PINNED.made
     times, issued = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -136,6 +141,7 @@ def measure(config: GPTConfig, batch: int, seq: int, mode: str, steps: int, warm
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**20
+    tables = (slots._PINNED.made - tables_before) / steps  # a table made is a call whose addresses are new
     ms = 1e3 * statistics.median(times)
     if profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -160,7 +166,7 @@ def measure(config: GPTConfig, batch: int, seq: int, mode: str, steps: int, warm
     del model, optimizer, run
     torch._dynamo.reset()
     torch.cuda.empty_cache()
-    return {"ms": ms, "host_ms": 1e3 * statistics.median(issued), "peak_mib": peak}
+    return {"ms": ms, "host_ms": 1e3 * statistics.median(issued), "peak_mib": peak, "tables": tables}
 
 
 @contextlib.contextmanager
@@ -215,7 +221,8 @@ def main(argv=None) -> None:
                 name = arm if how == "auto" else f"{arm}, {how}"
                 rows.append({"arm": name, "mode": mode, "floor_ms": floor_bytes / bandwidth * 1e3, **result})
                 print(f"  {name:9s} {mode:9s} {result['ms']:8.1f} ms (host {result['host_ms']:.1f})  "
-                      f"{result['peak_mib']:8.0f} MiB", flush=True)  # fmt: skip
+                      f"{result['peak_mib']:8.0f} MiB  {result['tables']:.1f} slot tables made a step",
+                      flush=True)  # fmt: skip
 
     bases = {r["mode"]: r for r in rows if r["arm"] == "none"}
     print()

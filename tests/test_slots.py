@@ -71,7 +71,7 @@ def test_pinned_tables_are_bounded_unless_a_graph_captured_them():
         tables.get(key, maker(key), capturing=False)
     assert len(tables) == 3 and list(tables.recent) == [7, 8, 9]
     kept = tables.get(8, maker(8), capturing=False)  # a hit: the same buffer, now the most recent
-    assert made.count(8) == 1 and list(tables.recent) == [7, 9, 8]
+    assert made.count(8) == 1 and list(tables.recent) == [7, 9, 8] and tables.made == len(made) == 10
     captured = tables.get(9, maker(9), capturing=True)  # a graph captures a table made eagerly before
     for key in range(100, 110):
         tables.get(key, maker(key), capturing=False)

@@ -74,6 +74,7 @@ class PinnedTables:
         self.limit = limit
         self.captured: dict = {}
         self.recent: OrderedDict = OrderedDict()
+        self.made = 0  # buffers made so far: a model whose calls find theirs makes none a step
 
     def get(self, key, make, capturing: bool) -> Tensor:
         """The buffer of ``key``, made by ``make()`` if it has none."""
@@ -83,6 +84,7 @@ class PinnedTables:
         host = self.recent.pop(key, None)
         if host is None:
             host = make()
+            self.made += 1
         if capturing:
             self.captured[key] = host
         else:
