@@ -152,6 +152,22 @@ def test_host_split_times_both_ways_and_restores_the_kernels(monkeypatch, capsys
     assert kernels_now() == before
 
 
+def test_host_step_times_both_arms_and_restores_the_kernels(monkeypatch, capsys):
+    """benchmarks/host_step.py: a compiled (aot_eager) step of each arm with the launches stubbed, the MoDA
+    arm's growth by function; the kernels are back after."""
+    pytest.importorskip("triton")
+    from moda_flex.backends.triton import kernels
+
+    before = kernels.forward_kernel, kernels.dq_kernel, kernels.dkdv_kernel
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    importlib.import_module("host_step").main(["--layers", "2", "--steps", "1", "--warmup", "1",
+                                               "--compiler", "aot_eager", "--profile"])  # fmt: skip
+    out = capsys.readouterr().out
+    (attn,) = [line for line in out.splitlines() if line.startswith("| attn |")]
+    assert float(attn.split("|")[2]) > 0 and "launch.py" in out  # the fused launches' Python, profiled
+    assert (kernels.forward_kernel, kernels.dq_kernel, kernels.dkdv_kernel) == before
+
+
 # Every command line: --help exits 0 and gives each option a description and a default.
 SCRIPTS = [
     "examples/gpt.py", "examples/train_gpt.py", "examples/visualize_attention.py", "examples/custom_variant.py",
@@ -160,7 +176,7 @@ SCRIPTS = [
     "benchmarks/flex_block_mask.py", "benchmarks/tune_moda.py", "benchmarks/bench_data_parallel.py",
     "benchmarks/bench_hopper.py", "benchmarks/count_kernels.py", "benchmarks/tune_split.py",
     "benchmarks/bench_split.py", "benchmarks/bench_flex.py", "benchmarks/bench_score.py", "benchmarks/host_split.py",
-    "benchmarks/launch_split.py",
+    "benchmarks/launch_split.py", "benchmarks/host_step.py",
     "moda_flex.visualize",
 ]  # fmt: skip
 WITH_DEVICE = ["examples/gpt.py", "examples/train_gpt.py", "examples/compare_models.py", "benchmarks/ablation.py",
