@@ -13,7 +13,9 @@ most from the baseline's step to MoDA's.
 
 A CPU's host is not a GPU machine's (the H100 machine's runs this Python
 about 2x slower), and CUDA adds its own costs (allocations, copies,
-launches): use it to compare two versions of the code on one machine.
+launches): use it to compare two versions of the code on one machine, in
+alternating runs (on a 2-core machine one run's MoDA layer moves by 100
+us or more from the next's: compare medians of several).
 
 Median ms per step of the timed steps after warm-up (compilation included
 in the warm-up).
