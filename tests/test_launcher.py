@@ -174,3 +174,41 @@ def test_a_fixed_launch_off_cuda_goes_through_triton_with_both_parts(kernel):
     for _ in range(2):
         launcher.launch_fixed(kernel, fixed, torch.device("cpu"), X=x)
     assert kernel.triton_launches == [((2, 2), dict(n=5, FLAG=True, X=x))] * 2 and not kernel.binary_runs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_real_kernel_through_its_binary_computes_what_triton_launches():
+    """On a GPU: a kernel's later launches go through its binary, in the current stream, a graph's capture
+    included, and compute what Triton's own launch does; a misaligned view takes another binary."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def scaled_add(X, Y, OUT, n, scale, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n
+        x, y = tl.load(X + offsets, mask=mask), tl.load(Y + offsets, mask=mask)
+        tl.store(OUT + offsets, x * scale + y, mask=mask)
+
+    device = torch.device("cuda")
+
+    def run(x, y, scale):
+        out = torch.empty_like(x)
+        launcher.launch(scaled_add, (triton.cdiv(x.numel(), 128),), device, X=x, Y=y, OUT=out, n=x.numel(),
+                        scale=scale, BLOCK=128)  # fmt: skip
+        return out
+
+    x, y = torch.randn(2, 1000, device=device).unbind(0)
+    for scale in (2.0, 3.0, 3.0):  # the first launch compiles; the others run the binary
+        torch.testing.assert_close(run(x, y, scale), x * scale + y, rtol=0, atol=0)
+    binaries = launcher._binaries(scaled_add).by_key
+    assert len(binaries) == 2  # two scales, one binary each (keyed by value), the third call a hit
+    x1, y1 = torch.randn(2, 1001, device=device)[:, 1:].unbind(0)  # 4 bytes past an aligned address
+    torch.testing.assert_close(run(x1, y1, 3.0), x1 * 3.0 + y1, rtol=0, atol=0)
+    assert len(binaries) == 3
+    graph, static = torch.cuda.CUDAGraph(), torch.zeros_like(x)
+    with torch.cuda.graph(graph):
+        static.copy_(run(x, y, 3.0))
+    x.mul_(-1)
+    graph.replay()
+    torch.testing.assert_close(static, x * 3.0 + y, rtol=0, atol=0)
