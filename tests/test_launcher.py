@@ -212,3 +212,20 @@ def test_a_real_kernel_through_its_binary_computes_what_triton_launches():
     x.mul_(-1)
     graph.replay()
     torch.testing.assert_close(static, x * 3.0 + y, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["triton", "split"])
+def test_a_kernel_backends_calls_through_their_binaries_match_the_reference(backend, monkeypatch):
+    """On a GPU: the second call of a layout launches every kernel through its binary, and still computes
+    MoDA (the first call, through Triton, is checked alike)."""
+    from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs
+
+    runs = []
+    run_binary = launcher.run_binary
+    monkeypatch.setattr(launcher, "run_binary", lambda *args: runs.append(args) or run_binary(*args))
+    inputs = make_inputs(MoDAShape(2, 6, 2, 70, 70, 5, 64), device="cuda", dtype=torch.bfloat16, seed=3)
+    for _ in range(2):
+        runs.clear()
+        assert_matches_reference(inputs, backend=backend, variant="causal")
+    assert len(runs) >= (3 if backend == "triton" else 4)  # forward, and the backward's launches
