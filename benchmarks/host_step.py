@@ -14,11 +14,13 @@ most from the baseline's step to MoDA's.
 A CPU's host is not a GPU machine's (the H100 machine's runs this Python
 about 2x slower), and CUDA adds its own costs (allocations, copies,
 launches): use it to compare two versions of the code on one machine, in
-alternating runs (on a 2-core machine one run's MoDA layer moves by 100
-us or more from the next's: compare medians of several).
+alternating runs (on a 2-core machine a run's MoDA layer moves by tens of
+us from the next's: compare medians of several).
 
-Median ms per step of the timed steps after warm-up (compilation included
-in the warm-up).
+Both models are compiled and warmed up first (compilation included in the
+warm-up); then the arms take turns, ``--rounds`` times, each timing
+``--steps`` steps: the table gives each arm's median over the rounds and
+each round's MoDA layer over the baseline.
 
 Usage::
 
@@ -61,32 +63,39 @@ def _model_step(depth_kv: str, layers: int, compiler: str):
     return step
 
 
-def measure(layers: int, steps: int, warmup: int, compiler: str, profile: bool) -> dict:
-    """ms per step of each arm, and with ``profile`` each arm's cProfile statistics over ``steps`` steps."""
+def _median_ms(step, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def _profiled(step, steps: int) -> dict:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    return pstats.Stats(profiler).stats
+
+
+def measure(layers: int, steps: int, warmup: int, rounds: int, compiler: str, profile: bool) -> dict:
+    """Each arm's median ms per step in each of ``rounds`` rounds (the arms take turns: a busy machine slows
+    both alike), and with ``profile`` its cProfile statistics over ``steps`` steps."""
     from host_split import launches_stubbed
 
-    result = {}
-    for arm in ("none", "attn"):
-        step = _model_step(arm, layers, compiler)
-        with launches_stubbed():
+    arms = ("none", "attn")
+    with launches_stubbed():
+        steps_of = {arm: _model_step(arm, layers, compiler) for arm in arms}
+        for step in steps_of.values():
             for _ in range(warmup):
                 step()
-            times = []
-            for _ in range(steps):
-                start = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - start)
-            stats = None
-            if profile:
-                profiler = cProfile.Profile()
-                profiler.enable()
-                for _ in range(steps):
-                    step()
-                profiler.disable()
-                stats = pstats.Stats(profiler).stats
-        result[arm] = (1e3 * statistics.median(times), stats)
-        torch._dynamo.reset()
-    return result
+        rounds_ms = [{arm: _median_ms(steps_of[arm], steps) for arm in arms} for _ in range(rounds)]
+        stats = {arm: _profiled(steps_of[arm], steps) for arm in arms} if profile else {}
+    torch._dynamo.reset()
+    return {"rounds": rounds_ms, "stats": stats}
 
 
 def _own_times(stats: dict, steps: int) -> dict:
@@ -97,21 +106,26 @@ def _own_times(stats: dict, steps: int) -> dict:
 def main(argv=None) -> None:
     p = cli.parser(__doc__)
     p.add_argument("--layers", type=cli.at_least(2), default=8, help="transformer blocks")
-    p.add_argument("--steps", type=cli.at_least(1), default=40, help="timed steps per arm")
+    p.add_argument("--steps", type=cli.at_least(1), default=40, help="timed steps per arm and round")
+    p.add_argument("--rounds", type=cli.at_least(1), default=5, help="rounds in which the arms take turns")
     p.add_argument("--warmup", type=cli.at_least(1), default=3, help="untimed steps first, compilation included")
     p.add_argument("--compiler", default="inductor", help="torch.compile backend (aot_eager: no code generation)")
     p.add_argument("--profile", action="store_true", help="list the functions whose own time grows most with MoDA")
     args = p.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the fused kernel's CPU support; no kernel runs
     torch.set_num_threads(1)
-    result = measure(args.layers, args.steps, args.warmup, args.compiler, args.profile)
-    (base, base_stats), (moda, moda_stats) = result["none"], result["attn"]
-    print(f"compiled ({args.compiler}) step on CPU, {args.layers} layers, Triton launches stubbed, torch {torch.__version__}")
-    print("| model | ms a step | us a MoDA layer over the baseline |\n|---|---|---|")
+    result = measure(args.layers, args.steps, args.warmup, args.rounds, args.compiler, args.profile)
+    rounds = result["rounds"]
+    base, moda = (statistics.median(r[arm] for r in rounds) for arm in ("none", "attn"))
+    # the first block reads no depth: a MoDA layer's cost over the baseline's, each round's difference
+    per_layer = [1e3 * (r["attn"] - r["none"]) / (args.layers - 1) for r in rounds]
+    print(f"compiled ({args.compiler}) step on CPU, {args.layers} layers, Triton launches stubbed, "
+          f"{args.rounds} rounds of {args.steps} steps an arm, torch {torch.__version__}")  # fmt: skip
+    print("| model | ms a step (median of rounds) | us a MoDA layer over the baseline: median, rounds |\n|---|---|---|")
     print(f"| none | {base:.2f} | - |")
-    print(f"| attn | {moda:.2f} | {1e3 * (moda - base) / (args.layers - 1):.0f} |")  # the first block reads no depth
+    print(f"| attn | {moda:.2f} | {statistics.median(per_layer):.0f} ({', '.join(f'{us:.0f}' for us in per_layer)}) |")
     if args.profile:
-        before, after = _own_times(base_stats, args.steps), _own_times(moda_stats, args.steps)
+        before, after = (_own_times(result["stats"][arm], args.steps) for arm in ("none", "attn"))
         grown = sorted(((after.get(f, 0.0) - before.get(f, 0.0), f) for f in set(before) | set(after)), reverse=True)
         print("\nown time a step, MoDA over the baseline (cProfile):")
         for us, name in grown[:25]:
