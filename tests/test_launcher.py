@@ -131,7 +131,7 @@ def test_a_kernel_keeps_a_bounded_number_of_binaries(kernel, monkeypatch):
     monkeypatch.setattr(launcher, "_MOST_KINDS", 4)
     for n in range(10):
         launcher.launch(kernel, (1,), CUDA, X=torch.zeros(8), n=n)
-    assert 0 < len(launcher._binaries(kernel).by_key) <= 4
+    assert 0 < len(launcher._binaries(kernel).unfixed.binaries) <= 4
     launcher.launch(kernel, (1,), CUDA, X=torch.zeros(8), n=9)  # the latest is still kept
     assert len(kernel.binary_runs) == 1
 
@@ -201,7 +201,7 @@ def test_a_real_kernel_through_its_binary_computes_what_triton_launches():
     x, y = torch.randn(2, 1000, device=device).unbind(0)
     for scale in (2.0, 3.0, 3.0):  # the first launch compiles; the others run the binary
         torch.testing.assert_close(run(x, y, scale), x * scale + y, rtol=0, atol=0)
-    binaries = launcher._binaries(scaled_add).by_key
+    binaries = launcher._binaries(scaled_add).unfixed.binaries
     assert len(binaries) == 2  # two scales, one binary each (keyed by value), the third call a hit
     x1, y1 = torch.randn(2, 1001, device=device)[:, 1:].unbind(0)  # 4 bytes past an aligned address
     torch.testing.assert_close(run(x1, y1, 3.0), x1 * 3.0 + y1, rtol=0, atol=0)

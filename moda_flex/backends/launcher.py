@@ -65,16 +65,16 @@ def _current_device_and_stream() -> tuple[int, int]:
 
 
 class _Binaries:
-    """The binaries of one kernel, by the key of :func:`launch`, and the kernel's argument names and defaults."""
+    """One kernel's argument names and defaults, and the binaries of its launches without fixed arguments."""
 
     def __init__(self, kernel):
         self.names = list(kernel.arg_names)
         self.defaults = {p.name: p.default for p in kernel.params if p.has_default}
-        self.by_key: dict = {}
+        self.unfixed = Fixed(None, {})  # what launch() keys its binaries in: nothing fixed, the grid per call
 
 
 _BINARIES: dict = {}  # a kernel -> its _Binaries
-_MOST_KINDS = 256  # binaries kept a kernel: sizes are keyed by value, and a model's calls have few
+_MOST_KINDS = 256  # binaries kept a Fixed: sizes are keyed by value, and a model's calls have few
 
 
 def _binaries(kernel):
@@ -87,27 +87,6 @@ def _binaries(kernel):
             return None
         found = _BINARIES[kernel] = _Binaries(kernel)
     return found
-
-
-def launch(kernel, grid: tuple, device: torch.device, **arguments) -> None:
-    """``kernel[grid](**arguments)`` for a call on ``device``, through the binary's own launcher after its first
-    launch (module docstring)."""
-    binaries = _binaries(kernel) if device.type == "cuda" else None
-    if binaries is None:
-        kernel[grid](**arguments)
-        return
-    gpu, stream = _current_device_and_stream()
-    key = (gpu, *_key(arguments.values()))
-    binary = binaries.by_key.get(key)
-    if binary is None:
-        binary = kernel[grid](**arguments)
-        if binary is not None and _BY_TRITON not in key[2]:
-            if len(binaries.by_key) >= _MOST_KINDS:  # calls whose sizes keep changing: start afresh
-                binaries.by_key.clear()
-            binaries.by_key[key] = binary
-        return
-    values = [arguments[name] if name in arguments else binaries.defaults[name] for name in binaries.names]
-    run_binary(binary, grid, stream, values)
 
 
 class Fixed:
@@ -138,24 +117,37 @@ class Fixed:
         return values
 
 
+def launch(kernel, grid: tuple, device: torch.device, **arguments) -> None:
+    """``kernel[grid](**arguments)`` for a call on ``device``, through the binary's own launcher after its first
+    launch (module docstring)."""
+    _launch(kernel, grid, device, None, arguments)
+
+
 def launch_fixed(kernel, fixed: Fixed, device: torch.device, **arguments) -> None:
     """``kernel[fixed.grid](**fixed.arguments, **arguments)`` for a call on ``device``, through the binary's own
     launcher after the first launch of the kinds of ``arguments`` (module docstring)."""
+    _launch(kernel, fixed.grid, device, fixed, arguments)
+
+
+def _launch(kernel, grid: tuple, device: torch.device, fixed, arguments: dict) -> None:
+    """Launch ``kernel`` on ``grid`` with ``fixed``'s arguments (none for None) and ``arguments``, which alone
+    are keyed."""
     binaries = _binaries(kernel) if device.type == "cuda" else None
     if binaries is None:
-        kernel[fixed.grid](**fixed.arguments, **arguments)
+        kernel[grid](**(fixed.arguments if fixed is not None else {}), **arguments)
         return
+    fixed = binaries.unfixed if fixed is None else fixed
     gpu, stream = _current_device_and_stream()
     key = (kernel, gpu, *_key(arguments.values()))
     binary = fixed.binaries.get(key)
     if binary is None:
-        binary = kernel[fixed.grid](**fixed.arguments, **arguments)
+        binary = kernel[grid](**fixed.arguments, **arguments)
         if binary is not None and _BY_TRITON not in key[3]:
-            if len(fixed.binaries) >= _MOST_KINDS:
+            if len(fixed.binaries) >= _MOST_KINDS:  # calls whose sizes keep changing: start afresh
                 fixed.binaries.clear()
             fixed.binaries[key] = binary
         return
-    run_binary(binary, fixed.grid, stream, fixed.values(binaries, kernel, arguments))
+    run_binary(binary, grid, stream, fixed.values(binaries, kernel, arguments))
 
 
 def run_binary(binary, grid: tuple, stream: int, values: list) -> None:
