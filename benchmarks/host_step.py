@@ -35,7 +35,6 @@ import os
 import pstats
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -63,15 +62,6 @@ def _model_step(depth_kv: str, layers: int, compiler: str):
     return step
 
 
-def _median_ms(step, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
-
-
 def _profiled(step, steps: int) -> dict:
     profiler = cProfile.Profile()
     profiler.enable()
@@ -84,7 +74,7 @@ def _profiled(step, steps: int) -> dict:
 def measure(layers: int, steps: int, warmup: int, rounds: int, compiler: str, profile: bool) -> dict:
     """Each arm's median ms per step in each of ``rounds`` rounds (the arms take turns: a busy machine slows
     both alike), and with ``profile`` its cProfile statistics over ``steps`` steps."""
-    from host_split import launches_stubbed
+    from host_split import _median_us, launches_stubbed
 
     arms = ("none", "attn")
     with launches_stubbed():
@@ -92,7 +82,8 @@ def measure(layers: int, steps: int, warmup: int, rounds: int, compiler: str, pr
         for step in steps_of.values():
             for _ in range(warmup):
                 step()
-        rounds_ms = [{arm: _median_ms(steps_of[arm], steps) for arm in arms} for _ in range(rounds)]
+        cpu = torch.device("cpu")
+        rounds_ms = [{arm: _median_us(steps_of[arm], steps, cpu, calls=1) / 1e3 for arm in arms} for _ in range(rounds)]
         stats = {arm: _profiled(steps_of[arm], steps) for arm in arms} if profile else {}
     torch._dynamo.reset()
     return {"rounds": rounds_ms, "stats": stats}
