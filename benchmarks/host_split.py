@@ -9,9 +9,10 @@ At short lengths a call is bound by the host. This times, with tiny tensors
   graph's wrapper calls them;
 
 and beside them ``vendor``, the sequence part's aten ops alone (forward +
-backward), which a baseline's SDPA calls cost too, and ``fused ops``, the
+backward), which a baseline's SDPA calls cost too, ``fused ops``, the
 fused kernel's two ops (what ``auto`` runs in a compiled model's default
-mode). On CPU (the default; no GPU is needed) every Triton launch is
+mode), and its forward alone, through the op (``fused fwd op``) and called
+directly (``fused fwd direct``): their difference is the dispatcher's. On CPU (the default; no GPU is needed) every Triton launch is
 stubbed out and the vendor is SDPA's CPU op: the rows time the Python
 around the launches. With ``--device cuda`` each L gets two rows, launches
 stubbed and real: their difference is what the launches cost the host.
@@ -89,6 +90,11 @@ def _median_us(fn, repeats: int, device: torch.device, calls: int = 100) -> floa
 
 def measure(slots: int, repeats: int, device: torch.device) -> dict:
     """us per call of each way (module docstring), B=1, Hq=6, Hk=2, T=8, D=64, causal (bfloat16 on CUDA)."""
+    return {name: _median_us(fn, repeats, device) for name, fn in ways(slots, device).items()}
+
+
+def ways(slots: int, device: torch.device) -> dict:
+    """Each way of :func:`measure` as a function that makes one call."""
     from moda_flex.backends.capture import fused_records
     from moda_flex.backends.split import ops, sequence
     from moda_flex.backends.triton import launch as triton_launch
@@ -132,8 +138,30 @@ def measure(slots: int, repeats: int, device: torch.device) -> dict:
         torch.ops.moda_flex.triton_forward(*fused_inputs, *fused_opts)
         torch.ops.moda_flex.triton_backward(*fused_grads, *fused_inputs, *fused_opts)
 
-    ways = {"eager forward": eager_forward, "eager": eager, "ops": by_ops, "vendor": vendor, "fused ops": by_fused_ops}
-    return {name: _median_us(fn, repeats, device) for name, fn in ways.items()}
+    def fused_forward_op():
+        torch.ops.moda_flex.triton_forward(*fused_inputs, *fused_opts)
+
+    def fused_forward_direct():
+        triton_launch.forward(fused_inputs, fused_opts)
+
+    return {"eager forward": eager_forward, "eager": eager, "ops": by_ops, "vendor": vendor, "fused ops": by_fused_ops,
+            "fused fwd op": fused_forward_op, "fused fwd direct": fused_forward_direct}  # fmt: skip
+
+
+def profile(slots: int, device: torch.device, calls: int = 300) -> None:
+    """Print where the host spends a fused op pair's time, by own time (real launches on CUDA, else stubbed)."""
+    import cProfile
+    import pstats
+
+    with launches_stubbed() if device.type == "cpu" else contextlib.nullcontext():
+        fn = ways(slots, device)["fused ops"]
+        for _ in range(calls // 4):
+            fn()
+        with cProfile.Profile() as prof:
+            for _ in range(calls):
+                fn()
+    print(f"\nfused ops, L={slots}, {calls} calls (forward + backward), by own time:")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 def main(argv=None) -> None:
@@ -141,11 +169,13 @@ def main(argv=None) -> None:
     p.add_argument("--slots", type=cli.int_list, default="12,47", help="L of each row")
     p.add_argument("--repeats", type=cli.at_least(1), default=9, help="timed repeats of 100 calls")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: also a row with real launches")
+    p.add_argument("--profile", action="store_true", help="also profile the fused ops at the last L "
+                   "(real launches on CUDA)")
     args = p.parse_args(argv)
     device = cli.check_device(p, args.device)
     if device.type == "cpu":  # the split path's CPU support, chosen before triton is imported; no kernel runs
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    names = ("eager forward", "eager", "ops", "vendor", "fused ops")
+    names = ("eager forward", "eager", "ops", "vendor", "fused ops", "fused fwd op", "fused fwd direct")
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"host us per call on {where}, torch {torch.__version__} (forward + backward unless named)")
     print("| L | Triton launches | " + " | ".join(names) + " |\n|---|---|" + "---|" * len(names))
@@ -156,6 +186,8 @@ def main(argv=None) -> None:
                 row = measure(slots, args.repeats, device)
             cells = " | ".join(f"{row[name]:.0f}" if name in row else "-" for name in names)
             print(f"| {slots} | {'stubbed' if stub else 'real'} | {cells} |")
+    if args.profile:
+        profile(args.slots[-1], device)
 
 
 if __name__ == "__main__":
