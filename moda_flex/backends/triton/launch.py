@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from ...depth import empty_grads, slot_count
+from ...depth import empty_grads, is_slab, slot_count
 from ..blocks import cdiv
 from ..launcher import Fixed, launch_fixed
 from ..records import ATTENTION
@@ -124,6 +124,39 @@ def _bias_args(bias: Optional[Tensor], like: Tensor) -> dict:
     return dict(BIAS=f32, sbias=(0, f32.stride(0)) if f32.dim() == 1 else f32.stride(), HAS_BIAS=True)
 
 
+def _slab_strides(t: Tensor) -> tuple:
+    """A (B, Hk, Tq, L, D) slab's strides as the kernels take them, (b, h, t, d, l)."""
+    sb, sh, st, sl, sd = t.stride()
+    return sb, sh, st, sd, sl
+
+
+def slab_args(depth_k: Tensor, depth_v: Tensor) -> dict:
+    """The kernels' depth arguments for two (B, Hk, Tq, L, D) slabs, read in place (``SLOTS`` 2)."""
+    return dict(DK_TAB=depth_k, DV_TAB=depth_v, sdk=_slab_strides(depth_k), sdv=_slab_strides(depth_v), SLOTS=2)
+
+
+def _depth_args(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device) -> tuple[dict, list]:
+    """The kernels' depth arguments (:func:`.kernels.common.depth_slots`) and the tensors to hold until the
+    launch: slabs as they lie, entries through their address table (``SLOTS`` 0 or 1, no slot stride)."""
+    if is_slab(depth_k) and is_slab(depth_v):
+        return slab_args(depth_k[0], depth_v[0]), []
+    table, held = depth_args(depth_k, depth_v, L, device)
+    aligned = table.pop("SLOTS_ALIGNED")
+    return dict(table, sdk=(*table["sdk"], 0), sdv=(*table["sdv"], 0), SLOTS=int(aligned)), held
+
+
+class Route(NamedTuple):
+    """How a call reaches its kernels: what the eager ops do (:data:`EAGER`), or a traced op
+    (:mod:`.traced`)."""
+
+    depth: Callable  # (depth_k, depth_v, L, device) -> (the kernels' depth arguments, the tensors to hold)
+    launch: Callable  # (kernel, fixed: Fixed, device, **arguments) launches the kernel
+    hopper: Callable  # (*tensors) -> whether the call takes the Hopper path (configs.hopper_path)
+
+
+EAGER = Route(_depth_args, launch_fixed, hopper_path)
+
+
 def outputs(inputs: Inputs) -> tuple[Tensor, Tensor]:
     """The forward's results, unwritten (the launch's and the op's fake): out (B, Hq, Tq, D) contiguous, lse
     (B, Hq, Tq) float32."""
@@ -167,10 +200,11 @@ def _forward_fixed(device, D, G, B, Hk, Tq, Tk, L, opts: Options, documents: boo
     return Fixed((cdiv(Tq, block_t), B * Hk), arguments)
 
 
-def forward(inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None) -> tuple[Tensor, Tensor]:
+def forward(inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None,
+            route: Route = EAGER) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Launch the forward kernel: out (B, Hq, Tq, D) contiguous and lse (B, Hq, Tq) float32.
 
-    ``config``: the launch hook, or None.
+    ``config``: the launch hook, or None. ``route``: how the kernel is reached.
     """
     from . import kernels
 
@@ -181,14 +215,14 @@ def forward(inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None) 
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))
     fixed = _fixed(_forward_fixed, config, q.device, D, Hq // Hk, B, Hk, Tq, Tk, L, opts, documents is not None,
-                   hopper_path(q, k, v))  # fmt: skip
-    depth, _held = depth_args(depth_k, depth_v, L, q.device)  # _held: alive until launched
+                   route.hopper(q, k, v))  # fmt: skip
+    depth, _held = route.depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
     tiles = {}
     if fixed.arguments["TMA"]:
         G, GP, block_n = fixed.arguments["G"], fixed.arguments["GP"], fixed.arguments["BLOCK_N"]
         tiles = dict(QD=_row_descriptor(q, G, GP, fixed.arguments["BLOCK_M"] // GP),
                      KD=_tile_descriptor(k, block_n), VD=_tile_descriptor(v, block_n))  # fmt: skip
-    launch_fixed(kernels.forward_kernel, fixed, q.device,
+    route.launch(kernels.forward_kernel, fixed, q.device,
         Q=q, K=k, V=v, O=out, LSE=lse, **tiles, **depth, **_mask_tensors(documents, q), **_bias_args(bias, q),
         sq=q.stride(), sk=k.stride(), sv=v.stride(), so=out.stride(), sl=lse.stride(),
     )  # fmt: skip
@@ -196,11 +230,12 @@ def forward(inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None) 
 
 
 def backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None,
-             into: Optional[tuple[Tensor, Tensor]] = None, add: bool = False) -> tuple[Tensor, ...]:  # fmt: skip
+             into: Optional[tuple[Tensor, Tensor]] = None, add: bool = False,
+             route: Route = EAGER) -> tuple[Tensor, ...]:  # fmt: skip
     """Launch the backward, the dQ kernel then the dK/dV kernel: the results of :func:`gradients`, written.
 
     ``into``: two (B, Hk, Tq, L, D) tensors, any strides, that get the depth gradients (and are returned), added
-    to what they hold with ``add``.
+    to what they hold with ``add``. ``route``: how the kernels are reached.
     """
     q, k, v, depth_k, _, documents, bias = inputs
     B, Hq, Tq, D = q.shape
@@ -213,7 +248,7 @@ def backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[Confi
     if opts.depth_first > 0 and not add:  # masked slots get a zero gradient
         ddk.zero_()
         ddv.zero_()
-    hopper, G = hopper_path(q, k, v, grads.grad_out), Hq // Hk
+    hopper, G = route.hopper(q, k, v, grads.grad_out), Hq // Hk
     layout = (q.device, D, G, B, Hk, Tq, Tk, opts, documents is not None, hopper)
     dkdv_fixed = _fixed(_dkdv_fixed, config, *layout)
     sequence = opts.sequence and Tk > 0
@@ -224,10 +259,10 @@ def backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[Confi
     dq_out = torch.empty_like(dq, dtype=torch.float32) if atomic and dq.dtype != torch.float32 else dq
     dq_fixed = _fixed(_dq_fixed, config, *layout, L, bool(dkdv_fixed.arguments["TMA"]), bool(atomic),
                       grads.grad_lse is not None, grads.bias_grad, add)  # fmt: skip
-    delta, gbias, dead = _launch_dq(grads, inputs, dq_fixed, dq_out, ddk, ddv)
+    delta, gbias, dead = _launch_dq(grads, inputs, dq_fixed, dq_out, ddk, ddv, route)
     if sequence:
         _launch_dkdv(grads.grad_out, q, k, v, grads.lse, delta, dead, documents, dk, dv,
-                     dq_out if atomic else None, dkdv_fixed)  # fmt: skip
+                     dq_out if atomic else None, dkdv_fixed, route)  # fmt: skip
     else:
         dk.zero_()
         dv.zero_()
@@ -260,7 +295,7 @@ def _dq_fixed(device, D, G, B, Hk, Tq, Tk, opts: Options, documents: bool, hoppe
     return Fixed((cdiv(Tq, cfg["BLOCK_M"] // layout["GP"]), B * Hk), arguments)
 
 
-def _launch_dq(grads: Grads, inputs: Inputs, fixed: Fixed, dq: Tensor, ddk: Tensor, ddv: Tensor):
+def _launch_dq(grads: Grads, inputs: Inputs, fixed: Fixed, dq: Tensor, ddk: Tensor, ddv: Tensor, route: Route):
     """The dQ kernel as ``fixed`` says, writing ``dq`` and the depth gradients ``ddk``, ``ddv`` (adding to them
     with ``DEPTH_ADD``): returns delta for the dK/dV kernel, the bias's gradient in parts or None, and with
     ``DEAD_FLAGS`` whether each block of rows has a dead one, (B * Hk, blocks) int8, else None."""
@@ -272,7 +307,7 @@ def _launch_dq(grads: Grads, inputs: Inputs, fixed: Fixed, dq: Tensor, ddk: Tens
     arguments = fixed.arguments
     delta = torch.empty_like(lse)
     glse = delta if grad_lse is None else grad_lse.float().contiguous()
-    depth, _held = depth_args(depth_k, depth_v, L, q.device)  # _held: alive until launched
+    depth, _held = route.depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
     blocks = fixed.grid[0]
     tiles = {}
     if arguments["TMA"]:
@@ -281,7 +316,7 @@ def _launch_dq(grads: Grads, inputs: Inputs, fixed: Fixed, dq: Tensor, ddk: Tens
     with_bias_grad = arguments["BIAS_GRAD"]
     gbias = q.new_zeros((B * Hk, blocks, arguments["GP"], L) if with_bias_grad else (0,), dtype=torch.float32)
     dead = torch.empty((B * Hk, blocks), device=q.device, dtype=torch.int8) if arguments["DEAD_FLAGS"] else None
-    launch_fixed(kernels.dq_kernel, fixed, q.device,
+    route.launch(kernels.dq_kernel, fixed, q.device,
         Q=q, K=k, V=v, O=out, DO=grad_out, LSE=lse, GLSE=glse, DELTA=delta, DEAD=dead,
         DQO=dq, DDKO=ddk, DDVO=ddv, GBIAS=gbias,
         **tiles, **depth, **_mask_tensors(documents, q), **_bias_args(bias, q),
@@ -306,7 +341,7 @@ def _dkdv_fixed(device, D, G, B, Hk, Tq, Tk, opts: Options, documents: bool, hop
     return Fixed((cdiv(Tk, cfg["BLOCK_N"]), B * Hk), arguments)
 
 
-def _launch_dkdv(grad_out, q, k, v, lse, delta, dead, documents, dk, dv, dq_sums, fixed: Fixed) -> None:
+def _launch_dkdv(grad_out, q, k, v, lse, delta, dead, documents, dk, dv, dq_sums, fixed: Fixed, route: Route):
     """The dK/dV kernel as ``fixed`` says: writes dk, dv (B, Hk, Tk, D), contiguous, from delta and (with
     ``TMA``) the dead-row flags of the dQ kernel; with ``DQ_ATOMIC`` also adds the sequence part of dQ to
     ``dq_sums`` (B, Hq, Tq, D) float32."""
@@ -323,7 +358,7 @@ def _launch_dkdv(grad_out, q, k, v, lse, delta, dead, documents, dk, dv, dq_sums
         sums = dict(DQA=dq_sums, DQD=None, sa=dq_sums.stride()[:3])
         if arguments["DQ_ATOMIC"] == 2:
             sums["DQD"] = _row_descriptor(dq_sums, G, GP, block_t)
-    launch_fixed(kernels.dkdv_kernel, fixed, q.device,
+    route.launch(kernels.dkdv_kernel, fixed, q.device,
         Q=q, K=k, V=v, DO=grad_out, LSE=lse, DELTA=delta, DKO=dk, DVO=dv, **tiles, **sums,
         **_mask_tensors(documents, q),
         sq=q.stride(), sk=k.stride(), sv=v.stride(), sdo=grad_out.stride(), sl=lse.stride(), sg=dk.stride(),

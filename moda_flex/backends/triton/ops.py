@@ -24,6 +24,7 @@ from ..records import define, restored, saved, unpack
 from .configs import ConfigHook
 from .launch import Grads, Inputs, Options, backward, forward, gradients, outputs
 from .support import score_args
+from .traced import traceable, traced_backward, traced_forward
 
 
 def _interpreter_upcast(inputs: Inputs, *more: Tensor) -> tuple[Inputs, list[Tensor], Optional[torch.dtype]]:
@@ -101,6 +102,10 @@ def _autograd_backward(ctx, grad_out, grad_lse, run_backward=None):
 
 
 torch.library.register_autograd("moda_flex::triton_forward", _autograd_backward, setup_context=_setup_context)
+traced_forward.register_autograd(
+    functools.partial(_autograd_backward, run_backward=lambda grads, inputs, opts: traced_backward(*grads, *inputs, *opts)),
+    setup_context=_setup_context,
+)  # fmt: skip
 
 
 class _EagerMoDA(torch.autograd.Function):
@@ -169,7 +174,10 @@ def triton_attention(
     if torch.compiler.is_compiling():
         if config is not None:
             raise ValueError("config= tunes eager calls; torch.compile traces the op with the default launches")
-        return torch.ops.moda_flex.triton_forward(*Inputs(q, k, v, depth_k, depth_v, documents, bias), *opts)
+        inputs = Inputs(q, k, v, depth_k, depth_v, documents, bias)
+        if traceable(q, k, v, *depth_k, *depth_v):  # launched from the compiled graph itself
+            return traced_forward(*inputs, *opts)
+        return torch.ops.moda_flex.triton_forward(*inputs, *opts)
     # Eager: the same kernels behind a plain autograd.Function, without the
     # dispatcher round trips of a custom op (the call is host-bound at short lengths).
     return _EagerMoDA.apply(q, k, v, documents, bias, opts, config, len(depth_k), *depth_k, *depth_v)

@@ -3,9 +3,9 @@
 import triton
 import triton.language as tl
 
-from ...slot_pointers import slot_bases
 from .common import (
-    batch_head, bias_tile, block_rows, depth_offsets, depth_tiles, documents, finite, head_lanes, key_columns,
+    batch_head, bias_tile, block_rows, depth_offsets, depth_slots, depth_tiles, documents, finite, head_lanes,
+    key_columns,
     load_rows, query_block, query_keys, row_lse2, score, sequence_score, store_rows, visible,
 )  # fmt: skip
 
@@ -121,7 +121,7 @@ def _depth(
     G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_FIRST: tl.constexpr, BIAS_GRAD: tl.constexpr,
-    SLOTS_ALIGNED: tl.constexpr, DEPTH_ADD: tl.constexpr,
+    SLOTS: tl.constexpr, DEPTH_ADD: tl.constexpr,
 ):  # fmt: skip
     """The depth phase of the backward in the forward's tiles: dQ, and the depth (and bias) gradients written.
 
@@ -146,7 +146,7 @@ def _depth(
         slot = l0 + col_slot  # (BLOCK_C,)
         col_ok = ((col_token < Tq) & (slot < L)[None, :])[:, :, None]  # (U, BLOCK_C, 1)
         store_ok = col_ok & d_ok[None, None, :]
-        dk_slot, dv_slot = slot_bases(DK_TAB, DV_TAB, slot, L, ELEM=q.dtype, ALIGNED=SLOTS_ALIGNED)
+        dk_slot, dv_slot = depth_slots(DK_TAB, DV_TAB, slot, L, sdk, sdv, ELEM=q.dtype, SLOTS=SLOTS)
         # every depth column is masked for most rows of a tile: read non-finite entries as zero
         kd = finite(tl.load(dk_slot[None, :, None] + dk_offs, mask=col_ok, other=0.0))  # (U, BLOCK_C, D)
         vd = finite(tl.load(dv_slot[None, :, None] + dv_offs, mask=col_ok, other=0.0))
@@ -189,7 +189,7 @@ def dq_kernel(
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_DEPTH: tl.constexpr, HAS_GLSE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_FIRST: tl.constexpr, BIAS_GRAD: tl.constexpr,
-    TMA: tl.constexpr, LOOP_STAGES: tl.constexpr, DEAD_FLAGS: tl.constexpr, SLOTS_ALIGNED: tl.constexpr,
+    TMA: tl.constexpr, LOOP_STAGES: tl.constexpr, DEAD_FLAGS: tl.constexpr, SLOTS: tl.constexpr,
     DEPTH_ADD: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query block, the depth gradients of its tokens, and DELTA of its rows for the dK/dV kernel.
@@ -254,7 +254,7 @@ def dq_kernel(
             offs_d=offs_d, d_ok=d_ok, sdk=sdk, sdv=sdv, sgd=sgd, sbias=sbias, Tq=Tq, L=L, depth_first=depth_first,
             scale=scale, qk_scale=qk_scale, softcap=softcap, G=G, GP=GP, DEPTH_ROWS=DEPTH_ROWS, HEAD_DIM=HEAD_DIM,
             BLOCK_M=BLOCK_M, BLOCK_C=BLOCK_C, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, BIAS_FIRST=BIAS_FIRST,
-            BIAS_GRAD=BIAS_GRAD, SLOTS_ALIGNED=SLOTS_ALIGNED, DEPTH_ADD=DEPTH_ADD,
+            BIAS_GRAD=BIAS_GRAD, SLOTS=SLOTS, DEPTH_ADD=DEPTH_ADD,
         )
 
     # a dead row's dq took NaN from the unmasked blocks (unsanitized keys): it sends no gradient

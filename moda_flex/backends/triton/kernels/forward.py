@@ -3,9 +3,9 @@
 import triton
 import triton.language as tl
 
-from ...slot_pointers import slot_bases
 from .common import (
-    LN2, batch_head, bias_tile, block_rows, depth_offsets, depth_tiles, documents, head_lanes, key_columns,
+    LN2, batch_head, bias_tile, block_rows, depth_offsets, depth_slots, depth_tiles, documents, head_lanes,
+    key_columns,
     load_rows, query_block, query_keys, score, sequence_score, store_rows, visible, zero_nonfinite,
 )  # fmt: skip
 
@@ -130,7 +130,7 @@ def _depth(
     acc, m_i, l_i, q, DK_TAB, DV_TAB, BIAS, b, hk, t0, offs_d, sdk, sdv, sbias, Tq, L, depth_first, qk_scale, softcap,
     G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_FIRST: tl.constexpr, SLOTS_ALIGNED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_FIRST: tl.constexpr, SLOTS: tl.constexpr,
 ):  # fmt: skip
     """The depth phase (Alg. 1 lines 24-29): each tile of DEPTH_ROWS rows against its own tokens' slots.
 
@@ -150,7 +150,7 @@ def _depth(
     for l0 in range(depth_first, L, BLOCK_S):
         slot = l0 + col_slot  # (BLOCK_C,)
         col_ok = (col_token < Tq) & (slot < L)[None, :]  # (U, BLOCK_C)
-        dk_slot, dv_slot = slot_bases(DK_TAB, DV_TAB, slot, L, ELEM=q.dtype, ALIGNED=SLOTS_ALIGNED)
+        dk_slot, dv_slot = depth_slots(DK_TAB, DV_TAB, slot, L, sdk, sdv, ELEM=q.dtype, SLOTS=SLOTS)
         dkT = tl.load(dk_slot[None, None, :] + dk_offs, mask=col_ok[:, None, :], other=0.0)
         x = tl.dot(q3, dkT) * qk_scale  # (U, DEPTH_ROWS, BLOCK_C)
         bias = 0.0
@@ -179,13 +179,14 @@ def forward_kernel(
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_DEPTH: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_FIRST: tl.constexpr,
-    TMA: tl.constexpr, LOOP_STAGES: tl.constexpr, WS: tl.constexpr, SLOTS_ALIGNED: tl.constexpr,
+    TMA: tl.constexpr, LOOP_STAGES: tl.constexpr, WS: tl.constexpr, SLOTS: tl.constexpr,
 ):  # fmt: skip
     """Fused MoDA forward: writes O (B, Hq, Tq, D) and LSE (B, Hq, Tq).
 
     Depth slot ``l`` of every token lives at address ``DK_TAB[l]`` (``DV_TAB[l]``)
     plus the (b, h, t, d) strides ``sdk`` (``sdv``): the slots may be separate
-    tensors. ``BIAS``: the depth bias (Hq, L) float32 (strides ``sbias``) with
+    tensors; with ``SLOTS`` 2 ``DK_TAB`` and ``DV_TAB`` are slabs, slot ``l``
+    at the fifth stride times ``l`` (:func:`.common.depth_slots`). ``BIAS``: the depth bias (Hq, L) float32 (strides ``sbias``) with
     ``HAS_BIAS``; ``softcap`` the cap with ``HAS_SOFTCAP`` (:func:`.common.score`).
 
     ``TMA`` (Hopper): the query block comes through ``QD``, a descriptor over
@@ -227,7 +228,7 @@ def forward_kernel(
             acc, m_i, l_i, q, DK_TAB=DK_TAB, DV_TAB=DV_TAB, BIAS=BIAS + hk * G * sbias[0], b=b, hk=hk, t0=t0,
             offs_d=offs_d, sdk=sdk, sdv=sdv, sbias=sbias, Tq=Tq, L=L, depth_first=depth_first, qk_scale=qk_scale,
             softcap=softcap, G=G, GP=GP, DEPTH_ROWS=DEPTH_ROWS, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_C=BLOCK_C,
-            HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, BIAS_FIRST=BIAS_FIRST, SLOTS_ALIGNED=SLOTS_ALIGNED,
+            HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, BIAS_FIRST=BIAS_FIRST, SLOTS=SLOTS,
         )
 
     # A non-finite value in an unmasked block reached acc unsanitized (p * NaN, 0 * Inf):

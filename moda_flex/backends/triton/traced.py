@@ -1,0 +1,115 @@
+"""The fused kernels as ops that ``torch.compile`` traces into its graph: no Python at run time.
+
+An eager op (:mod:`.ops`) is opaque to inductor: each call of it runs the
+dispatcher, the launcher's Python and a slot table's copy, about 0.2 ms of
+host time per forward or backward on an H100 machine, which a compiled
+step at a model's lengths waits for. The two ops here are
+``torch.library.triton_op``: inductor reads their bodies, which launch the
+kernels through ``wrap_triton``, and launches the kernels from its own
+generated code.
+
+A traced kernel cannot be handed addresses read on the host, so the depth
+entries reach it as one (B, Hk, Tq, L, D) slab a side, stacked inside the
+op (``SLOTS`` 2, :func:`.kernels.common.depth_slots`; a slab input is read
+as it lies): the copy costs ``L`` entries of memory traffic per call,
+against no slot tables at all, which also makes the ops safe to capture
+in CUDA graphs. The forward saves the entries, not the stacks: the
+backward stacks them again.
+
+Taken by :func:`.ops.triton_attention` under ``torch.compile`` for CUDA
+tensors of static shapes (:func:`traceable`); the launches are the generic
+path's (no tensor descriptors) with the default configurations.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import get_type_hints
+
+import torch
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+from ...depth import is_slab
+from ..launcher import Fixed
+from ..records import unpack
+from .kernels.flat import FLAT
+from .launch import Grads, Inputs, Options, Route, backward, forward, slab_args
+
+# The kernels' launch options, passed to the launch as they are.
+_LAUNCH_OPTIONS = ("num_warps", "num_stages")
+
+
+def flat_arguments(kernel, fixed: Fixed, arguments: dict) -> dict:
+    """A launch's arguments for the kernel's flat wrapper (:mod:`.kernels.flat`): every tuple as one scalar
+    per element (``sq`` -> ``sq0``, ``sq1``, ...); the arguments the wrapper fixes itself (descriptors) must
+    be None."""
+    names = set(FLAT[kernel].arg_names)
+    flat = {}
+    for name, value in {**fixed.arguments, **arguments}.items():
+        if isinstance(value, tuple):
+            flat.update((f"{name}{i}", x) for i, x in enumerate(value))
+        elif name in names or name in _LAUNCH_OPTIONS:
+            flat[name] = value
+        elif value is not None:
+            raise TypeError(f"{FLAT[kernel].__name__} has no argument {name!r} (given {value!r})")
+    return flat
+
+
+def launch_traced(kernel, fixed: Fixed, device: torch.device, wrap=wrap_triton, **arguments) -> None:
+    """Launch ``kernel``'s flat wrapper through ``wrap`` (``wrap_triton``: inductor traces it)."""
+    wrap(FLAT[kernel])[fixed.grid](**flat_arguments(kernel, fixed, arguments))
+
+
+def stacked_depth(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device) -> tuple[dict, list]:
+    """The depth arguments of a traced launch: each side as one (B, Hk, Tq, L, D) slab, stacked from its
+    entries (a slab as it lies; no entries, an empty one the kernels never read)."""
+    def slab(depth):
+        if not depth:
+            return torch.empty((0,) * 5, device=device)
+        return depth[0] if is_slab(depth) else torch.stack(depth, dim=3)
+
+    return slab_args(slab(depth_k), slab(depth_v)), []
+
+
+def _generic(*tensors) -> bool:
+    return False
+
+
+TRACED = Route(stacked_depth, launch_traced, _generic)
+
+
+def traceable(q: Tensor, *tensors: Tensor) -> bool:
+    """Whether a call may take the traced ops: CUDA tensors whose sizes and strides are plain ints (a dynamic
+    shape's symbols cannot pick a launch configuration)."""
+    return q.is_cuda and all(isinstance(n, int) for t in (q, *tensors) for n in (*t.shape, *t.stride()))
+
+
+def _define(name: str, *records, returns: int, body):
+    """A ``triton_op`` whose arguments are the records' fields (its schema is inferred from the signature
+    given here), returning ``returns`` tensors; ``body`` takes one instance of each record."""
+    fields = [(field, kind) for record in records for field, kind in get_type_hints(record).items()]
+    signature = inspect.Signature(
+        [inspect.Parameter(field, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=kind) for field, kind in fields],
+        return_annotation=tuple[(Tensor,) * returns],
+    )  # fmt: skip
+
+    def run(*args, **kwargs):
+        return body(*unpack(signature.bind(*args, **kwargs).args, *records))
+
+    run.__name__, run.__signature__ = name, signature
+    return triton_op(f"moda_flex::{name}", run, mutates_args=())
+
+
+def _forward_body(inputs: Inputs, opts: Options):
+    return forward(inputs, opts, route=TRACED)
+
+
+def _backward_body(grads: Grads, inputs: Inputs, opts: Options):
+    return backward(grads, inputs, opts, route=TRACED)
+
+
+# The forward gives out and lse, the backward what launch.gradients describes; their autograd is the eager
+# op's (.ops), which calls traced_backward.
+traced_forward = _define("triton_traced_forward", Inputs, Options, returns=2, body=_forward_body)
+traced_backward = _define("triton_traced_backward", Grads, Inputs, Options, returns=6, body=_backward_body)

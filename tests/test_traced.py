@@ -1,0 +1,75 @@
+"""The traced ops' launches (moda_flex.backends.triton.traced), checked where no GPU is needed.
+
+``torch.compile`` traces the ops only on CUDA (``wrap_triton`` does not take
+the interpreter's kernels; tests/test_traced_gpu.py compiles them). Here the
+same route runs the flat wrappers directly under the interpreter: stacked
+depth slabs, every stride a scalar, and the results equal the eager route's
+bit for bit, forward and backward.
+"""
+
+import functools
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moda_flex.backends.triton import launch  # noqa: E402
+from moda_flex.backends.triton import traced  # noqa: E402
+from moda_flex.backends.triton.kernels import forward_kernel  # noqa: E402
+from moda_flex.backends.launcher import Fixed  # noqa: E402
+from moda_flex.testing import MoDAShape, make_inputs  # noqa: E402
+
+# The traced route with each flat wrapper launched as Triton launches it, not through wrap_triton.
+DIRECT = traced.TRACED._replace(launch=functools.partial(traced.launch_traced, wrap=lambda kernel: kernel))
+
+
+def _records(shape, entries, strided, causal=True, depth_first=0):
+    t = make_inputs(shape, depth_entries=entries, strided_depth=strided, requires_grad=False, seed=1)
+    inputs = launch.Inputs(t["q"], t["k"], t["v"], *(list(d) if entries else [d] for d in (t["depth_k"], t["depth_v"])),
+                           None, None)  # fmt: skip
+    opts = launch.Options(shape.head_dim**-0.5, causal, 0, depth_first, True, 0.0, False)
+    return inputs, opts
+
+
+@pytest.mark.parametrize(
+    "shape, entries, strided, causal, depth_first",
+    [
+        (MoDAShape(1, 3, 1, 9, 9, 4, 16), True, False, True, 0),  # G=3, a model's entries
+        (MoDAShape(2, 4, 2, 5, 11, 3, 8), False, True, True, 1),  # Tq < Tk, a strided slab, a masked first slot
+        (MoDAShape(1, 2, 2, 7, 7, 0, 16), True, False, False, 0),  # no depth, full
+    ],
+)
+def test_the_flat_wrappers_compute_what_the_eager_launches_do(shape, entries, strided, causal, depth_first):
+    inputs, opts = _records(shape, entries, strided, causal, depth_first)
+    out, lse = launch.forward(inputs, opts)
+    flat_out, flat_lse = launch.forward(inputs, opts, route=DIRECT)
+    torch.testing.assert_close(flat_out, out, rtol=0, atol=0)
+    torch.testing.assert_close(flat_lse, lse, rtol=0, atol=0)
+    grads = launch.Grads(torch.randn_like(out), torch.randn_like(lse), out, lse, False)
+    expected = launch.backward(grads, inputs, opts)
+    actual = launch.backward(grads, inputs, opts, route=DIRECT)
+    for name, a, e in zip(("dq", "dk", "dv", "depth_k", "depth_v"), actual, expected):
+        torch.testing.assert_close(a, e, rtol=0, atol=0, msg=name)
+
+
+def test_a_slab_is_read_as_it_lies():
+    """Eagerly too: depth given as a slab reaches the kernels as that slab, no table and no copy."""
+    inputs, _ = _records(MoDAShape(1, 2, 1, 4, 4, 3, 8), entries=False, strided=True)
+    arguments, held = launch.EAGER.depth(inputs.depth_k, inputs.depth_v, 3, inputs.q.device)
+    assert arguments["SLOTS"] == 2 and arguments["DK_TAB"] is inputs.depth_k[0] and not held
+    slab = inputs.depth_k[0]
+    assert arguments["sdk"] == (*slab.stride()[:3], slab.stride(4), slab.stride(3))
+
+
+def test_flat_arguments_flatten_tuples_and_refuse_what_the_wrapper_lacks():
+    fixed = Fixed((1, 1), dict(G=1, QD=None, num_warps=4))
+    flat = traced.flat_arguments(forward_kernel, fixed, dict(sq=(4, 3, 2, 1), Q="q"))
+    assert flat == dict(G=1, num_warps=4, sq0=4, sq1=3, sq2=2, sq3=1, Q="q")  # QD (None) left to the wrapper
+    with pytest.raises(TypeError, match="QD"):
+        traced.flat_arguments(forward_kernel, fixed, dict(QD="a descriptor"))
+
+
+def test_only_static_cuda_calls_are_traced():
+    q = torch.zeros(1, 2, 3, 4)
+    assert not traced.traceable(q, q)  # CPU: the interpreter's kernels cannot be traced

@@ -1,0 +1,62 @@
+"""On a GPU: under ``torch.compile`` the Triton backend's kernels are launched from the compiled graph
+(moda_flex.backends.triton.traced), and compute MoDA: output, lse and every gradient against the reference.
+
+Skipped without CUDA. Run: ``pytest tests/test_traced_gpu.py``.
+"""
+
+import functools
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+from moda_flex import moda_attention  # noqa: E402
+from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs  # noqa: E402
+
+
+def _compiled_triton():
+    """A backend callable for assert_matches_reference: moda_attention(backend="triton") under torch.compile."""
+    compiled = torch.compile(functools.partial(moda_attention, backend="triton", return_lse=True), fullgraph=True)
+
+    def run(q, k, v, depth_k, depth_v, variant, scale):
+        return compiled(q, k, v, depth_k, depth_v, variant=variant, scale=scale)
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, variant, entries, strided",
+    [
+        (MoDAShape(2, 6, 2, 70, 70, 5, 64), torch.bfloat16, "causal", True, False),  # G=3, a model's entries
+        (MoDAShape(1, 8, 1, 33, 65, 9, 64), torch.bfloat16, "causal", False, True),  # G=8, Tq < Tk, strided slab
+        (MoDAShape(1, 4, 4, 50, 50, 0, 128), torch.float16, "full", True, False),  # G=1, no depth, D=128
+        (MoDAShape(2, 12, 3, 40, 40, 3, 32), torch.float16, "causal", True, False),  # G=4, D=32
+    ],
+)
+def test_compiled_calls_match_the_reference(shape, dtype, variant, entries, strided):
+    torch._dynamo.reset()
+    inputs = make_inputs(shape, dtype=dtype, device="cuda", depth_entries=entries, strided_depth=strided, seed=2)
+    assert_matches_reference(inputs, backend=_compiled_triton(), variant=variant)
+
+
+def test_a_compiled_call_launches_the_kernels_from_its_graph():
+    """The generated code launches the three flat kernels itself; the eager op is not called."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    inputs = make_inputs(MoDAShape(2, 6, 2, 64, 64, 4, 64), dtype=torch.bfloat16, device="cuda", depth_entries=True)
+    leaves = [inputs["q"], inputs["k"], inputs["v"], *inputs["depth_k"], *inputs["depth_v"]]
+
+    @torch.compile(fullgraph=True)
+    def loss(q, k, v, depth_k, depth_v):
+        return moda_attention(q, k, v, depth_k, depth_v, backend="triton").float().square().sum()
+
+    def step():
+        return torch.autograd.grad(loss(*leaves[:3], inputs["depth_k"], inputs["depth_v"]), leaves)
+
+    _, code = run_and_get_code(step)
+    code = "\n".join(code)
+    for kernel in ("forward_flat", "dq_flat", "dkdv_flat"):
+        assert kernel in code, kernel
+    assert "moda_flex.triton_forward" not in code and "moda_flex.triton_backward" not in code
