@@ -28,8 +28,12 @@ def _records(shape, entries, strided, causal=True, depth_first=0):
     t = make_inputs(shape, depth_entries=entries, strided_depth=strided, requires_grad=False, seed=1)
     inputs = launch.Inputs(t["q"], t["k"], t["v"], *(list(d) if entries else [d] for d in (t["depth_k"], t["depth_v"])),
                            None, None)  # fmt: skip
-    opts = launch.Options(shape.head_dim**-0.5, causal, 0, depth_first, True, 0.0, False)
-    return inputs, opts
+    return inputs, launch.Options(shape.head_dim**-0.5, causal, 0, depth_first, True, 0.0, False)
+
+
+def _traced_records(inputs):
+    """What the traced op is given: each side's entries stacked into one slab."""
+    return inputs._replace(depth_k=traced.stacked(inputs.depth_k), depth_v=traced.stacked(inputs.depth_v))
 
 
 @pytest.mark.parametrize(
@@ -43,12 +47,12 @@ def _records(shape, entries, strided, causal=True, depth_first=0):
 def test_the_flat_wrappers_compute_what_the_eager_launches_do(shape, entries, strided, causal, depth_first):
     inputs, opts = _records(shape, entries, strided, causal, depth_first)
     out, lse = launch.forward(inputs, opts)
-    flat_out, flat_lse = launch.forward(inputs, opts, route=DIRECT)
+    flat_out, flat_lse = launch.forward(_traced_records(inputs), opts, route=DIRECT)
     torch.testing.assert_close(flat_out, out, rtol=0, atol=0)
     torch.testing.assert_close(flat_lse, lse, rtol=0, atol=0)
     grads = launch.Grads(torch.randn_like(out), torch.randn_like(lse), out, lse, False)
     expected = launch.backward(grads, inputs, opts)
-    actual = launch.backward(grads, inputs, opts, route=DIRECT)
+    actual = launch.backward(grads, _traced_records(inputs), opts, route=DIRECT)
     for name, a, e in zip(("dq", "dk", "dv", "depth_k", "depth_v"), actual, expected):
         torch.testing.assert_close(a, e, rtol=0, atol=0, msg=name)
 
@@ -68,6 +72,15 @@ def test_flat_arguments_flatten_tuples_and_refuse_what_the_wrapper_lacks():
     assert flat == dict(G=1, num_warps=4, sq0=4, sq1=3, sq2=2, sq3=1, Q="q")  # QD (None) left to the wrapper
     with pytest.raises(TypeError, match="QD"):
         traced.flat_arguments(forward_kernel, fixed, dict(QD="a descriptor"))
+
+
+def test_stacking_gives_one_slab_and_its_gradient_reaches_every_entry():
+    entries = [torch.randn(1, 2, 3, 4, requires_grad=True) for _ in range(3)]
+    (slab,) = traced.stacked(entries)
+    assert slab.shape == (1, 2, 3, 3, 4) and torch.equal(slab[:, :, :, 1], entries[1])
+    slab.backward(torch.arange(3.0).view(1, 1, 1, 3, 1).expand_as(slab))
+    assert [e.grad.unique().item() for e in entries] == [0.0, 1.0, 2.0]
+    assert traced.stacked([]) == [] and traced.stacked([slab]) == [slab]
 
 
 def test_only_static_cuda_calls_are_traced():

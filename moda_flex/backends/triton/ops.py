@@ -24,7 +24,7 @@ from ..records import define, restored, saved, unpack
 from .configs import ConfigHook
 from .launch import Grads, Inputs, Options, backward, forward, gradients, outputs
 from .support import score_args
-from .traced import traceable, traced_backward, traced_forward
+from .traced import stacked, traceable, traced_backward, traced_forward
 
 
 def _interpreter_upcast(inputs: Inputs, *more: Tensor) -> tuple[Inputs, list[Tensor], Optional[torch.dtype]]:
@@ -174,10 +174,9 @@ def triton_attention(
     if torch.compiler.is_compiling():
         if config is not None:
             raise ValueError("config= tunes eager calls; torch.compile traces the op with the default launches")
-        inputs = Inputs(q, k, v, depth_k, depth_v, documents, bias)
         if traceable(q, k, v, *depth_k, *depth_v):  # launched from the compiled graph itself
-            return traced_forward(*inputs, *opts)
-        return torch.ops.moda_flex.triton_forward(*inputs, *opts)
+            return traced_forward(q, k, v, stacked(depth_k), stacked(depth_v), documents, bias, *opts)
+        return torch.ops.moda_flex.triton_forward(*Inputs(q, k, v, depth_k, depth_v, documents, bias), *opts)
     # Eager: the same kernels behind a plain autograd.Function, without the
     # dispatcher round trips of a custom op (the call is host-bound at short lengths).
     return _EagerMoDA.apply(q, k, v, documents, bias, opts, config, len(depth_k), *depth_k, *depth_v)

@@ -9,12 +9,12 @@ kernels through ``wrap_triton``, and launches the kernels from its own
 generated code.
 
 A traced kernel cannot be handed addresses read on the host, so the depth
-entries reach it as one (B, Hk, Tq, L, D) slab a side, stacked inside the
-op (``SLOTS`` 2, :func:`.kernels.common.depth_slots`; a slab input is read
-as it lies): the copy costs ``L`` entries of memory traffic per call,
-against no slot tables at all, which also makes the ops safe to capture
-in CUDA graphs. The forward saves the entries, not the stacks: the
-backward stacks them again.
+entries reach it as one (B, Hk, Tq, L, D) slab a side, stacked before the
+op (:func:`stacked`; ``SLOTS`` 2, :func:`.kernels.common.depth_slots`; a
+slab input is read as it lies): the copy costs ``L`` entries of memory
+traffic per call, against no slot tables at all, which also makes the ops
+safe to capture in CUDA graphs. The stacks are not kept for the backward,
+which stacks the entries again.
 
 Taken by :func:`.ops.triton_attention` under ``torch.compile`` for CUDA
 tensors of static shapes (:func:`traceable`); the launches are the generic
@@ -29,6 +29,7 @@ from typing import get_type_hints
 import torch
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
+from torch.utils.checkpoint import checkpoint
 
 from ...depth import is_slab
 from ..launcher import Fixed
@@ -61,13 +62,31 @@ def launch_traced(kernel, fixed: Fixed, device: torch.device, wrap=wrap_triton, 
     wrap(FLAT[kernel])[fixed.grid](**flat_arguments(kernel, fixed, arguments))
 
 
-def stacked_depth(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device) -> tuple[dict, list]:
-    """The depth arguments of a traced launch: each side as one (B, Hk, Tq, L, D) slab, stacked from its
-    entries (a slab as it lies; no entries, an empty one the kernels never read)."""
+def stacked(depth: list[Tensor]) -> list[Tensor]:
+    """A side's entries as a list of one (B, Hk, Tq, L, D) slab (slabs and no entries as they are).
+
+    Stacked under a checkpoint: a compiled backward stacks the entries again
+    rather than keep every layer's stack from the forward (which would hold
+    ``L`` entries a layer, memory that grows as the square of the depth).
+    """
+    if not depth or is_slab(depth):
+        return depth
+    return [checkpoint(_stack, *depth, use_reentrant=False)]
+
+
+def _stack(*entries: Tensor) -> Tensor:
+    return torch.stack(entries, dim=3)
+
+
+def slab_depth(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device) -> tuple[dict, list]:
+    """The depth arguments of a traced launch: each side one slab (:func:`stacked`), read as it lies; no
+    entries, an empty one the kernels never read."""
     def slab(depth):
         if not depth:
             return torch.empty((0,) * 5, device=device)
-        return depth[0] if is_slab(depth) else torch.stack(depth, dim=3)
+        if not is_slab(depth):
+            raise ValueError("a traced launch reads depth as one slab a side: stack the entries first (stacked)")
+        return depth[0]
 
     return slab_args(slab(depth_k), slab(depth_v)), []
 
@@ -76,7 +95,7 @@ def _generic(*tensors) -> bool:
     return False
 
 
-TRACED = Route(stacked_depth, launch_traced, _generic)
+TRACED = Route(slab_depth, launch_traced, _generic)
 
 
 def traceable(q: Tensor, *tensors: Tensor) -> bool:
