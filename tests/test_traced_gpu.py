@@ -64,7 +64,6 @@ def test_a_compiled_call_launches_the_kernels_from_its_graph():
 
 def test_a_checkpointed_model_compiles_and_matches_eager():
     """The stacks' own checkpoint inside a model's checkpointed blocks: one compiled graph, eager's gradients."""
-
     from gpt import GPT, GPTConfig
 
     torch._dynamo.reset()
