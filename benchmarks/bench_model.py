@@ -27,6 +27,7 @@ Usage::
     python benchmarks/bench_model.py --shape gpt2s           # 12 layers, width 768, 12/4 heads, B=8, T=1024
     python benchmarks/bench_model.py --shape table6 --modes compiled --arms none,attn+ffn
     python benchmarks/bench_model.py --shape table6 --arms attn+ffn --backend split   # MoDA's layers on one backend
+    python benchmarks/bench_model.py --shape table6 --modes compiled --arms none,attn --backend auto,triton --rounds 3
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -47,6 +49,7 @@ from moda_flex.backends import slots
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import cli  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
+from moda_flex.backends import NAMES as BACKENDS  # noqa: E402
 
 from bench_call import copy_bandwidth  # noqa: E402
 
@@ -66,7 +69,7 @@ KERNEL_KINDS = (
     ("vendor attention", ("flash", "fmha", "cudnn", "attention")),  # first: FlashAttention has a "convert_dq_kernel"
     ("split depth + merge", ("_depth_forward", "_depth_backward")),
     ("split NaN passes", ("_sanitize_kv", "_prepare_backward")),
-    ("fused moda", ("forward_kernel", "dq_kernel", "dkdv_kernel")),
+    ("fused moda", ("forward_kernel", "dq_kernel", "dkdv_kernel", "forward_flat", "dq_flat", "dkdv_flat")),
     ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "ampere", "sm90")),
     ("inductor", ("triton_poi_", "triton_red_", "triton_per_", "triton_tem_")),
 )
@@ -101,36 +104,52 @@ def depth_reads(config: GPTConfig) -> int:
     return sum(writes * layer for layer in range(config.n_layer))
 
 
-def measure(config: GPTConfig, batch: int, seq: int, mode: str, steps: int, warmup: int,
-            profile: bool = False, host_profile: bool = False) -> dict:  # fmt: skip
-    """Median step time (ms), the host's median time to issue a step (ms) and peak memory (MiB) of one model.
+class Case(NamedTuple):
+    """One row: a model (``arm``: its depth_kv), how it runs, how its entries get their gradients, its backend."""
 
-    ``profile`` prints its top kernels (torch.profiler), its kernel launches
-    per step and the step's time by kind (:func:`time_split`: the kinds of
-    :data:`KERNEL_KINDS`, other, and the host gap),
-    ``host_profile`` its top Python functions by own time and by cumulative
-    time (cProfile), both over 3 steps.
-    """
+    arm: str
+    mode: str
+    how: str
+    backend: str
+
+    @property
+    def name(self) -> str:
+        extras = [x for x in (self.how, self.backend) if x != "auto"]
+        return ", ".join([self.arm, *extras])
+
+
+def prepare(case: Case, shape: dict, warmup: int) -> Callable[[], None]:
+    """The case's training step (forward, backward, fused AdamW, bf16 autocast, random tokens), compiled as its
+    mode says and run ``warmup`` times (compilation included); the returned step holds the model."""
+    B, T = shape["batch"], shape["seq"]
+    config = GPTConfig(**shape["config"], depth_kv=case.arm, block_size=T, backend=case.backend)
     torch.manual_seed(0)
     model = GPT(config).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    if mode == "eager":
+    if case.mode == "eager":
         run = model
     else:
-        run = torch.compile(model, fullgraph=True, mode=None if mode == "compiled" else mode)
-    idx = torch.randint(0, config.vocab_size, (batch, seq), device="cuda")
+        run = torch.compile(model, fullgraph=True, mode=None if case.mode == "compiled" else case.mode)
+    idx = torch.randint(0, config.vocab_size, (B, T), device="cuda")
 
     def step():
         torch.compiler.cudagraph_mark_step_begin()  # a new step: the graphs' outputs of the last may be overwritten
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            _, loss = run(idx, idx)
-        loss.backward()
+        with entry_gradients(case.how):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                _, loss = run(idx, idx)
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
+    return step
+
+
+def time_steps(step: Callable[[], None], steps: int) -> dict:
+    """Each step's time and the host's time to issue it (s), the peak memory over them (MiB) and the depth slot
+    tables they made."""
     torch.cuda.reset_peak_memory_stats()
     tables_before = slots._PINNED.made
     times, issued = [], []
@@ -141,20 +160,35 @@ def measure(config: GPTConfig, batch: int, seq: int, mode: str, steps: int, warm
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**20
-    tables = (slots._PINNED.made - tables_before) / steps  # a table made is a call whose addresses are new
-    ms = 1e3 * statistics.median(times)
-    if profile:
+    return {"times": times, "issued": issued, "peak_mib": peak, "tables": slots._PINNED.made - tables_before}
+
+
+def summary(timings: list[dict]) -> dict:
+    """One row from its timed chunks: median step and issue time (ms), peak memory (MiB), slot tables a step
+    (a table made is a call whose addresses are new)."""
+    times = [t for chunk in timings for t in chunk["times"]]
+    issued = [t for chunk in timings for t in chunk["issued"]]
+    return {"ms": 1e3 * statistics.median(times), "host_ms": 1e3 * statistics.median(issued),
+            "peak_mib": max(chunk["peak_mib"] for chunk in timings),
+            "tables": sum(chunk["tables"] for chunk in timings) / len(times)}  # fmt: skip
+
+
+def profile_steps(step: Callable[[], None], step_ms: float, kernels: bool, host: bool) -> None:
+    """Over 3 steps: with ``kernels`` the top kernels (torch.profiler), kernel launches per step and the step's
+    time by kind (:func:`time_split`: the kinds of :data:`KERNEL_KINDS`, other, and the host gap); with
+    ``host`` the top Python functions by own time and by cumulative time (cProfile)."""
+    if kernels:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 step()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
         gpu_events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-        split = time_split({e.key: e.self_device_time_total for e in gpu_events}, 3, ms)
+        split = time_split({e.key: e.self_device_time_total for e in gpu_events}, 3, step_ms)
         launches = sum(e.count for e in gpu_events) / 3
         print(f"  per step: {launches:.0f} kernels; " + ", ".join(f"{kind} {t:.2f} ms" for kind, t in split.items()),
               flush=True)
-    if host_profile:
+    if host:
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(3):
@@ -163,10 +197,12 @@ def measure(config: GPTConfig, batch: int, seq: int, mode: str, steps: int, warm
         profiler.disable()
         for order in ("tottime", "cumulative"):  # where the host's time goes, then which calls hold it
             pstats.Stats(profiler).sort_stats(order).print_stats(30)
-    del model, optimizer, run
+
+
+def release() -> None:
+    """Free the compiled models of the cases timed so far."""
     torch._dynamo.reset()
     torch.cuda.empty_cache()
-    return {"ms": ms, "host_ms": 1e3 * statistics.median(issued), "peak_mib": peak, "tables": tables}
 
 
 @contextlib.contextmanager
@@ -184,6 +220,14 @@ def entry_gradients(how: str):
         depth.buffers_gradients = default
 
 
+def report(case: Case, timings: list[dict], step: Callable[[], None], args) -> None:
+    """Print a case's line as its timing ends, and its profiles where asked for."""
+    row = summary(timings)
+    print(f"  {case.name:9s} {case.mode:9s} {row['ms']:8.1f} ms (host {row['host_ms']:.1f})  "
+          f"{row['peak_mib']:8.0f} MiB  {row['tables']:.1f} slot tables made a step", flush=True)  # fmt: skip
+    profile_steps(step, row["ms"], args.profile, args.host_profile)
+
+
 def main(argv=None) -> None:
     p = cli.parser(__doc__)
     p.add_argument("--shape", choices=sorted(SHAPES), default="table6", help="model and batch shape")
@@ -197,8 +241,17 @@ def main(argv=None) -> None:
                    help="comma-separated, from auto (the depth stream's default), buffer (each layer's kernel adds "
                         "into the stream's one gradient buffer, where it can: moda_flex.backends.chain) and summed "
                         "(each entry sums its readers' gradients): a row of MoDA for each")  # fmt: skip
-    cli.add_backend(p)
+    p.add_argument("--backend", default="auto",
+                   help=f"comma-separated moda_attention backends for MoDA's layers, from {', '.join(BACKENDS)}: "
+                        "a row of each")  # fmt: skip
+    p.add_argument("--rounds", type=cli.at_least(1), default=1,
+                   help="above 1: every row compiled first, then the rows timed in turn, a share of the steps a "
+                        "round (drift of the host or the GPU then falls on every row alike)")  # fmt: skip
     args = p.parse_args(argv)
+    backends = args.backend.split(",")
+    for name in backends:
+        if name not in BACKENDS:
+            p.error(f"--backend {name!r}: expected one of {', '.join(BACKENDS)}")
     cli.require_cuda(p, "bench_model.py")
     shape = SHAPES[args.shape]
     arms, modes = args.arms.split(","), args.modes.split(",")
@@ -207,22 +260,37 @@ def main(argv=None) -> None:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, shape {args.shape} "
           f"{shape['config']} B={B} T={T}, bf16, MoDA backend {args.backend}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")  # fmt: skip
 
+    # the baseline keeps auto (SDPA), the attention a user compares against
+    cases = [Case(arm, mode, how, backend)
+             for arm in arms for mode in modes
+             for how in (["auto"] if arm == "none" else args.entry_gradients.split(","))
+             for backend in (["auto"] if arm == "none" else backends)]  # fmt: skip
+    timings = {case: [] for case in cases}
+    if args.rounds == 1:  # each case compiled, timed and freed in turn
+        for case in cases:
+            step = prepare(case, shape, args.warmup)
+            timings[case].append(time_steps(step, args.steps))
+            report(case, timings[case], step, args)
+            del step
+            release()
+    else:  # every case compiled first, then timed in turn, a share of its steps a round
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(cases))
+        steps = {case: prepare(case, shape, args.warmup) for case in cases}
+        for _ in range(args.rounds):
+            for case in cases:
+                timings[case].append(time_steps(steps[case], max(1, args.steps // args.rounds)))
+        for case in cases:
+            report(case, timings[case], steps[case], args)
+        del steps
+        release()
+
     rows = []
-    for arm in arms:
-        for mode in modes:
-            for how in ["auto"] if arm == "none" else args.entry_gradients.split(","):
-                # the baseline keeps auto (SDPA), the attention a user compares against
-                backend = "auto" if arm == "none" else args.backend
-                config = GPTConfig(**shape["config"], depth_kv=arm, block_size=T, backend=backend)
-                with entry_gradients(how):
-                    result = measure(config, B, T, mode, args.steps, args.warmup, args.profile, args.host_profile)
-                Hk, D = config.n_kv_head, config.n_embd // config.n_head
-                floor_bytes = 6 * depth_reads(config) * B * Hk * T * D * 2
-                name = arm if how == "auto" else f"{arm}, {how}"
-                rows.append({"arm": name, "mode": mode, "floor_ms": floor_bytes / bandwidth * 1e3, **result})
-                print(f"  {name:9s} {mode:9s} {result['ms']:8.1f} ms (host {result['host_ms']:.1f})  "
-                      f"{result['peak_mib']:8.0f} MiB  {result['tables']:.1f} slot tables made a step",
-                      flush=True)  # fmt: skip
+    for case in cases:
+        config = GPTConfig(**shape["config"], depth_kv=case.arm, block_size=T)
+        Hk, D = config.n_kv_head, config.n_embd // config.n_head
+        floor_bytes = 6 * depth_reads(config) * B * Hk * T * D * 2
+        rows.append({"arm": case.name, "mode": case.mode, "floor_ms": floor_bytes / bandwidth * 1e3,
+                     **summary(timings[case])})  # fmt: skip
 
     bases = {r["mode"]: r for r in rows if r["arm"] == "none"}
     print()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench_model import kernel_kind, time_split
+from bench_model import Case, kernel_kind, summary, time_split
 
 
 @pytest.mark.parametrize(
@@ -13,6 +13,7 @@ from bench_model import kernel_kind, time_split
         ("cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x64_4x1x1_kernel0_0", "vendor attention"),
         ("forward_kernel", "fused moda"),
         ("dq_kernel", "fused moda"),
+        ("dkdv_flat_0", "fused moda"),  # launched from a compiled graph (moda_flex.backends.triton.traced)
         ("_depth_backward_kernel", "split depth + merge"),
         ("_depth_forward_token_kernel", "split depth + merge"),
         ("_sanitize_kv_kernel", "split NaN passes"),
@@ -36,3 +37,15 @@ def test_time_split_is_per_step_and_the_host_gap_is_what_kernels_leave():
                                    "fused moda": 0.5, "matmul": 0.2, "inductor": 0.1, "other": 0.05,
                                    "host gap": 0.65})  # fmt: skip
     assert time_split(kernels, steps=3, step_ms=1.0)["host gap"] == 0.0  # the profiler's steps were slower
+
+
+def test_a_rows_chunks_make_one_summary():
+    """Rounds time a row in chunks: one median over all their steps, the highest peak, tables per step."""
+    chunks = [dict(times=[0.010, 0.030], issued=[0.001, 0.003], peak_mib=5.0, tables=2),
+              dict(times=[0.020], issued=[0.002], peak_mib=7.0, tables=1)]  # fmt: skip
+    assert summary(chunks) == pytest.approx(dict(ms=20.0, host_ms=2.0, peak_mib=7.0, tables=1.0))
+
+
+def test_a_rows_name_says_what_differs_from_the_defaults():
+    assert Case("attn", "compiled", "auto", "auto").name == "attn"
+    assert Case("attn+ffn", "compiled", "buffer", "triton").name == "attn+ffn, buffer, triton"
