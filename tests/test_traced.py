@@ -83,6 +83,15 @@ def test_stacking_gives_one_slab_and_its_gradient_reaches_every_entry():
     assert traced.stacked([]) == [] and traced.stacked([slab]) == [slab]
 
 
+@pytest.mark.parametrize("count", [1, 5, 17])  # one launch, one part-filled, two launches
+def test_the_stack_kernel_stacks_entries_of_any_strides(count):
+    base = torch.randn(2, 3, 7, count, 12)  # strided entries: the slots of a slab, D=12 padded to 16 inside
+    entries = list(base.unbind(3))
+    torch.testing.assert_close(traced.stack_entries(entries, wrap=lambda kernel: kernel), base, rtol=0, atol=0)
+    mixed = [entries[0].contiguous(), *entries[1:]]  # strides that differ: stacked all the same
+    torch.testing.assert_close(traced.stack_entries(mixed, wrap=lambda kernel: kernel), base, rtol=0, atol=0)
+
+
 def test_only_static_cuda_calls_are_traced():
     q = torch.zeros(1, 2, 3, 4)
     assert not traced.traceable(q, q)  # CPU: the interpreter's kernels cannot be traced

@@ -34,11 +34,15 @@ from torch.utils.checkpoint import checkpoint
 from ...depth import is_slab
 from ..launcher import Fixed
 from ..records import unpack
+from ..blocks import cdiv, next_pow2
 from .kernels.flat import FLAT
+from .kernels.stack import GROUP, stack_kernel
 from .launch import Grads, Inputs, Options, Route, backward, forward, slab_args
 
 # The kernels' launch options, passed to the launch as they are.
 _LAUNCH_OPTIONS = ("num_warps", "num_stages")
+# Elements of an entry one program of the stack kernel copies.
+_STACK_ELEMENTS = 4096
 
 
 def flat_arguments(kernel, fixed: Fixed, arguments: dict) -> dict:
@@ -75,7 +79,43 @@ def stacked(depth: list[Tensor]) -> list[Tensor]:
 
 
 def _stack(*entries: Tensor) -> Tensor:
-    return torch.stack(entries, dim=3)
+    return stack_slots(list(entries))
+
+
+def stack_entries(entries: list[Tensor], wrap=wrap_triton) -> Tensor:
+    """A contiguous (B, Hk, T, L, D) slab of L (B, Hk, T, D) entries, ``GROUP`` entries a launch of
+    :func:`.kernels.stack.stack_kernel` through ``wrap``.
+
+    Inductor lowers ``torch.stack`` of many entries to a copy kernel each, whose launches a compiled step pays
+    on the host (about 2,000 a Table 6 step with FFN entries); entries whose strides differ are stacked so all
+    the same.
+    """
+    first_entry = entries[0]
+    if any(e.stride() != first_entry.stride() for e in entries):
+        return torch.stack(entries, dim=3)
+    B, Hk, T, D = first_entry.shape
+    L = len(entries)
+    out = first_entry.new_empty((B, Hk, T, L, D))
+    rows, width = B * Hk * T, next_pow2(D)
+    block_rows = max(1, _STACK_ELEMENTS // width)
+    for first in range(0, L if out.numel() else 0, GROUP):
+        group = entries[first : first + GROUP]
+        pointers = {f"E{i}": group[min(i, len(group) - 1)] for i in range(GROUP)}  # the unused repeat the last
+        wrap(stack_kernel)[(cdiv(rows, block_rows), len(group))](
+            OUT=out, **pointers, rows=rows, Hk=Hk, T=T, L=L, first=first, se0=first_entry.stride(0),
+            se1=first_entry.stride(1), se2=first_entry.stride(2), se3=first_entry.stride(3),
+            D=D, DP=width, BLOCK_R=block_rows,
+        )  # fmt: skip
+    return out
+
+
+@triton_op("moda_flex::stack_slots", mutates_args=())
+def stack_slots(entries: list[Tensor]) -> Tensor:
+    """:func:`stack_entries` as an op that inductor traces; its gradient hands each entry its slot's."""
+    return stack_entries(entries)
+
+
+stack_slots.register_autograd(lambda ctx, grad: list(grad.unbind(3)), setup_context=lambda ctx, inputs, output: None)
 
 
 def slab_depth(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device) -> tuple[dict, list]:
