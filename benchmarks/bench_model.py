@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import cProfile
+import math
 import pstats
 import statistics
 import sys
@@ -220,11 +221,16 @@ def entry_gradients(how: str):
         depth.buffers_gradients = default
 
 
+def _shown(value: float, spec: str, unit: str = "") -> str:
+    """``value`` formatted with its unit, or "-" where it was not measured (NaN)."""
+    return "-" if math.isnan(value) else format(value, spec) + unit
+
+
 def report(case: Case, timings: list[dict], step: Callable[[], None], args) -> None:
     """Print a case's line as its timing ends, and its profiles where asked for."""
     row = summary(timings)
     print(f"  {case.name:9s} {case.mode:9s} {row['ms']:8.1f} ms (host {row['host_ms']:.1f})  "
-          f"{row['peak_mib']:8.0f} MiB  {row['tables']:.1f} slot tables made a step", flush=True)  # fmt: skip
+          f"{_shown(row['peak_mib'], '8.0f')} MiB  {row['tables']:.1f} slot tables made a step", flush=True)  # fmt: skip
     profile_steps(step, row["ms"], args.profile, args.host_profile)
 
 
@@ -273,13 +279,16 @@ def main(argv=None) -> None:
             report(case, timings[case], step, args)
             del step
             release()
-    else:  # every case compiled first, then timed in turn, a share of its steps a round
+    else:  # every case compiled first, then timed in turn, a share of its steps a round; the peaks would
+        # count every resident model's memory: not reported
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(cases))
         steps = {case: prepare(case, shape, args.warmup) for case in cases}
         for _ in range(args.rounds):
             for case in cases:
                 timings[case].append(time_steps(steps[case], max(1, args.steps // args.rounds)))
         for case in cases:
+            for chunk in timings[case]:
+                chunk["peak_mib"] = float("nan")
             report(case, timings[case], steps[case], args)
         del steps
         release()
@@ -301,8 +310,8 @@ def main(argv=None) -> None:
         base = bases.get(r["mode"], rows[0])
         target = base["ms"] + r["floor_ms"]
         print(f"| {r['arm']} | {r['mode']} | {r['ms']:.1f} | {r['host_ms']:.1f} | {B * T / r['ms'] * 1e3:,.0f} | "
-              f"{r['peak_mib']:.0f} | "
-              f"{r['ms'] / base['ms']:.2f}x | {r['peak_mib'] / base['peak_mib']:.2f}x | {r['floor_ms']:.2f} | "
+              f"{_shown(r['peak_mib'], '.0f')} | "
+              f"{r['ms'] / base['ms']:.2f}x | {_shown(r['peak_mib'] / base['peak_mib'], '.2f', 'x')} | {r['floor_ms']:.2f} | "
               f"{target:.1f} | {r['ms'] / target:.2f}x |")  # fmt: skip
 
 
