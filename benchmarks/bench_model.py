@@ -230,7 +230,8 @@ def report(case: Case, timings: list[dict], step: Callable[[], None], args) -> N
     """Print a case's line as its timing ends, and its profiles where asked for."""
     row = summary(timings)
     print(f"  {case.name:9s} {case.mode:9s} {row['ms']:8.1f} ms (host {row['host_ms']:.1f})  "
-          f"{_shown(row['peak_mib'], '8.0f')} MiB  {row['tables']:.1f} slot tables made a step", flush=True)  # fmt: skip
+          f"{_shown(row['peak_mib'], '8.0f')} MiB  {row['tables']:.1f} slot tables made a step",
+          flush=True)  # fmt: skip
     profile_steps(step, row["ms"], args.profile, args.host_profile)
 
 
@@ -311,7 +312,8 @@ def main(argv=None) -> None:
         target = base["ms"] + r["floor_ms"]
         print(f"| {r['arm']} | {r['mode']} | {r['ms']:.1f} | {r['host_ms']:.1f} | {B * T / r['ms'] * 1e3:,.0f} | "
               f"{_shown(r['peak_mib'], '.0f')} | "
-              f"{r['ms'] / base['ms']:.2f}x | {_shown(r['peak_mib'] / base['peak_mib'], '.2f', 'x')} | {r['floor_ms']:.2f} | "
+              f"{r['ms'] / base['ms']:.2f}x | {_shown(r['peak_mib'] / base['peak_mib'], '.2f', 'x')} | "
+              f"{r['floor_ms']:.2f} | "
               f"{target:.1f} | {r['ms'] / target:.2f}x |")  # fmt: skip
 
 

@@ -4,7 +4,9 @@ Layers: ``kernels/`` (``@triton.jit``) -> ``launch.py`` (grids, block
 sizes from ``configs.py``) -> two custom ops ``moda_flex::triton_forward`` /
 ``triton_backward`` with registered autograd and fake implementations (so
 ``torch.compile(..., fullgraph=True)`` traces through them), and a plain
-``autograd.Function`` for eager calls -> :func:`triton_attention`.
+``autograd.Function`` for eager calls -> :func:`triton_attention`. Compiled
+on CUDA, a call of static shapes takes the traced ops of :mod:`.traced`
+instead, whose kernels the compiled graph launches itself.
 Autograd hands each depth entry its own gradient; the depth bias, an input
 of the ops, gets its gradient too.
 """
@@ -102,10 +104,15 @@ def _autograd_backward(ctx, grad_out, grad_lse, run_backward=None):
 
 
 torch.library.register_autograd("moda_flex::triton_forward", _autograd_backward, setup_context=_setup_context)
-traced_forward.register_autograd(
-    functools.partial(_autograd_backward, run_backward=lambda grads, inputs, opts: traced_backward(*grads, *inputs, *opts)),
-    setup_context=_setup_context,
-)  # fmt: skip
+
+
+def _traced_backward(grads: Grads, inputs: Inputs, opts: Options):
+    return traced_backward(*grads, *inputs, *opts)
+
+
+# The traced op's autograd is the eager op's, its backward the traced backward.
+traced_forward.register_autograd(functools.partial(_autograd_backward, run_backward=_traced_backward),
+                                 setup_context=_setup_context)  # fmt: skip
 
 
 class _EagerMoDA(torch.autograd.Function):
