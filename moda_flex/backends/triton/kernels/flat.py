@@ -3,11 +3,11 @@
 Inductor launches a kernel of a traced op itself, and takes scalars and
 tensors as its arguments, not tuples. Each wrapper takes the strides one by
 one (``sq0`` .. ``sq3`` for ``sq``), rebuilds the tuples and runs its
-kernel on the generic path (no tensor descriptors: ``TMA`` off). Inductor
-passes a float as float64 where the GPU has it: each wrapper casts its
-floats to float32, as Triton's own launch types them. Its
-arguments are its kernel's, the tuples flattened
-(:func:`moda_flex.backends.triton.traced.launch_traced`).
+kernel on the generic path (no tensor descriptors: ``TMA`` off). A
+wrapper's arguments are its kernel's with the tuples flattened
+(:func:`moda_flex.backends.triton.traced.flat_arguments`). Inductor passes
+a float as float64 where the GPU has it: each wrapper casts its floats to
+float32, as Triton's own launch types them.
 """
 
 import triton
@@ -61,7 +61,8 @@ def dq_flat(
     DEPTH_ADD: tl.constexpr,
 ):  # fmt: skip
     """:func:`.dq.dq_kernel`, without the dead-row flags (a Hopper path's)."""
-    scale, qk_scale, softcap = tl.cast(scale, tl.float32), tl.cast(qk_scale, tl.float32), tl.cast(softcap, tl.float32)
+    scale, qk_scale = tl.cast(scale, tl.float32), tl.cast(qk_scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
     dq_kernel(
         Q, K, V, O, DO, LSE, GLSE, DELTA, DQO, DDKO, DDVO, GBIAS, None, None, None, DK_TAB, DV_TAB,
         DOC_IDS, DOC_LO, DOC_HI, BIAS,
@@ -89,7 +90,8 @@ def dkdv_flat(
     TMA: tl.constexpr, LOOP_STAGES: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):  # fmt: skip
     """:func:`.dkdv.dkdv_kernel`, without descriptors (``DQ_ATOMIC`` 0 or 1)."""
-    scale, qk_scale, softcap = tl.cast(scale, tl.float32), tl.cast(qk_scale, tl.float32), tl.cast(softcap, tl.float32)
+    scale, qk_scale = tl.cast(scale, tl.float32), tl.cast(qk_scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
     dkdv_kernel(
         Q, K, V, DO, LSE, DELTA, DKO, DVO, None, None, None, DOC_IDS, DOC_LO, DOC_HI, DQA, None,
         (sq0, sq1, sq2, sq3), (sk0, sk1, sk2, sk3), (sv0, sv1, sv2, sv3), (sdo0, sdo1, sdo2, sdo3),

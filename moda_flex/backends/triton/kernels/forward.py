@@ -187,7 +187,8 @@ def forward_kernel(
     plus the (b, h, t, d) strides ``sdk`` (``sdv``): the slots may be separate
     tensors; with ``SLOTS`` 2 ``DK_TAB`` and ``DV_TAB`` are slabs, slot ``l``
     at the fifth stride times ``l`` (:func:`.common.depth_slots`). ``BIAS``:
-    the depth bias (Hq, L) float32 (strides ``sbias``) with ``HAS_BIAS``; ``softcap`` the cap with ``HAS_SOFTCAP`` (:func:`.common.score`).
+    the depth bias (Hq, L) float32 (strides ``sbias``) with ``HAS_BIAS``;
+    ``softcap`` the cap with ``HAS_SOFTCAP`` (:func:`.common.score`).
 
     ``TMA`` (Hopper): the query block comes through ``QD``, a descriptor over
     Q seen as (B, Hk, Tq, G, D) with (1, 1, BLOCK_T, GP, D) boxes, which

@@ -1,4 +1,4 @@
-"""Depth entries stacked into one slab: up to GROUP entries a launch, one program per rows of one entry."""
+"""Depth entries stacked into one slab, up to GROUP entries a launch: a program copies BLOCK_R rows of one."""
 
 import triton
 import triton.language as tl
