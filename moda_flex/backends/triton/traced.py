@@ -32,9 +32,9 @@ from torch.library import triton_op, wrap_triton
 from torch.utils.checkpoint import checkpoint
 
 from ...depth import is_slab
+from ..blocks import cdiv, next_pow2
 from ..launcher import Fixed
 from ..records import unpack
-from ..blocks import cdiv, next_pow2
 from .kernels.flat import FLAT
 from .kernels.stack import GROUP, stack_kernel
 from .launch import Grads, Inputs, Options, Route, backward, forward, slab_args
