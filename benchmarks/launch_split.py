@@ -75,19 +75,19 @@ def _gpu_work(fn) -> str:
 @triton.jit
 def _forward_flat(
     Q, DK_TAB, DV_TAB, OS, LS, FIRST, O, LO,
-    sq0, sq1, sq2, sq3, sdk0, sdk1, sdk2, sdk3, sdv0, sdv1, sdv2, sdv3, sos0, sos1, sos2, sos3,
+    sq0, sq1, sq2, sq3, sdk0, sdk1, sdk2, sdk3, sdk4, sdv0, sdv1, sdv2, sdv3, sdv4, sos0, sos1, sos2, sos3,
     sls0, sls1, sls2, so0, so1, so2, so3, slo0, slo1, slo2,
     Hk, Tq, Tk, L, depth_first, qk_scale,
     G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-    HAS_SEQ: tl.constexpr, CAUSAL: tl.constexpr, SLOTS_ALIGNED: tl.constexpr,
+    HAS_SEQ: tl.constexpr, CAUSAL: tl.constexpr, SLOTS: tl.constexpr,
 ):  # fmt: skip
     """The token forward kernel with its strides as scalars: inductor takes no tuple argument (and passes a
     float as fp64)."""
     _depth_forward_token_kernel(
-        Q, DK_TAB, DV_TAB, OS, LS, FIRST, O, LO, (sq0, sq1, sq2, sq3), (sdk0, sdk1, sdk2, sdk3),
-        (sdv0, sdv1, sdv2, sdv3), (sos0, sos1, sos2, sos3), (sls0, sls1, sls2), (so0, so1, so2, so3),
+        Q, DK_TAB, DV_TAB, OS, LS, FIRST, O, LO, (sq0, sq1, sq2, sq3), (sdk0, sdk1, sdk2, sdk3, sdk4),
+        (sdv0, sdv1, sdv2, sdv3, sdv4), (sos0, sos1, sos2, sos3), (sls0, sls1, sls2), (so0, so1, so2, so3),
         (slo0, slo1, slo2), Hk, Tq, Tk, L, depth_first, tl.cast(qk_scale, tl.float32), G=G, GP=GP, BLOCK_T=BLOCK_T, D=D, DP=DP,
-        HAS_SEQ=HAS_SEQ, CAUSAL=CAUSAL, SLOTS_ALIGNED=SLOTS_ALIGNED,
+        HAS_SEQ=HAS_SEQ, CAUSAL=CAUSAL, SLOTS=SLOTS,
     )  # fmt: skip
 
 

@@ -26,7 +26,7 @@ def test_a_slot_off_the_vector_alignment_is_flagged():
     buffer = torch.randn(B, HK, T, L * D + 1, dtype=torch.float16)
     slab = buffer[..., 1:].view(B, HK, T, L, D)  # every slot starts one element (2 bytes) past a boundary
     assert not slot_table(as_list(slab), as_list(slab), L, slab.device).aligned
-    assert not depth_args(as_list(slab), as_list(slab), L, slab.device)[0]["SLOTS_ALIGNED"]
+    assert depth_args(as_list(slab), as_list(slab), L, slab.device)[0]["SLOTS"] == 0
     entries = [torch.randn(B, HK, T, D) for _ in range(L)]  # fresh allocations: aligned
     assert slot_table(entries, entries, L, torch.device("cpu")).aligned
 

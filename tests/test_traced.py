@@ -1,4 +1,4 @@
-"""The traced ops' launches (moda_flex.backends.triton.traced), checked where no GPU is needed.
+"""The traced ops' launches (moda_flex.backends.traced, .triton.traced), checked where no GPU is needed.
 
 ``torch.compile`` traces the ops only on CUDA (``wrap_triton`` does not take
 the interpreter's kernels; tests/test_traced_gpu.py compiles them). Here the
@@ -14,14 +14,14 @@ import torch
 
 pytest.importorskip("triton")
 
+from moda_flex.backends import traced  # noqa: E402
 from moda_flex.backends.triton import launch  # noqa: E402
-from moda_flex.backends.triton import traced  # noqa: E402
-from moda_flex.backends.triton.kernels import forward_kernel  # noqa: E402
-from moda_flex.backends.launcher import Fixed  # noqa: E402
+from moda_flex.backends.triton import traced as fused_traced  # noqa: E402
+from moda_flex.backends.triton.kernels.flat import forward_flat  # noqa: E402
 from moda_flex.testing import MoDAShape, make_inputs  # noqa: E402
 
 # The traced route with each flat wrapper launched as Triton launches it, not through wrap_triton.
-DIRECT = traced.TRACED._replace(launch=functools.partial(traced.launch_traced, wrap=lambda kernel: kernel))
+DIRECT = fused_traced.TRACED._replace(launch=functools.partial(fused_traced.launch_traced, wrap=lambda kernel: kernel))
 
 
 def _records(shape, entries, strided, causal=True, depth_first=0):
@@ -67,11 +67,10 @@ def test_a_slab_is_read_as_it_lies():
 
 
 def test_flat_arguments_flatten_tuples_and_refuse_what_the_wrapper_lacks():
-    fixed = Fixed((1, 1), dict(G=1, QD=None, num_warps=4))
-    flat = traced.flat_arguments(forward_kernel, fixed, dict(sq=(4, 3, 2, 1), Q="q"))
+    flat = traced.flat_arguments(forward_flat, dict(G=1, QD=None, num_warps=4, sq=(4, 3, 2, 1), Q="q"))
     assert flat == dict(G=1, num_warps=4, sq0=4, sq1=3, sq2=2, sq3=1, Q="q")  # QD (None) left to the wrapper
     with pytest.raises(TypeError, match="QD"):
-        traced.flat_arguments(forward_kernel, fixed, dict(QD="a descriptor"))
+        traced.flat_arguments(forward_flat, dict(QD="a descriptor"))
 
 
 def test_stacking_gives_one_slab_and_its_gradient_reaches_every_entry():

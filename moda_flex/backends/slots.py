@@ -4,7 +4,8 @@ Depth K/V reach a launch as the ops' list (:func:`moda_flex.depth.as_list`):
 either one (B, Hk, Tq, L, D) tensor, or L per-slot (B, Hk, Tq, D) tensors
 (the entries earlier layers wrote). A kernel reads slot ``l`` at address
 ``DK_TAB[l]`` (values ``DV_TAB[l]``) plus the shared (b, h, t, d) strides,
-so neither form is copied.
+so neither form is copied; or, given a slab as it lies (:func:`slab_args`),
+``l`` slot strides past its start.
 """
 
 from __future__ import annotations
@@ -110,10 +111,22 @@ def device_table(addresses: tuple, device: torch.device) -> Tensor:
 
 
 def depth_args(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device) -> tuple[dict, list]:
-    """The kernels' depth arguments, ``DK_TAB``, ``DV_TAB`` (the key and value slots' addresses), ``sdk``,
-    ``sdv`` (their (b, h, t, d) strides) and ``SLOTS_ALIGNED`` (:attr:`SlotTable.aligned`), and the tensors to
-    hold until the launch."""
+    """The kernels' depth arguments through an address table (:func:`..slot_pointers.slot_bases`), and the
+    tensors to hold until the launch: ``DK_TAB``, ``DV_TAB`` (the key and value slots' addresses), ``sdk``,
+    ``sdv`` (their (b, h, t, d, l) strides, l unused: 0) and ``SLOTS`` (1 where :attr:`SlotTable.aligned`,
+    else 0)."""
     slots = slot_table(depth_k, depth_v, L, device)
     table = slots.table
-    return dict(DK_TAB=table, DV_TAB=table[L:], sdk=slots.key_strides, sdv=slots.value_strides,
-                SLOTS_ALIGNED=slots.aligned), slots.held  # fmt: skip
+    return dict(DK_TAB=table, DV_TAB=table[L:], sdk=(*slots.key_strides, 0), sdv=(*slots.value_strides, 0),
+                SLOTS=int(slots.aligned)), slots.held  # fmt: skip
+
+
+def slab_args(depth_k: Tensor, depth_v: Tensor) -> dict:
+    """The kernels' depth arguments for two (B, Hk, Tq, L, D) slabs read as they lie, slot by slot stride
+    (``SLOTS`` 2): ``DK_TAB``, ``DV_TAB`` the slabs, ``sdk``, ``sdv`` their (b, h, t, d, l) strides."""
+    return dict(DK_TAB=depth_k, DV_TAB=depth_v, sdk=_kernel_strides(depth_k), sdv=_kernel_strides(depth_v), SLOTS=2)
+
+
+def _kernel_strides(slab: Tensor) -> tuple:
+    sb, sh, st, sl, sd = slab.stride()
+    return sb, sh, st, sd, sl

@@ -131,11 +131,11 @@ def _pair_columns(c0, span, first, t0, Tq, BLOCK_T: tl.constexpr, BLOCK_C: tl.co
 
 
 @triton.jit
-def _slot_tiles(DK_TAB, DV_TAB, slot, L, b, hk, tok, sdk, sdv, d, tile, ELEM: tl.constexpr, ALIGNED: tl.constexpr):
+def _slot_tiles(DK_TAB, DV_TAB, slot, L, b, hk, tok, sdk, sdv, d, tile, ELEM: tl.constexpr, SLOTS: tl.constexpr):
     """The depth keys and values of the (token ``tok``, slot ``slot``) pairs, (BLOCK_C, DP) each, zero off
     ``tile``. Slot ``l`` lives at address ``DK_TAB[l]`` (``DV_TAB[l]``), a token at its (b, h, t, d) strides
     ``sdk``, ``sdv`` in it."""
-    k_slot, v_slot = slot_bases(DK_TAB, DV_TAB, slot, L, ELEM=ELEM, ALIGNED=ALIGNED)
+    k_slot, v_slot = slot_bases(DK_TAB, DV_TAB, slot, L, sdk, sdv, ELEM=ELEM, SLOTS=SLOTS)
     b64, hk64, tok64 = b.to(tl.int64), hk.to(tl.int64), tok.to(tl.int64)  # a slab's offsets may pass 2**31
     k_row = k_slot + b64 * sdk[0] + hk64 * sdk[1] + tok64 * sdk[2]
     v_row = v_slot + b64 * sdv[0] + hk64 * sdv[1] + tok64 * sdv[2]
@@ -157,7 +157,7 @@ def _depth_forward_kernel(
     DP: tl.constexpr,
     HAS_SEQ: tl.constexpr,
     CAUSAL: tl.constexpr,
-    SLOTS_ALIGNED: tl.constexpr,
+    SLOTS: tl.constexpr,
 ):  # fmt: skip
     """out, lse of ``[sequence | depth]`` from the sequence part (``OS``, ``LS``) and the depth slots.
 
@@ -193,7 +193,7 @@ def _depth_forward_kernel(
         j, col_tok, slot, visible = _pair_columns(c0, span, depth_first, t0, Tq, BLOCK_T, BLOCK_C)
         tile = visible[:, None] & d_ok[None, :]
         kd, vd = _slot_tiles(DK_TAB, DV_TAB, slot, L, b, hk, col_tok, sdk, sdv, d, tile, ELEM=Q.dtype.element_ty,
-                             ALIGNED=SLOTS_ALIGNED)  # fmt: skip
+                             SLOTS=SLOTS)  # fmt: skip
         sees = (rt[:, None] == j[None, :]) & visible[None, :]
         kd_ok = _finite(kd)
         vd_ok = _finite(vd)
@@ -277,7 +277,7 @@ def _depth_backward_kernel(
     DP: tl.constexpr,
     DQ_ADD: tl.constexpr,
     HAS_GLSE: tl.constexpr,
-    SLOTS_ALIGNED: tl.constexpr,
+    SLOTS: tl.constexpr,
     DEPTH_ADD: tl.constexpr,
 ):  # fmt: skip
     """The depth part's gradients from the merged out and lse of the silenced inputs.
@@ -308,7 +308,7 @@ def _depth_backward_kernel(
         visible = stored & (slot >= depth_first)
         tile = visible[:, None] & d_ok[None, :]
         kd, vd = _slot_tiles(DK_TAB, DV_TAB, slot, L, b, hk, col_tok, sdk, sdv, d, tile, ELEM=Q.dtype.element_ty,
-                             ALIGNED=SLOTS_ALIGNED)  # fmt: skip
+                             SLOTS=SLOTS)  # fmt: skip
         # masked slots' products still meet other rows' p = 0: read their non-finite entries as zero
         kd = tl.where(_finite(kd), kd, 0.0)
         vd = tl.where(_finite(vd), vd, 0.0)
@@ -370,12 +370,12 @@ def _rows_at(X, sx, b, h, t, d):
 
 
 @triton.jit
-def _token_slot(DK_TAB, DV_TAB, slot, L, b, hk, t, d, sdk, sdv, live, ELEM: tl.constexpr, ALIGNED: tl.constexpr):
+def _token_slot(DK_TAB, DV_TAB, slot, L, b, hk, t, d, sdk, sdv, live, ELEM: tl.constexpr, SLOTS: tl.constexpr):
     """Slot ``slot`` of each token ``t``: the depth keys and values, (BLOCK_T, DP), zero off ``live`` and for a
     slot past the last (a prefetch past the loop's end reads nothing)."""
     slots = t * 0 + slot
     return _slot_tiles(DK_TAB, DV_TAB, slots, L, b, hk, t, sdk, sdv, d, live & (slots < L)[:, None], ELEM=ELEM,
-                       ALIGNED=ALIGNED)  # fmt: skip
+                       SLOTS=SLOTS)  # fmt: skip
 
 
 @triton.jit
@@ -390,7 +390,7 @@ def _depth_forward_token_kernel(
     DP: tl.constexpr,
     HAS_SEQ: tl.constexpr,
     CAUSAL: tl.constexpr,
-    SLOTS_ALIGNED: tl.constexpr,
+    SLOTS: tl.constexpr,
 ):  # fmt: skip
     """:func:`_depth_forward_kernel`'s results, a token's rows against its own slots on the CUDA cores, two
     slots a step: one rescale of the softmax state serves both, and four slots' loads are in flight."""
@@ -418,16 +418,16 @@ def _depth_forward_token_kernel(
     # each step loads the next step's two slots before its products: four slots' loads in flight a program
     elem = Q.dtype.element_ty
     kd_next, vd_next = _token_slot(DK_TAB, DV_TAB, depth_first, L, b, hk, t, d, sdk, sdv, slot_live, ELEM=elem,
-                                   ALIGNED=SLOTS_ALIGNED)  # fmt: skip
+                                   SLOTS=SLOTS)  # fmt: skip
     kd2_next, vd2_next = _token_slot(DK_TAB, DV_TAB, depth_first + 1, L, b, hk, t, d, sdk, sdv, slot_live,
-                                     ELEM=elem, ALIGNED=SLOTS_ALIGNED)  # fmt: skip
+                                     ELEM=elem, SLOTS=SLOTS)  # fmt: skip
     for slot in range(depth_first, L, 2):
         kd, vd = kd_next.to(tl.float32), vd_next.to(tl.float32)
         kd2, vd2 = kd2_next.to(tl.float32), vd2_next.to(tl.float32)
         kd_next, vd_next = _token_slot(DK_TAB, DV_TAB, slot + 2, L, b, hk, t, d, sdk, sdv, slot_live, ELEM=elem,
-                                       ALIGNED=SLOTS_ALIGNED)  # fmt: skip
+                                       SLOTS=SLOTS)  # fmt: skip
         kd2_next, vd2_next = _token_slot(DK_TAB, DV_TAB, slot + 3, L, b, hk, t, d, sdk, sdv, slot_live,
-                                         ELEM=elem, ALIGNED=SLOTS_ALIGNED)  # fmt: skip
+                                         ELEM=elem, SLOTS=SLOTS)  # fmt: skip
         s = tl.sum(q * kd[:, None, :], 2)
         s2 = tl.sum(q * kd2[:, None, :], 2)
         second = slot + 1 < L  # an odd count's last step has one slot: its second weighs nothing
@@ -464,7 +464,7 @@ def _depth_backward_token_kernel(
     DP: tl.constexpr,
     DQ_ADD: tl.constexpr,
     HAS_GLSE: tl.constexpr,
-    SLOTS_ALIGNED: tl.constexpr,
+    SLOTS: tl.constexpr,
     DEPTH_ADD: tl.constexpr,
 ):  # fmt: skip
     """:func:`_depth_backward_kernel`'s gradients, a token's rows against its own slots on the CUDA cores.
@@ -492,11 +492,11 @@ def _depth_backward_token_kernel(
             tl.store(gk + slot * sgk[3], tl.zeros((BLOCK_T, DP), DDK.dtype.element_ty), mask=slot_live)
             tl.store(gv + slot * sgv[3], tl.zeros((BLOCK_T, DP), DDV.dtype.element_ty), mask=slot_live)
     kd_next, vd_next = _token_slot(DK_TAB, DV_TAB, depth_first, L, b, hk, t, d, sdk, sdv, slot_live,
-                                   ELEM=Q.dtype.element_ty, ALIGNED=SLOTS_ALIGNED)  # fmt: skip
+                                   ELEM=Q.dtype.element_ty, SLOTS=SLOTS)  # fmt: skip
     for slot in range(depth_first, L):  # the next slot loaded before this one's products, as in the forward
         kd, vd = kd_next.to(tl.float32), vd_next.to(tl.float32)
         kd_next, vd_next = _token_slot(DK_TAB, DV_TAB, slot + 1, L, b, hk, t, d, sdk, sdv, slot_live,
-                                       ELEM=Q.dtype.element_ty, ALIGNED=SLOTS_ALIGNED)  # fmt: skip
+                                       ELEM=Q.dtype.element_ty, SLOTS=SLOTS)  # fmt: skip
         s = tl.sum(q_scaled * kd[:, None, :], 2)
         p = tl.where(live, tl.math.exp2(s - lse), 0.0)
         dp = tl.sum(do * vd[:, None, :], 2)

@@ -27,7 +27,7 @@ from ...depth import empty_grads, is_slab, slot_count
 from ..blocks import cdiv
 from ..launcher import Fixed, launch_fixed
 from ..records import ATTENTION
-from ..slots import depth_args
+from ..slots import depth_args, slab_args
 from .configs import MIN_DOT_ROWS, ConfigHook, hopper_path, launch_config, next_pow2, padded_head_dim
 
 _LOG2E = math.log2(math.e)  # the kernels keep logits in base 2
@@ -124,25 +124,12 @@ def _bias_args(bias: Optional[Tensor], like: Tensor) -> dict:
     return dict(BIAS=f32, sbias=(0, f32.stride(0)) if f32.dim() == 1 else f32.stride(), HAS_BIAS=True)
 
 
-def _slab_strides(t: Tensor) -> tuple:
-    """A (B, Hk, Tq, L, D) slab's strides as the kernels take them, (b, h, t, d, l)."""
-    sb, sh, st, sl, sd = t.stride()
-    return sb, sh, st, sd, sl
-
-
-def slab_args(depth_k: Tensor, depth_v: Tensor) -> dict:
-    """The kernels' depth arguments for two (B, Hk, Tq, L, D) slabs, read in place (``SLOTS`` 2)."""
-    return dict(DK_TAB=depth_k, DV_TAB=depth_v, sdk=_slab_strides(depth_k), sdv=_slab_strides(depth_v), SLOTS=2)
-
-
 def _depth_args(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device) -> tuple[dict, list]:
-    """The kernels' depth arguments (:func:`.kernels.common.depth_slots`) and the tensors to hold until the
-    launch: slabs as they lie, entries through their address table (``SLOTS`` 0 or 1, no slot stride)."""
+    """The kernels' depth arguments and the tensors to hold until the launch: slabs as they lie, entries
+    through their address table (:mod:`..slots`)."""
     if is_slab(depth_k) and is_slab(depth_v):
         return slab_args(depth_k[0], depth_v[0]), []
-    table, held = depth_args(depth_k, depth_v, L, device)
-    aligned = table.pop("SLOTS_ALIGNED")
-    return dict(table, sdk=(*table["sdk"], 0), sdv=(*table["sdv"], 0), SLOTS=int(aligned)), held
+    return depth_args(depth_k, depth_v, L, device)
 
 
 class Route(NamedTuple):

@@ -26,7 +26,8 @@ from ..records import define, restored, saved, unpack
 from .configs import ConfigHook
 from .launch import Grads, Inputs, Options, backward, forward, gradients, outputs
 from .support import score_args
-from .traced import stacked, traceable, traced_backward, traced_forward
+from ..traced import stacked, traceable
+from .traced import traced_backward, traced_forward
 
 
 def _interpreter_upcast(inputs: Inputs, *more: Tensor) -> tuple[Inputs, list[Tensor], Optional[torch.dtype]]:

@@ -1,134 +1,24 @@
-"""The fused kernels as ops that ``torch.compile`` traces into its graph: no Python at run time.
-
-An eager op (:mod:`.ops`) is opaque to inductor: each call of it runs the
-dispatcher, the launcher's Python and a slot table's copy, about 0.2 ms of
-host time per forward or backward on an H100 machine, which a compiled
-step at a model's lengths waits for. The two ops here are
-``torch.library.triton_op``: inductor reads their bodies, which launch the
-kernels through ``wrap_triton``, and launches the kernels from its own
-generated code.
-
-A traced kernel cannot be handed addresses read on the host, so the depth
-entries reach it as one (B, Hk, Tq, L, D) slab a side, stacked before the
-op (:func:`stacked`; ``SLOTS`` 2, :func:`.kernels.common.depth_slots`; a
-slab input is read as it lies): the copy costs ``L`` entries of memory
-traffic per call, against no slot tables at all, which also makes the ops
-safe to capture in CUDA graphs. The stacks are not kept for the backward,
-which stacks the entries again.
+"""The fused kernels as ops that ``torch.compile`` traces into its graph (:mod:`..traced`): no Python at run time.
 
 Taken by :func:`.ops.triton_attention` under ``torch.compile`` for CUDA
-tensors of static shapes (:func:`traceable`); the launches are the generic
-path's (no tensor descriptors) with the default configurations.
+tensors of static shapes (:func:`..traced.traceable`); the launches are the
+generic path's (no tensor descriptors) with the default configurations.
 """
 
 from __future__ import annotations
 
-import inspect
-from typing import get_type_hints
-
 import torch
-from torch import Tensor
-from torch.library import triton_op, wrap_triton
-from torch.utils.checkpoint import checkpoint
+from torch.library import wrap_triton
 
-from ...depth import is_slab
-from ..blocks import cdiv, next_pow2
 from ..launcher import Fixed
-from ..records import unpack
+from ..traced import define_traced, launch_flat, slab_depth
 from .kernels.flat import FLAT
-from .kernels.stack import GROUP, stack_kernel
-from .launch import Grads, Inputs, Options, Route, backward, forward, slab_args
-
-# The kernels' launch options, passed to the launch as they are.
-_LAUNCH_OPTIONS = ("num_warps", "num_stages")
-# Elements of an entry one program of the stack kernel copies.
-_STACK_ELEMENTS = 4096
-
-
-def flat_arguments(kernel, fixed: Fixed, arguments: dict) -> dict:
-    """A launch's arguments for the kernel's flat wrapper (:mod:`.kernels.flat`): every tuple as one scalar
-    per element (``sq`` -> ``sq0``, ``sq1``, ...); the arguments the wrapper fixes itself (descriptors) must
-    be None."""
-    names = set(FLAT[kernel].arg_names)
-    flat = {}
-    for name, value in {**fixed.arguments, **arguments}.items():
-        if isinstance(value, tuple):
-            flat.update((f"{name}{i}", x) for i, x in enumerate(value))
-        elif name in names or name in _LAUNCH_OPTIONS:
-            flat[name] = value
-        elif value is not None:
-            raise TypeError(f"{FLAT[kernel].__name__} has no argument {name!r} (given {value!r})")
-    return flat
+from .launch import Grads, Inputs, Options, Route, backward, forward
 
 
 def launch_traced(kernel, fixed: Fixed, device: torch.device, wrap=wrap_triton, **arguments) -> None:
-    """Launch ``kernel``'s flat wrapper through ``wrap`` (``wrap_triton``: inductor traces it)."""
-    wrap(FLAT[kernel])[fixed.grid](**flat_arguments(kernel, fixed, arguments))
-
-
-def stacked(depth: list[Tensor]) -> list[Tensor]:
-    """A side's entries as a list of one (B, Hk, Tq, L, D) slab (slabs and no entries as they are).
-
-    Stacked under a checkpoint: a compiled backward stacks the entries again
-    rather than keep every layer's stack from the forward (which would hold
-    ``L`` entries a layer, memory that grows as the square of the depth).
-    """
-    if not depth or is_slab(depth):
-        return depth
-    return [checkpoint(_stack, *depth, use_reentrant=False)]
-
-
-def _stack(*entries: Tensor) -> Tensor:
-    return stack_slots(list(entries))
-
-
-def stack_entries(entries: list[Tensor], wrap=wrap_triton) -> Tensor:
-    """A contiguous (B, Hk, T, L, D) slab of L (B, Hk, T, D) entries, ``GROUP`` entries a launch of
-    :func:`.kernels.stack.stack_kernel` through ``wrap``.
-
-    Inductor lowers ``torch.stack`` of many entries to a copy kernel each, whose launches a compiled step pays
-    on the host (about 2,000 a Table 6 step with FFN entries); entries whose strides differ are stacked so all
-    the same.
-    """
-    first_entry = entries[0]
-    if any(e.stride() != first_entry.stride() for e in entries):
-        return torch.stack(entries, dim=3)
-    B, Hk, T, D = first_entry.shape
-    L = len(entries)
-    out = first_entry.new_empty((B, Hk, T, L, D))
-    rows, width = B * Hk * T, next_pow2(D)
-    block_rows = max(1, _STACK_ELEMENTS // width)
-    for first in range(0, L if out.numel() else 0, GROUP):
-        group = entries[first : first + GROUP]
-        pointers = {f"E{i}": group[min(i, len(group) - 1)] for i in range(GROUP)}  # the unused repeat the last
-        wrap(stack_kernel)[(cdiv(rows, block_rows), len(group))](
-            OUT=out, **pointers, rows=rows, Hk=Hk, T=T, L=L, first=first, se0=first_entry.stride(0),
-            se1=first_entry.stride(1), se2=first_entry.stride(2), se3=first_entry.stride(3),
-            D=D, DP=width, BLOCK_R=block_rows,
-        )  # fmt: skip
-    return out
-
-
-@triton_op("moda_flex::stack_slots", mutates_args=())
-def stack_slots(entries: list[Tensor]) -> Tensor:
-    """:func:`stack_entries` as an op that inductor traces; its gradient hands each entry its slot's."""
-    return stack_entries(entries)
-
-
-stack_slots.register_autograd(lambda ctx, grad: list(grad.unbind(3)), setup_context=lambda ctx, inputs, output: None)
-
-
-def slab_depth(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device) -> tuple[dict, list]:
-    """The depth arguments of a traced launch: each side one slab (:func:`stacked`), read as it lies; no
-    entries, an empty one the kernels never read."""
-    def slab(depth):
-        if not depth:
-            return torch.empty((0,) * 5, device=device)
-        if not is_slab(depth):
-            raise ValueError("a traced launch reads depth as one slab a side: stack the entries first (stacked)")
-        return depth[0]
-
-    return slab_args(slab(depth_k), slab(depth_v)), []
+    """Launch ``kernel``'s flat wrapper (:mod:`.kernels.flat`) as ``fixed`` says, through ``wrap``."""
+    launch_flat(FLAT[kernel], fixed.grid, wrap, **fixed.arguments, **arguments)
 
 
 def _generic(*tensors) -> bool:
@@ -136,28 +26,6 @@ def _generic(*tensors) -> bool:
 
 
 TRACED = Route(slab_depth, launch_traced, _generic)
-
-
-def traceable(q: Tensor, *tensors: Tensor) -> bool:
-    """Whether a call may take the traced ops: CUDA tensors whose sizes and strides are plain ints (a dynamic
-    shape's symbols cannot pick a launch configuration)."""
-    return q.is_cuda and all(isinstance(n, int) for t in (q, *tensors) for n in (*t.shape, *t.stride()))
-
-
-def _define(name: str, *records, returns: int, body):
-    """A ``triton_op`` whose arguments are the records' fields (its schema is inferred from the signature
-    given here), returning ``returns`` tensors; ``body`` takes one instance of each record."""
-    fields = [(field, kind) for record in records for field, kind in get_type_hints(record).items()]
-    signature = inspect.Signature(
-        [inspect.Parameter(field, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=kind) for field, kind in fields],
-        return_annotation=tuple[(Tensor,) * returns],
-    )  # fmt: skip
-
-    def run(*args, **kwargs):
-        return body(*unpack(signature.bind(*args, **kwargs).args, *records))
-
-    run.__name__, run.__signature__ = name, signature
-    return triton_op(f"moda_flex::{name}", run, mutates_args=())
 
 
 def _forward_body(inputs: Inputs, opts: Options):
@@ -170,5 +38,5 @@ def _backward_body(grads: Grads, inputs: Inputs, opts: Options):
 
 # The forward gives out and lse, the backward what launch.gradients describes; their autograd is the eager
 # op's (.ops), which calls traced_backward.
-traced_forward = _define("triton_traced_forward", Inputs, Options, returns=2, body=_forward_body)
-traced_backward = _define("triton_traced_backward", Grads, Inputs, Options, returns=6, body=_backward_body)
+traced_forward = define_traced("triton_traced_forward", Inputs, Options, returns=2, body=_forward_body)
+traced_backward = define_traced("triton_traced_backward", Grads, Inputs, Options, returns=6, body=_backward_body)

@@ -7,8 +7,6 @@ Strides arrive as one tuple per tensor, in the tensor's axis order: ``sq`` is
 import triton
 import triton.language as tl
 
-from ...slot_pointers import slot_bases
-
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -230,22 +228,6 @@ def depth_offsets(b, hk, col_token, offs_d, strides, KEYS_T: tl.constexpr):
     else:
         offs = base + tok[:, :, None] * strides[2] + offs_d[None, None, :] * strides[3]
     return offs
-
-
-@triton.jit
-def depth_slots(DK_TAB, DV_TAB, slot, L, sdk, sdv, ELEM: tl.constexpr, SLOTS: tl.constexpr):
-    """Base pointers of the depth key and value slots ``slot`` (BLOCK_C,), by how the slots are passed.
-
-    ``SLOTS`` 0 or 1: ``DK_TAB``, ``DV_TAB`` are address tables (1: every address 16-byte aligned,
-    :func:`moda_flex.backends.slot_pointers.slot_bases`). 2: they point at one (B, Hk, Tq, L, D) slab each,
-    slot ``l`` ``sdk[4] * l`` (``sdv[4] * l``) elements after slot 0; ``sdk``, ``sdv`` are (b, h, t, d, l).
-    """
-    if SLOTS == 2:
-        at = slot.to(tl.int64)
-        dk_slot, dv_slot = DK_TAB + at * sdk[4], DV_TAB + at * sdv[4]
-    else:
-        dk_slot, dv_slot = slot_bases(DK_TAB, DV_TAB, slot, L, ELEM=ELEM, ALIGNED=SLOTS == 1)
-    return dk_slot, dv_slot
 
 
 # ---- NaN and Inf ---------------------------------------------------------------------------------

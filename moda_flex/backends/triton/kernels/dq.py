@@ -3,8 +3,9 @@
 import triton
 import triton.language as tl
 
+from ...slot_pointers import slot_bases
 from .common import (
-    batch_head, bias_tile, block_rows, depth_offsets, depth_slots, depth_tiles, documents, finite, head_lanes,
+    batch_head, bias_tile, block_rows, depth_offsets, depth_tiles, documents, finite, head_lanes,
     key_columns,
     load_rows, query_block, query_keys, row_lse2, score, sequence_score, store_rows, visible,
 )  # fmt: skip
@@ -146,7 +147,7 @@ def _depth(
         slot = l0 + col_slot  # (BLOCK_C,)
         col_ok = ((col_token < Tq) & (slot < L)[None, :])[:, :, None]  # (U, BLOCK_C, 1)
         store_ok = col_ok & d_ok[None, None, :]
-        dk_slot, dv_slot = depth_slots(DK_TAB, DV_TAB, slot, L, sdk, sdv, ELEM=q.dtype, SLOTS=SLOTS)
+        dk_slot, dv_slot = slot_bases(DK_TAB, DV_TAB, slot, L, sdk, sdv, ELEM=q.dtype, SLOTS=SLOTS)
         # every depth column is masked for most rows of a tile: read non-finite entries as zero
         kd = finite(tl.load(dk_slot[None, :, None] + dk_offs, mask=col_ok, other=0.0))  # (U, BLOCK_C, D)
         vd = finite(tl.load(dv_slot[None, :, None] + dv_offs, mask=col_ok, other=0.0))

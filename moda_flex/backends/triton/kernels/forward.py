@@ -3,8 +3,9 @@
 import triton
 import triton.language as tl
 
+from ...slot_pointers import slot_bases
 from .common import (
-    LN2, batch_head, bias_tile, block_rows, depth_offsets, depth_slots, depth_tiles, documents, head_lanes,
+    LN2, batch_head, bias_tile, block_rows, depth_offsets, depth_tiles, documents, head_lanes,
     key_columns,
     load_rows, query_block, query_keys, score, sequence_score, store_rows, visible, zero_nonfinite,
 )  # fmt: skip
@@ -150,7 +151,7 @@ def _depth(
     for l0 in range(depth_first, L, BLOCK_S):
         slot = l0 + col_slot  # (BLOCK_C,)
         col_ok = (col_token < Tq) & (slot < L)[None, :]  # (U, BLOCK_C)
-        dk_slot, dv_slot = depth_slots(DK_TAB, DV_TAB, slot, L, sdk, sdv, ELEM=q.dtype, SLOTS=SLOTS)
+        dk_slot, dv_slot = slot_bases(DK_TAB, DV_TAB, slot, L, sdk, sdv, ELEM=q.dtype, SLOTS=SLOTS)
         dkT = tl.load(dk_slot[None, None, :] + dk_offs, mask=col_ok[:, None, :], other=0.0)
         x = tl.dot(q3, dkT) * qk_scale  # (U, DEPTH_ROWS, BLOCK_C)
         bias = 0.0
@@ -186,7 +187,7 @@ def forward_kernel(
     Depth slot ``l`` of every token lives at address ``DK_TAB[l]`` (``DV_TAB[l]``)
     plus the (b, h, t, d) strides ``sdk`` (``sdv``): the slots may be separate
     tensors; with ``SLOTS`` 2 ``DK_TAB`` and ``DV_TAB`` are slabs, slot ``l``
-    at the fifth stride times ``l`` (:func:`.common.depth_slots`). ``BIAS``:
+    at the fifth stride times ``l`` (:func:`...slot_pointers.slot_bases`). ``BIAS``:
     the depth bias (Hq, L) float32 (strides ``sbias``) with ``HAS_BIAS``;
     ``softcap`` the cap with ``HAS_SOFTCAP`` (:func:`.common.score`).
 

@@ -1,0 +1,132 @@
+"""The split path's kernels with every stride a scalar argument, for launches that ``torch.compile`` traces.
+
+As :mod:`moda_flex.backends.triton.kernels.flat` for the fused kernels: a
+wrapper takes its kernel's arguments with the stride tuples flattened
+(``sq0`` .. ``sq3`` for ``sq``), rebuilds the tuples and casts its floats
+to float32 (inductor passes them as float64).
+"""
+
+import triton
+import triton.language as tl
+
+from .kernels import (
+    _depth_backward_kernel, _depth_backward_token_kernel, _depth_forward_kernel, _depth_forward_token_kernel,
+    _prepare_backward_kernel, _sanitize_kv_kernel,
+)  # fmt: skip
+
+
+@triton.jit
+def sanitize_kv_flat(
+    K, V, KO, VO, FIRST, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, so0, so1, so2, so3, Hk, Tk,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, DP: tl.constexpr,
+):  # fmt: skip
+    """:func:`.kernels._sanitize_kv_kernel`."""
+    _sanitize_kv_kernel(K, V, KO, VO, FIRST, (sk0, sk1, sk2, sk3), (sv0, sv1, sv2, sv3), (so0, so1, so2, so3),
+                        Hk, Tk, D=D, BLOCK_T=BLOCK_T, DP=DP)  # fmt: skip
+
+
+@triton.jit
+def prepare_backward_flat(
+    Q, O, DO, LSE, QC, OC, DOC, LSEC, K, V, KO, VO,
+    sq0, sq1, sq2, sq3, so0, so1, so2, so3, sdo0, sdo1, sdo2, sdo3, sl0, sl1, sl2,
+    sqc0, sqc1, sqc2, sqc3, soc0, soc1, soc2, soc3, sdoc0, sdoc1, sdoc2, sdoc3, slc0, slc1, slc2,
+    sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sko0, sko1, sko2, sko3,
+    Hq, Tq, Hk, Tk, row_heads,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, DP: tl.constexpr, SANITIZE_KV: tl.constexpr,
+):  # fmt: skip
+    """:func:`.kernels._prepare_backward_kernel`."""
+    _prepare_backward_kernel(
+        Q, O, DO, LSE, QC, OC, DOC, LSEC, K, V, KO, VO,
+        (sq0, sq1, sq2, sq3), (so0, so1, so2, so3), (sdo0, sdo1, sdo2, sdo3), (sl0, sl1, sl2),
+        (sqc0, sqc1, sqc2, sqc3), (soc0, soc1, soc2, soc3), (sdoc0, sdoc1, sdoc2, sdoc3), (slc0, slc1, slc2),
+        (sk0, sk1, sk2, sk3), (sv0, sv1, sv2, sv3), (sko0, sko1, sko2, sko3),
+        Hq, Tq, Hk, Tk, row_heads, D=D, BLOCK_T=BLOCK_T, DP=DP, SANITIZE_KV=SANITIZE_KV,
+    )  # fmt: skip
+
+
+@triton.jit
+def depth_forward_flat(
+    Q, DK_TAB, DV_TAB, OS, LS, FIRST, O, LO,
+    sq0, sq1, sq2, sq3, sdk0, sdk1, sdk2, sdk3, sdk4, sdv0, sdv1, sdv2, sdv3, sdv4, sos0, sos1, sos2, sos3,
+    sls0, sls1, sls2, so0, so1, so2, so3, slo0, slo1, slo2,
+    Hk, Tq, Tk, L, depth_first, qk_scale,
+    G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, D: tl.constexpr,
+    DP: tl.constexpr, HAS_SEQ: tl.constexpr, CAUSAL: tl.constexpr, SLOTS: tl.constexpr,
+):  # fmt: skip
+    """:func:`.kernels._depth_forward_kernel`."""
+    _depth_forward_kernel(
+        Q, DK_TAB, DV_TAB, OS, LS, FIRST, O, LO, (sq0, sq1, sq2, sq3), (sdk0, sdk1, sdk2, sdk3, sdk4),
+        (sdv0, sdv1, sdv2, sdv3, sdv4), (sos0, sos1, sos2, sos3), (sls0, sls1, sls2), (so0, so1, so2, so3),
+        (slo0, slo1, slo2), Hk, Tq, Tk, L, depth_first, tl.cast(qk_scale, tl.float32),
+        G=G, GP=GP, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, D=D, DP=DP, HAS_SEQ=HAS_SEQ, CAUSAL=CAUSAL, SLOTS=SLOTS,
+    )  # fmt: skip
+
+
+@triton.jit
+def depth_forward_token_flat(
+    Q, DK_TAB, DV_TAB, OS, LS, FIRST, O, LO,
+    sq0, sq1, sq2, sq3, sdk0, sdk1, sdk2, sdk3, sdk4, sdv0, sdv1, sdv2, sdv3, sdv4, sos0, sos1, sos2, sos3,
+    sls0, sls1, sls2, so0, so1, so2, so3, slo0, slo1, slo2,
+    Hk, Tq, Tk, L, depth_first, qk_scale,
+    G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
+    DP: tl.constexpr, HAS_SEQ: tl.constexpr, CAUSAL: tl.constexpr, SLOTS: tl.constexpr,
+):  # fmt: skip
+    """:func:`.kernels._depth_forward_token_kernel`."""
+    _depth_forward_token_kernel(
+        Q, DK_TAB, DV_TAB, OS, LS, FIRST, O, LO, (sq0, sq1, sq2, sq3), (sdk0, sdk1, sdk2, sdk3, sdk4),
+        (sdv0, sdv1, sdv2, sdv3, sdv4), (sos0, sos1, sos2, sos3), (sls0, sls1, sls2), (so0, so1, so2, so3),
+        (slo0, slo1, slo2), Hk, Tq, Tk, L, depth_first, tl.cast(qk_scale, tl.float32),
+        G=G, GP=GP, BLOCK_T=BLOCK_T, D=D, DP=DP, HAS_SEQ=HAS_SEQ, CAUSAL=CAUSAL, SLOTS=SLOTS,
+    )  # fmt: skip
+
+
+@triton.jit
+def depth_backward_flat(
+    Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV,
+    sq0, sq1, sq2, sq3, sdk0, sdk1, sdk2, sdk3, sdk4, sdv0, sdv1, sdv2, sdv3, sdv4, so0, so1, so2, so3,
+    sdo0, sdo1, sdo2, sdo3, sl0, sl1, sl2, sgl0, sgl1, sgl2, sdq0, sdq1, sdq2, sdq3,
+    sgk0, sgk1, sgk2, sgk3, sgk4, sgv0, sgv1, sgv2, sgv3, sgv4,
+    Hk, Tq, L, depth_first, scale, qk_scale,
+    G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, D: tl.constexpr,
+    DP: tl.constexpr, DQ_ADD: tl.constexpr, HAS_GLSE: tl.constexpr, SLOTS: tl.constexpr, DEPTH_ADD: tl.constexpr,
+):  # fmt: skip
+    """:func:`.kernels._depth_backward_kernel`."""
+    _depth_backward_kernel(
+        Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV,
+        (sq0, sq1, sq2, sq3), (sdk0, sdk1, sdk2, sdk3, sdk4), (sdv0, sdv1, sdv2, sdv3, sdv4), (so0, so1, so2, so3),
+        (sdo0, sdo1, sdo2, sdo3), (sl0, sl1, sl2), (sgl0, sgl1, sgl2), (sdq0, sdq1, sdq2, sdq3),
+        (sgk0, sgk1, sgk2, sgk3, sgk4), (sgv0, sgv1, sgv2, sgv3, sgv4),
+        Hk, Tq, L, depth_first, tl.cast(scale, tl.float32), tl.cast(qk_scale, tl.float32),
+        G=G, GP=GP, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, D=D, DP=DP, DQ_ADD=DQ_ADD, HAS_GLSE=HAS_GLSE, SLOTS=SLOTS,
+        DEPTH_ADD=DEPTH_ADD,
+    )  # fmt: skip
+
+
+@triton.jit
+def depth_backward_token_flat(
+    Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV,
+    sq0, sq1, sq2, sq3, sdk0, sdk1, sdk2, sdk3, sdk4, sdv0, sdv1, sdv2, sdv3, sdv4, so0, so1, so2, so3,
+    sdo0, sdo1, sdo2, sdo3, sl0, sl1, sl2, sgl0, sgl1, sgl2, sdq0, sdq1, sdq2, sdq3,
+    sgk0, sgk1, sgk2, sgk3, sgk4, sgv0, sgv1, sgv2, sgv3, sgv4,
+    Hk, Tq, L, depth_first, scale, qk_scale,
+    G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
+    DP: tl.constexpr, DQ_ADD: tl.constexpr, HAS_GLSE: tl.constexpr, SLOTS: tl.constexpr, DEPTH_ADD: tl.constexpr,
+):  # fmt: skip
+    """:func:`.kernels._depth_backward_token_kernel`."""
+    _depth_backward_token_kernel(
+        Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV,
+        (sq0, sq1, sq2, sq3), (sdk0, sdk1, sdk2, sdk3, sdk4), (sdv0, sdv1, sdv2, sdv3, sdv4), (so0, so1, so2, so3),
+        (sdo0, sdo1, sdo2, sdo3), (sl0, sl1, sl2), (sgl0, sgl1, sgl2), (sdq0, sdq1, sdq2, sdq3),
+        (sgk0, sgk1, sgk2, sgk3, sgk4), (sgv0, sgv1, sgv2, sgv3, sgv4),
+        Hk, Tq, L, depth_first, tl.cast(scale, tl.float32), tl.cast(qk_scale, tl.float32),
+        G=G, GP=GP, BLOCK_T=BLOCK_T, D=D, DP=DP, DQ_ADD=DQ_ADD, HAS_GLSE=HAS_GLSE, SLOTS=SLOTS,
+        DEPTH_ADD=DEPTH_ADD,
+    )  # fmt: skip
+
+
+# Each kernel's flat wrapper.
+FLAT = {
+    _sanitize_kv_kernel: sanitize_kv_flat, _prepare_backward_kernel: prepare_backward_flat,
+    _depth_forward_kernel: depth_forward_flat, _depth_forward_token_kernel: depth_forward_token_flat,
+    _depth_backward_kernel: depth_backward_flat, _depth_backward_token_kernel: depth_backward_token_flat,
+}  # fmt: skip
