@@ -57,6 +57,31 @@ def test_the_flat_wrappers_compute_what_the_eager_launches_do(shape, entries, st
         torch.testing.assert_close(a, e, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("shape, entries, causal", [
+    (MoDAShape(1, 3, 1, 9, 9, 4, 16), True, True),  # G=3: the per-token kernels
+    (MoDAShape(2, 8, 1, 6, 6, 3, 8), False, False),  # G=8: the tiles
+])  # fmt: skip
+def test_the_split_paths_flat_wrappers_compute_what_its_eager_launches_do(shape, entries, causal):
+    from moda_flex import variants
+    from moda_flex.backends.split import ops
+
+    direct = ops.TRACED._replace(launch=functools.partial(ops._launch_traced, wrap=lambda kernel: kernel))
+    fused, _ = _records(shape, entries, strided=False)
+    inputs = ops.Inputs(*fused[:5])
+    opts = ops.call_options(inputs.q, inputs.k, shape.slots, variants.causal() if causal else variants.full(),
+                            shape.head_dim**-0.5)  # fmt: skip
+    traced_inputs = inputs._replace(depth_k=traced.stacked(inputs.depth_k), depth_v=traced.stacked(inputs.depth_v))
+    out, lse = ops._forward(*inputs, opts)
+    flat_out, flat_lse = ops._forward(*traced_inputs, opts, route=direct)
+    torch.testing.assert_close(flat_out, out, rtol=0, atol=0)
+    torch.testing.assert_close(flat_lse, lse, rtol=0, atol=0)
+    grads = ops.Grads(torch.randn_like(out), torch.randn(out.shape[:3]), out, lse)
+    expected = ops.backward_in_op_layouts(grads, inputs, opts)
+    actual = ops.backward_in_op_layouts(grads, traced_inputs, opts, route=direct)
+    for name, a, e in zip(("dq", "dk", "dv", "depth_k", "depth_v"), actual, expected):
+        torch.testing.assert_close(a, e, rtol=0, atol=0, msg=name)
+
+
 def test_a_slab_is_read_as_it_lies():
     """Eagerly too: depth given as a slab reaches the kernels as that slab, no table and no copy."""
     inputs, _ = _records(MoDAShape(1, 2, 1, 4, 4, 3, 8), entries=False, strided=True)

@@ -1,5 +1,5 @@
-"""On a GPU: under ``torch.compile`` the Triton backend's kernels are launched from the compiled graph
-(moda_flex.backends.triton.traced), and compute MoDA: output, lse and every gradient against the reference.
+"""On a GPU: under ``torch.compile`` both kernel backends' kernels are launched from the compiled graph
+(moda_flex.backends.traced), and compute MoDA: output, lse and every gradient against the reference.
 
 Skipped without CUDA. Run: ``pytest tests/test_traced_gpu.py``.
 """
@@ -15,9 +15,9 @@ from moda_flex import moda_attention  # noqa: E402
 from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs  # noqa: E402
 
 
-def _compiled_triton():
-    """A backend callable for assert_matches_reference: moda_attention(backend="triton") under torch.compile."""
-    compiled = torch.compile(functools.partial(moda_attention, backend="triton", return_lse=True), fullgraph=True)
+def _compiled(backend):
+    """A backend callable for assert_matches_reference: moda_attention(backend=backend) under torch.compile."""
+    compiled = torch.compile(functools.partial(moda_attention, backend=backend, return_lse=True), fullgraph=True)
 
     def run(q, k, v, depth_k, depth_v, variant, scale):
         return compiled(q, k, v, depth_k, depth_v, variant=variant, scale=scale)
@@ -34,14 +34,28 @@ def _compiled_triton():
         (MoDAShape(2, 12, 3, 40, 40, 3, 32), torch.float16, "causal", True, False),  # G=4, D=32
     ],
 )
-def test_compiled_calls_match_the_reference(shape, dtype, variant, entries, strided):
+@pytest.mark.parametrize("backend", ["triton", "split"])
+def test_compiled_calls_match_the_reference(backend, shape, dtype, variant, entries, strided):
+    if backend == "split" and shape.q_len != shape.kv_len and variant == "causal":
+        pytest.skip("the split path's causal mask needs Tq == Tk")
     torch._dynamo.reset()
     inputs = make_inputs(shape, dtype=dtype, device="cuda", depth_entries=entries, strided_depth=strided, seed=2)
-    assert_matches_reference(inputs, backend=_compiled_triton(), variant=variant)
+    assert_matches_reference(inputs, backend=_compiled(backend), variant=variant)
 
 
-def test_a_compiled_call_launches_the_kernels_from_its_graph():
-    """The generated code launches the three flat kernels itself; the eager op is not called."""
+@pytest.mark.parametrize(
+    "backend, kernels, opaque",
+    [
+        ("triton", ("forward_flat", "dq_flat", "dkdv_flat", "stack_kernel"),
+         ("moda_flex.triton_forward.default", "moda_flex.triton_backward.default")),
+        ("split", ("sanitize_kv_flat", "depth_forward_token_flat", "prepare_backward_flat",
+                   "depth_backward_token_flat", "stack_kernel"),
+         ("moda_flex.split_forward.default", "moda_flex.split_backward.default")),
+    ],
+)  # fmt: skip
+def test_a_compiled_call_launches_the_kernels_from_its_graph(backend, kernels, opaque):
+    """The generated code launches the flat kernels itself (the stack kernel too); the eager ops are not
+    called."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
@@ -50,16 +64,16 @@ def test_a_compiled_call_launches_the_kernels_from_its_graph():
 
     @torch.compile(fullgraph=True)
     def loss(q, k, v, depth_k, depth_v):
-        return moda_attention(q, k, v, depth_k, depth_v, backend="triton").float().square().sum()
+        return moda_attention(q, k, v, depth_k, depth_v, backend=backend).float().square().sum()
 
     def step():
         return torch.autograd.grad(loss(*leaves[:3], inputs["depth_k"], inputs["depth_v"]), leaves)
 
     _, code = run_and_get_code(step)
     code = "\n".join(code)
-    for kernel in ("forward_flat", "dq_flat", "dkdv_flat"):
+    for kernel in kernels:
         assert kernel in code, kernel
-    assert "moda_flex.triton_forward" not in code and "moda_flex.triton_backward" not in code
+    assert not any(op in code for op in opaque)
 
 
 def test_a_checkpointed_model_compiles_and_matches_eager():

@@ -1,7 +1,8 @@
 """The split path: MoDA's sequence part on the vendor's attention kernel, its depth part on ours.
 
-Files by layer: ``kernels.py`` (``@triton.jit``) -> ``sequence.py`` (the
-vendor's aten ops) -> ``ops.py`` (launchers, ``torch.library`` ops, autograd,
+Files by layer: ``kernels.py`` (``@triton.jit``; ``flat.py``, the same with
+scalar strides, for compiled graphs) -> ``sequence.py`` (the vendor's aten
+ops) -> ``ops.py`` (launchers, ``torch.library`` ops, autograd,
 :func:`split_attention`) -> ``support.py`` (which calls it computes exactly).
 """
 

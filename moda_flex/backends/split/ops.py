@@ -16,7 +16,10 @@ the merged output: exactly the sequence part's share of the gradients.
 Two ops, ``moda_flex::split_forward`` and ``moda_flex::split_backward``,
 with fake implementations (so ``torch.compile(fullgraph=True)`` traces them)
 and registered autograd; an eager call runs the same work behind a plain
-``autograd.Function`` (``benchmarks/host_split.py``: its host time). A
+``autograd.Function`` (``benchmarks/host_split.py``: its host time).
+Compiled on CUDA, a call of static shapes takes two traced ops instead
+(``split_traced_forward`` / ``_backward``, :mod:`..traced`), whose kernels
+the compiled graph launches itself (flat wrappers, :mod:`.flat`). A
 gradient of the returned lse adds ``-dLSE`` to ``delta``: the depth kernel
 takes it as it is, the vendor's backward through two extra head lanes
 (:func:`_sequence_backward_with_lse`).
@@ -25,11 +28,12 @@ takes it as it is, the vendor's backward through two extra head lanes
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.library import wrap_triton
 
 from ...depth import as_list, empty_grads, grads_like, slot_count
 from ..blocks import cdiv, next_pow2
@@ -37,6 +41,7 @@ from ..first_order import refuse_create_graph
 from ..launcher import launch
 from ..records import ATTENTION, Written, define, restored, saved, unpack
 from ..slots import depth_args
+from ..traced import define_traced, launch_flat, slab_depth, stacked, traceable
 from . import sequence
 
 _LOG2E = math.log2(math.e)
@@ -72,6 +77,16 @@ class Options(NamedTuple):
     sequence: bool  # False: no sequence keys (depth-only)
     depth_first: int  # the first visible depth slot
     kernel: str  # the vendor's op (sequence.KERNELS), chosen once per call: the backward must take the forward's
+
+
+class Route(NamedTuple):
+    """How a call reaches its kernels: what the eager ops do (:data:`EAGER`), or a traced op (:data:`TRACED`)."""
+
+    depth: Callable  # (depth_k, depth_v, L, device) -> (the kernels' depth arguments, the tensors to hold)
+    launch: Callable  # (kernel, grid, device, **arguments) launches the kernel
+
+
+EAGER = Route(depth_args, launch)
 
 
 # Groups up to this size run the per-token kernels (a token's rows against its own slots, on the CUDA cores);
@@ -129,7 +144,7 @@ def _has_sequence(k: Tensor, opts: Options) -> bool:
     return opts.sequence and k.shape[2] > 0
 
 
-def _sanitized_kv(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _sanitized_kv(k: Tensor, v: Tensor, route: Route) -> tuple[Tensor, Tensor, Tensor]:
     """k, v (B, Hk, Tk, D) with non-finite vectors zeroed, and the first token holding one, (B, Hk) int32 (Tk:
     none)."""
     from . import kernels
@@ -139,7 +154,7 @@ def _sanitized_kv(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     v0 = torch.empty_like(k0)
     first = torch.full((B, Hk), Tk, device=k.device, dtype=torch.int32)
     grid = (cdiv(Tk, _BLOCK_T_ELEMENTWISE), B * Hk)
-    launch(kernels._sanitize_kv_kernel, grid, k.device,
+    route.launch(kernels._sanitize_kv_kernel, grid, k.device,
         K=k, V=v, KO=k0, VO=v0, FIRST=first,
         sk=k.stride(), sv=v.stride(), so=k0.stride(),
         Hk=Hk, Tk=Tk, D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, next_pow2(D)),
@@ -161,8 +176,9 @@ def _outputs(q: Tensor, k: Tensor, opts: Options, contiguous_out: bool = False) 
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], opts: Options,
-             contiguous_out: bool = False):  # fmt: skip
-    """out (B, Hq, Tq, D) and lse (natural log), in the layouts of :func:`_outputs`."""
+             contiguous_out: bool = False, route: Route = EAGER):  # fmt: skip
+    """out (B, Hq, Tq, D) and lse (natural log), in the layouts of :func:`_outputs`; ``route``: how the
+    kernels are reached."""
     from . import kernels
 
     out, lse = _outputs(q, k, opts, contiguous_out)
@@ -171,7 +187,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
     Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
     has_sequence = _has_sequence(k, opts)
     if has_sequence:
-        k0, v0, first = _sanitized_kv(k, v)
+        k0, v0, first = _sanitized_kv(k, v, route)
         out_s, lse_s = sequence.forward(opts.kernel, q, k0, v0, opts.causal, opts.scale)
     else:  # nothing of the sequence is read
         out_s, lse_s, first = out, lse, lse
@@ -180,8 +196,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
     ls, lo = sequence.lse_view(lse_s), sequence.lse_view(lse)
     kernel, layout = _depth_kernel(kernels.FORWARD, _layout(q, Hk, L))
     grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
-    depth, _held = depth_args(depth_k, depth_v, L, q.device)  # _held: alive until launched
-    launch(kernel, grid, q.device,
+    depth, _held = route.depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
+    route.launch(kernel, grid, q.device,
         Q=q, OS=out_s, LS=ls, FIRST=first, O=out, LO=lo, **depth,
         sq=q.stride(), sos=out_s.stride(), sls=ls.stride(), so=out.stride(), slo=lo.stride(),
         Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, qk_scale=opts.scale * _LOG2E,
@@ -190,7 +206,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
     return out, lse
 
 
-def _prepared(q: Tensor, out: Tensor, grad_out: Tensor, lse: Tensor, k: Tensor, v: Tensor, sanitize_kv: bool):
+def _prepared(q: Tensor, out: Tensor, grad_out: Tensor, lse: Tensor, k: Tensor, v: Tensor, sanitize_kv: bool,
+              route: Route):  # fmt: skip
     """The backward's inputs under the NaN rule, in one launch: q, out, grad_out, lse (the lse in the vendor's
     layout) with dead rows silenced, and with ``sanitize_kv`` k, v with non-finite vectors zeroed (else None,
     None)."""
@@ -209,7 +226,7 @@ def _prepared(q: Tensor, out: Tensor, grad_out: Tensor, lse: Tensor, k: Tensor, 
         k0 = v0 = None
         kv_heads, kv_tokens, sko = 0, 0, k.stride()  # sko unread
     grid = (cdiv(max(Tq, kv_tokens), _BLOCK_T_ELEMENTWISE), B * Hq + kv_heads)
-    launch(kernels._prepare_backward_kernel, grid, q.device,
+    route.launch(kernels._prepare_backward_kernel, grid, q.device,
         Q=q, O=out, DO=grad_out, LSE=lv, QC=q_c, OC=out_c, DOC=grad_c, LSEC=lcv, K=k, V=v, KO=k0, VO=v0,
         sq=q.stride(), so=out.stride(), sdo=grad_out.stride(), sl=lv.stride(),
         sqc=q_c.stride(), soc=out_c.stride(), sdoc=grad_c.stride(), slc=lcv.stride(),
@@ -246,7 +263,7 @@ def _sequence_backward_with_lse(q, k, v, out, grad_out, lse, grad_lse, opts: Opt
 
 
 def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Options,
-              into: Optional[tuple[Tensor, Tensor]] = None, add: bool = False):  # fmt: skip
+              into: Optional[tuple[Tensor, Tensor]] = None, add: bool = False, route: Route = EAGER):  # fmt: skip
     """dq (B, Hq, Tq, D), dk, dv (B, Hk, Tk, D), and the depth gradients, two (B, Hk, Tq, L, D) tensors.
 
     ``grad_out`` or ``grad_lse`` may be None (no gradient reached that output). dq, dk, dv are in the
@@ -268,7 +285,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), ddk, ddv
     has_sequence = _has_sequence(k, opts)
     # the lse says which rows are dead: the keys and values need no first bad token, only zeroing
-    q_c, out_c, grad_c, lse_c, k0, v0 = _prepared(q, out, grad_out, lse, k, v, sanitize_kv=has_sequence)
+    q_c, out_c, grad_c, lse_c, k0, v0 = _prepared(q, out, grad_out, lse, k, v, has_sequence, route)
     if has_sequence:
         if grad_lse is None:
             dq, dk, dv = sequence.backward(opts.kernel, grad_c, q_c, k0, v0, out_c, lse_c, opts.causal, opts.scale)
@@ -283,8 +300,8 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     glse = lv if grad_lse is None else sequence.lse_view(grad_lse).float()
     kernel, layout = _depth_kernel(kernels.BACKWARD, _layout(q, Hk, L, True))
     grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
-    depth, _held = depth_args(depth_k, depth_v, L, q.device)  # _held: alive until launched
-    launch(kernel, grid, q.device,
+    depth, _held = route.depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
+    route.launch(kernel, grid, q.device,
         Q=q_c, O=out_c, DO=grad_c, LSE=lv, GLSE=glse, DQ=dq, DDK=ddk, DDV=ddv, **depth,
         sq=q_c.stride(), so=out_c.stride(), sdo=grad_c.stride(),
         sl=lv.stride(), sgl=glse.stride(), sdq=dq.stride(), sgk=ddk.stride(), sgv=ddv.stride(),
@@ -298,16 +315,17 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
 # The arguments are the records above, field by field. The ops run on CUDA, and on CPU under
 # Triton's interpreter (the tests), with SDPA's CPU flash op as the vendor.
 
-def _backward_without_dispatch(grads: Grads, inputs: Inputs, opts: Options, into: Optional[Into] = None):
+def _backward_without_dispatch(grads: Grads, inputs: Inputs, opts: Options, into: Optional[Into] = None,
+                               route: Route = EAGER):  # fmt: skip
     """:func:`_backward` of the records the backward ops take: what the ops and the eager path run."""
     depth = dict(into=tuple(into.depth_grads.unbind(0)), add=into.add) if into is not None else {}
-    return _backward(grads.grad_out, grads.grad_lse, *inputs, grads.out, grads.lse, opts, **depth)
+    return _backward(grads.grad_out, grads.grad_lse, *inputs, grads.out, grads.lse, opts, **depth, route=route)
 
 
-def backward_in_op_layouts(grads: Grads, inputs: Inputs, opts: Options):
+def backward_in_op_layouts(grads: Grads, inputs: Inputs, opts: Options, route: Route = EAGER):
     """What the backward op returns: dq, dk, dv, contiguous, and the depth gradients as two (B, Hk, Tq, L, D)
     tensors."""
-    dq, dk, dv, ddk, ddv = _backward_without_dispatch(grads, inputs, opts)
+    dq, dk, dv, ddk, ddv = _backward_without_dispatch(grads, inputs, opts, route=route)
     # the fake's layouts, which inductor checks: a copy only where the vendor's op chose another (the CPU op's
     # gradients are (B, T, H, D) in memory; the lse's gradient slices padded head dims)
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), ddk, ddv
@@ -371,6 +389,40 @@ def _autograd_backward(ctx, grad_out, grad_lse):
 torch.library.register_autograd("moda_flex::split_forward", _autograd_backward, setup_context=_setup_context)
 
 
+# ---- traced ops (moda_flex.backends.traced) ------------------------------------------------------
+# What a compiled call on CUDA takes: the same work, every kernel launched by the compiled graph.
+
+def _launch_traced(kernel, grid: tuple, device: torch.device, wrap=wrap_triton, **arguments) -> None:
+    """Launch ``kernel``'s flat wrapper (:mod:`.flat`) through ``wrap``."""
+    from .flat import FLAT
+
+    launch_flat(FLAT[kernel], grid, wrap, **arguments)
+
+
+TRACED = Route(slab_depth, _launch_traced)
+
+
+def _traced_forward_body(inputs: Inputs, opts: Options):
+    return _forward(*inputs, opts, route=TRACED)
+
+
+def _traced_backward_body(grads: Grads, inputs: Inputs, opts: Options):
+    return backward_in_op_layouts(grads, inputs, opts, route=TRACED)
+
+
+traced_forward = define_traced("split_traced_forward", Inputs, Options, returns=2, body=_traced_forward_body)
+traced_backward = define_traced("split_traced_backward", Grads, Inputs, Options, returns=5,
+                                body=_traced_backward_body)  # fmt: skip
+
+
+def _traced_autograd_backward(ctx, grad_out, grad_lse):
+    grads = _gradients(ctx, grad_out, grad_lse, lambda g, inputs, opts: traced_backward(*g, *inputs, *opts))
+    return (*(grads or (None,) * len(Inputs._fields)), *(None,) * len(ctx.options))
+
+
+traced_forward.register_autograd(_traced_autograd_backward, setup_context=_setup_context)
+
+
 class _EagerSplit(torch.autograd.Function):
     """The eager path: the ops' work and autograd's bookkeeping, without the dispatcher's round trips and the
     registered autograd's flattening of 2L depth entries (the call is host-bound at short lengths).
@@ -417,10 +469,15 @@ def split_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: T
     Returns:
         out (B, Hq, Tq, D) and lse (B, Hq, Tq) float32, natural log; both
         differentiable. The NaN rule of :mod:`moda_flex.nonfinite` holds.
+        Under ``torch.compile`` on CUDA (static shapes) the compiled graph
+        launches the kernels itself, the entries stacked into one slab a
+        side first (:mod:`moda_flex.backends.traced`).
     """
     depth_k, depth_v = as_list(depth_k), as_list(depth_v)
     opts = call_options(q, k, slot_count(depth_k), variant, scale)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and traceable(q, k, v, *depth_k, *depth_v):  # launched by the graph itself
+        out, lse = traced_forward(q, k, v, stacked(depth_k), stacked(depth_v), *opts)
+    elif torch.compiler.is_compiling():
         out, lse = torch.ops.moda_flex.split_forward(*Inputs(q, k, v, depth_k, depth_v), *opts)
     else:
         out, lse = _EagerSplit.apply(q, k, v, opts, len(depth_k), *depth_k, *depth_v)
