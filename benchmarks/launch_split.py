@@ -12,8 +12,9 @@ kernel, at a shape where its GPU time is a few us, launched:
   left out, the floor a launcher of ours could reach;
 - ``triton_op, eager``: the launch inside a ``torch.library.triton_op`` (``wrap_triton``), called eagerly;
 - ``triton_op, compiled``: that op from ``torch.compile(fullgraph=True)``,
-  the kernel with its strides as scalars (inductor takes no tuple
-  argument); with the register cap (``maxnreg``) and without;
+  the kernel's flat wrapper (``moda_flex/backends/split/flat.py``: its
+  strides as scalars, as inductor takes them); with the register cap
+  (``maxnreg``) and without;
 - the same compiled op, the vendor's forward in its body too;
 - ``x8`` rows: 8 launches a call, each reading the last one's output (no
   two alike, so none is merged): a launch's marginal cost is the
@@ -42,14 +43,13 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from moda_flex.backends.blocks import cdiv
 from moda_flex.backends.slots import depth_args
 from moda_flex.backends.split import kernels, ops, sequence
-from moda_flex.backends.split.kernels import _depth_forward_token_kernel
+from moda_flex.backends.split.flat import FLAT
+from moda_flex.backends.traced import flat_arguments
 
 from bench_call import wall_ms
 
@@ -70,36 +70,6 @@ def _gpu_work(fn) -> str:
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
     return ", ".join(f"{name[:40]} x{names.count(name)}" for name in dict.fromkeys(names)) or "none"
-
-
-@triton.jit
-def _forward_flat(
-    Q, DK_TAB, DV_TAB, OS, LS, FIRST, O, LO,
-    sq0, sq1, sq2, sq3, sdk0, sdk1, sdk2, sdk3, sdk4, sdv0, sdv1, sdv2, sdv3, sdv4, sos0, sos1, sos2, sos3,
-    sls0, sls1, sls2, so0, so1, so2, so3, slo0, slo1, slo2,
-    Hk, Tq, Tk, L, depth_first, qk_scale,
-    G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-    HAS_SEQ: tl.constexpr, CAUSAL: tl.constexpr, SLOTS: tl.constexpr,
-):  # fmt: skip
-    """The token forward kernel with its strides as scalars: inductor takes no tuple argument (and passes a
-    float as fp64)."""
-    _depth_forward_token_kernel(
-        Q, DK_TAB, DV_TAB, OS, LS, FIRST, O, LO, (sq0, sq1, sq2, sq3), (sdk0, sdk1, sdk2, sdk3, sdk4),
-        (sdv0, sdv1, sdv2, sdv3, sdv4), (sos0, sos1, sos2, sos3), (sls0, sls1, sls2), (so0, so1, so2, so3),
-        (slo0, slo1, slo2), Hk, Tq, Tk, L, depth_first, tl.cast(qk_scale, tl.float32), G=G, GP=GP, BLOCK_T=BLOCK_T, D=D, DP=DP,
-        HAS_SEQ=HAS_SEQ, CAUSAL=CAUSAL, SLOTS=SLOTS,
-    )  # fmt: skip
-
-
-def _flat(**arguments) -> dict:
-    """``arguments`` with each tuple ``s=(a, b)`` as ``s0=a, s1=b``."""
-    flat = {}
-    for name, value in arguments.items():
-        if isinstance(value, tuple):
-            flat.update({f"{name}{i}": item for i, item in enumerate(value)})
-        else:
-            flat[name] = value
-    return flat
 
 
 def _launcher(q: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], causal: bool, scale: float):
@@ -130,7 +100,7 @@ def _launcher(q: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], causal: b
         if direct:
             return _binary_launcher(kernel, grid, arguments), out
         if flat:
-            run(_forward_flat)[grid](**_flat(**arguments))
+            run(FLAT[kernel])[grid](**flat_arguments(FLAT[kernel], arguments))
         else:
             run(kernel)[grid](**arguments)
         return out, lse
