@@ -60,6 +60,7 @@ def test_the_flat_wrappers_compute_what_the_eager_launches_do(shape, entries, st
 @pytest.mark.parametrize("shape, entries, causal", [
     (MoDAShape(1, 3, 1, 9, 9, 4, 16), True, True),  # G=3: the per-token kernels
     (MoDAShape(2, 8, 1, 6, 6, 3, 8), False, False),  # G=8: the tiles
+    (MoDAShape(1, 8, 1, 5, 5, 0, 8), True, True),  # no depth: a null table, not an empty slab
 ])  # fmt: skip
 def test_the_split_paths_flat_wrappers_compute_what_its_eager_launches_do(shape, entries, causal):
     from moda_flex import variants

@@ -140,13 +140,15 @@ stack_slots.register_autograd(lambda ctx, grad: list(grad.unbind(3)), setup_cont
 
 
 def slab_depth(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device) -> tuple[dict, list]:
-    """The depth arguments of a traced launch: each side one slab (:func:`stacked`), read as it lies; no
-    entries, an empty one the kernels never read."""
-    def slab(depth):
-        if not depth:
-            return torch.empty((0,) * 5, device=device)
-        if not is_slab(depth):
-            raise ValueError("a traced launch reads depth as one slab a side: stack the entries first (stacked)")
-        return depth[0]
+    """The depth arguments of a traced launch: each side one slab (:func:`stacked`), read as it lies.
 
-    return slab_args(slab(depth_k), slab(depth_v)), []
+    Without entries, an address table of one null slot that no load reads (``SLOTS`` 0): a kernel then types
+    its depth pointers by the queries' dtype, as an eager call's table does, where an empty slab's dtype
+    would not be the call's.
+    """
+    if not depth_k and not depth_v:
+        table = torch.zeros(1, dtype=torch.int64, device=device)
+        return dict(DK_TAB=table, DV_TAB=table, sdk=(0,) * 5, sdv=(0,) * 5, SLOTS=0), []
+    if not (is_slab(depth_k) and is_slab(depth_v)):
+        raise ValueError("a traced launch reads depth as one slab a side: stack the entries first (stacked)")
+    return slab_args(depth_k[0], depth_v[0]), []
