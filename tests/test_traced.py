@@ -120,3 +120,27 @@ def test_the_stack_kernel_stacks_entries_of_any_strides(count):
 def test_only_static_cuda_calls_are_traced():
     q = torch.zeros(1, 2, 3, 4)
     assert not traced.traceable(q, q)  # CPU: the interpreter's kernels cannot be traced
+
+
+@pytest.mark.parametrize("backend", ["triton", "split"])
+def test_the_traced_ops_autograd_gives_the_eager_gradients(backend):
+    """Called eagerly (Triton launches the kernels), a traced forward op's registered autograd runs its traced
+    backward op: the gradients of q, k, v and every entry are the eager path's."""
+    from moda_flex import moda_attention, variants
+    from moda_flex.backends.split import ops as split_ops
+
+    t = make_inputs(MoDAShape(1, 3, 1, 6, 6, 3, 16), depth_entries=True, seed=4)
+    leaves = [t["q"], t["k"], t["v"], *t["depth_k"], *t["depth_v"]]
+    expected = torch.autograd.grad(moda_attention(*leaves[:3], t["depth_k"], t["depth_v"], backend=backend)
+                                   .square().sum(), leaves)  # fmt: skip
+    depth = [traced.stacked(list(t["depth_k"])), traced.stacked(list(t["depth_v"]))]
+    scale = 16**-0.5
+    if backend == "split":
+        opts = split_ops.call_options(t["q"], t["k"], 3, variants.causal(), scale)
+        out, _ = split_ops.traced_forward(*leaves[:3], *depth, *opts)
+    else:
+        opts = launch.Options(scale, True, 0, 0, True, 0.0, False)
+        out, _ = fused_traced.traced_forward(*leaves[:3], *depth, None, None, *opts)
+    actual = torch.autograd.grad(out.square().sum(), leaves)
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)

@@ -2,7 +2,7 @@
 
 A kernel backend describes its op's arguments as records (the tensors, the
 options) and derives from them the ``torch.library`` schema
-(:func:`schema`, :func:`define`), the op's unpacking of its flat arguments (:func:`unpack`)
+(:func:`schema`, :func:`define`, or a traced op: :func:`define_traced`), the op's unpacking of its flat arguments (:func:`unpack`)
 and what autograd saves (:func:`saved` / :func:`restored`). Adding an
 argument is adding a field.
 """
@@ -10,6 +10,7 @@ argument is adding a field.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable, NamedTuple, NewType, Optional, get_type_hints
 
 import torch
@@ -49,6 +50,23 @@ def define(op: str, *records: type[NamedTuple], returns: int, run: Callable, fak
     torch.library.define(name, f"({schema(*records)}) -> ({', '.join(['Tensor'] * returns)})")
     torch.library.impl(name, ("cuda", "cpu"))(lambda *args: run(*unpack(args, *records)))
     torch.library.register_fake(name)(lambda *args: fake(*unpack(args, *records)))
+
+
+def define_traced(op: str, *records: type[NamedTuple], returns: int, body: Callable):
+    """A ``torch.library.triton_op`` ``moda_flex::<op>`` whose arguments are the records' fields and which
+    returns ``returns`` tensors; ``body`` is called with one instance of each record, and inductor traces it
+    (:mod:`.traced`). The op's schema is inferred from the signature given here."""
+    fields = [(name, kind) for record in records for name, kind in _fields(record).items()]
+    signature = inspect.Signature(
+        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=kind) for name, kind in fields],
+        return_annotation=tuple[(Tensor,) * returns],
+    )  # fmt: skip
+
+    def run(*args, **kwargs):
+        return body(*unpack(signature.bind(*args, **kwargs).args, *records))
+
+    run.__name__, run.__signature__ = op, signature
+    return torch.library.triton_op(f"moda_flex::{op}", run, mutates_args=())
 
 
 def unpack(args: tuple, *records: type[NamedTuple]) -> tuple:

@@ -5,7 +5,7 @@ launcher's Python and a slot table's copy, about 0.2 ms of host time per
 forward or backward on an H100 machine, which a compiled step at a model's
 lengths waits for. A ``torch.library.triton_op`` is not: inductor reads its
 body, whose kernels are launched through ``wrap_triton``, and launches them
-from its own generated code (:func:`define_traced`).
+from its own generated code (:func:`.records.define_traced`).
 
 Inductor takes scalars and tensors as a kernel's arguments, not tuples: each
 kernel a traced op launches has a flat wrapper that takes the strides one
@@ -23,9 +23,6 @@ stacks the entries again.
 
 from __future__ import annotations
 
-import inspect
-from typing import get_type_hints
-
 import torch
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
@@ -33,7 +30,6 @@ from torch.utils.checkpoint import checkpoint
 
 from ..depth import is_slab
 from .blocks import cdiv, next_pow2
-from .records import unpack
 from .slots import slab_args
 from .stack_kernel import GROUP, stack_kernel
 
@@ -68,23 +64,6 @@ def launch_flat(wrapper, grid: tuple, wrap=wrap_triton, **arguments) -> None:
     """Launch a flat ``wrapper`` with a kernel's ``arguments`` through ``wrap`` (``wrap_triton``: inductor
     traces it; the identity: Triton launches it)."""
     wrap(wrapper)[grid](**flat_arguments(wrapper, arguments))
-
-
-def define_traced(name: str, *records, returns: int, body):
-    """A ``triton_op`` ``moda_flex::<name>`` whose arguments are the records' fields (its schema is inferred
-    from the signature given here), returning ``returns`` tensors; ``body`` takes one instance of each
-    record."""
-    fields = [(field, kind) for record in records for field, kind in get_type_hints(record).items()]
-    signature = inspect.Signature(
-        [inspect.Parameter(field, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=kind) for field, kind in fields],
-        return_annotation=tuple[(Tensor,) * returns],
-    )  # fmt: skip
-
-    def run(*args, **kwargs):
-        return body(*unpack(signature.bind(*args, **kwargs).args, *records))
-
-    run.__name__, run.__signature__ = name, signature
-    return triton_op(f"moda_flex::{name}", run, mutates_args=())
 
 
 def stacked(depth: list[Tensor]) -> list[Tensor]:

@@ -27,6 +27,7 @@ takes it as it is, the vendor's backward through two extra head lanes
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, NamedTuple, Optional
 
@@ -39,9 +40,9 @@ from ...depth import as_list, empty_grads, grads_like, slot_count
 from ..blocks import cdiv, next_pow2
 from ..first_order import refuse_create_graph
 from ..launcher import launch
-from ..records import ATTENTION, Written, define, restored, saved, unpack
+from ..records import ATTENTION, Written, define, define_traced, restored, saved, unpack
 from ..slots import depth_args
-from ..traced import define_traced, launch_flat, slab_depth, stacked, traceable
+from ..traced import launch_flat, slab_depth, stacked, traceable
 from . import sequence
 
 _LOG2E = math.log2(math.e)
@@ -381,8 +382,8 @@ def _backward_by_op(grads: Grads, inputs: Inputs, opts: Options):
     return torch.ops.moda_flex.split_backward(*grads, *inputs, *opts)
 
 
-def _autograd_backward(ctx, grad_out, grad_lse):
-    grads = _gradients(ctx, grad_out, grad_lse, _backward_by_op)
+def _autograd_backward(ctx, grad_out, grad_lse, run_backward=_backward_by_op):
+    grads = _gradients(ctx, grad_out, grad_lse, run_backward)
     return (*(grads or (None,) * len(Inputs._fields)), *(None,) * len(ctx.options))
 
 
@@ -415,12 +416,13 @@ traced_backward = define_traced("split_traced_backward", Grads, Inputs, Options,
                                 body=_traced_backward_body)  # fmt: skip
 
 
-def _traced_autograd_backward(ctx, grad_out, grad_lse):
-    grads = _gradients(ctx, grad_out, grad_lse, lambda g, inputs, opts: traced_backward(*g, *inputs, *opts))
-    return (*(grads or (None,) * len(Inputs._fields)), *(None,) * len(ctx.options))
+def _traced_backward_by_op(grads: Grads, inputs: Inputs, opts: Options):
+    return traced_backward(*grads, *inputs, *opts)
 
 
-traced_forward.register_autograd(_traced_autograd_backward, setup_context=_setup_context)
+# The traced op's autograd is the eager op's, its backward the traced backward.
+traced_forward.register_autograd(functools.partial(_autograd_backward, run_backward=_traced_backward_by_op),
+                                 setup_context=_setup_context)  # fmt: skip
 
 
 class _EagerSplit(torch.autograd.Function):

@@ -23,10 +23,10 @@ from ...depth import DepthKV, as_list, grads_like, slot_count
 from ...variants import Variant
 from ..first_order import refuse_create_graph
 from ..records import define, restored, saved, unpack
+from ..traced import stacked, traceable
 from .configs import ConfigHook
 from .launch import Grads, Inputs, Options, backward, forward, gradients, outputs
 from .support import score_args
-from ..traced import stacked, traceable
 from .traced import traced_backward, traced_forward
 
 

@@ -11,7 +11,8 @@ import torch
 from torch.library import wrap_triton
 
 from ..launcher import Fixed
-from ..traced import define_traced, launch_flat, slab_depth
+from ..records import define_traced
+from ..traced import launch_flat, slab_depth
 from .kernels.flat import FLAT
 from .launch import Grads, Inputs, Options, Route, backward, forward
 
