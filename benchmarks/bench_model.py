@@ -118,12 +118,16 @@ class Case(NamedTuple):
         extras = [x for x in (self.how, self.backend) if x != "auto"]
         return ", ".join([self.arm, *extras])
 
+    def config(self, shape: dict) -> GPTConfig:
+        """The case's model at ``shape`` (one of :data:`SHAPES`)."""
+        return GPTConfig(**shape["config"], depth_kv=self.arm, block_size=shape["seq"], backend=self.backend)
+
 
 def prepare(case: Case, shape: dict, warmup: int) -> Callable[[], None]:
     """The case's training step (forward, backward, fused AdamW, bf16 autocast, random tokens), compiled as its
     mode says and run ``warmup`` times (compilation included); the returned step holds the model."""
     B, T = shape["batch"], shape["seq"]
-    config = GPTConfig(**shape["config"], depth_kv=case.arm, block_size=T, backend=case.backend)
+    config = case.config(shape)
     torch.manual_seed(0)
     model = GPT(config).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -296,7 +300,7 @@ def main(argv=None) -> None:
 
     rows = []
     for case in cases:
-        config = GPTConfig(**shape["config"], depth_kv=case.arm, block_size=T)
+        config = case.config(shape)
         Hk, D = config.n_kv_head, config.n_embd // config.n_head
         floor_bytes = 6 * depth_reads(config) * B * Hk * T * D * 2
         rows.append({"arm": case.name, "mode": case.mode, "floor_ms": floor_bytes / bandwidth * 1e3,
