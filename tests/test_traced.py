@@ -2,9 +2,9 @@
 
 ``torch.compile`` traces the ops only on CUDA (``wrap_triton`` does not take
 the interpreter's kernels; tests/test_traced_gpu.py compiles them). Here the
-same route runs the flat wrappers directly under the interpreter: stacked
-depth slabs, every stride a scalar, and the results equal the eager route's
-bit for bit, forward and backward.
+same route runs the flat wrappers directly under the interpreter: the
+entries stacked into depth slabs, every stride a scalar, and the results
+equal the eager route's bit for bit, forward and backward.
 """
 
 import functools
@@ -31,11 +31,6 @@ def _records(shape, entries, strided, causal=True, depth_first=0):
     return inputs, launch.Options(shape.head_dim**-0.5, causal, 0, depth_first, True, 0.0, False)
 
 
-def _traced_records(inputs):
-    """What the traced op is given: each side's entries stacked into one slab."""
-    return inputs._replace(depth_k=traced.stacked(inputs.depth_k), depth_v=traced.stacked(inputs.depth_v))
-
-
 @pytest.mark.parametrize(
     "shape, entries, strided, causal, depth_first",
     [
@@ -47,12 +42,12 @@ def _traced_records(inputs):
 def test_the_flat_wrappers_compute_what_the_eager_launches_do(shape, entries, strided, causal, depth_first):
     inputs, opts = _records(shape, entries, strided, causal, depth_first)
     out, lse = launch.forward(inputs, opts)
-    flat_out, flat_lse = launch.forward(_traced_records(inputs), opts, route=DIRECT)
+    flat_out, flat_lse = launch.forward(inputs, opts, route=DIRECT)
     torch.testing.assert_close(flat_out, out, rtol=0, atol=0)
     torch.testing.assert_close(flat_lse, lse, rtol=0, atol=0)
     grads = launch.Grads(torch.randn_like(out), torch.randn_like(lse), out, lse, False)
     expected = launch.backward(grads, inputs, opts)
-    actual = launch.backward(grads, _traced_records(inputs), opts, route=DIRECT)
+    actual = launch.backward(grads, inputs, opts, route=DIRECT)
     for name, a, e in zip(("dq", "dk", "dv", "depth_k", "depth_v"), actual, expected):
         torch.testing.assert_close(a, e, rtol=0, atol=0, msg=name)
 
@@ -71,14 +66,13 @@ def test_the_split_paths_flat_wrappers_compute_what_its_eager_launches_do(shape,
     inputs = ops.Inputs(*fused[:5])
     opts = ops.call_options(inputs.q, inputs.k, shape.slots, variants.causal() if causal else variants.full(),
                             shape.head_dim**-0.5)  # fmt: skip
-    traced_inputs = inputs._replace(depth_k=traced.stacked(inputs.depth_k), depth_v=traced.stacked(inputs.depth_v))
     out, lse = ops._forward(*inputs, opts)
-    flat_out, flat_lse = ops._forward(*traced_inputs, opts, route=direct)
+    flat_out, flat_lse = ops._forward(*inputs, opts, route=direct)
     torch.testing.assert_close(flat_out, out, rtol=0, atol=0)
     torch.testing.assert_close(flat_lse, lse, rtol=0, atol=0)
     grads = ops.Grads(torch.randn_like(out), torch.randn(out.shape[:3]), out, lse)
     expected = ops.backward_in_op_layouts(grads, inputs, opts)
-    actual = ops.backward_in_op_layouts(grads, traced_inputs, opts, route=direct)
+    actual = ops.backward_in_op_layouts(grads, inputs, opts, route=direct)
     for name, a, e in zip(("dq", "dk", "dv", "depth_k", "depth_v"), actual, expected):
         torch.testing.assert_close(a, e, rtol=0, atol=0, msg=name)
 
@@ -97,15 +91,6 @@ def test_flat_arguments_flatten_tuples_and_refuse_what_the_wrapper_lacks():
     assert flat == dict(G=1, num_warps=4, sq0=4, sq1=3, sq2=2, sq3=1, Q="q")  # QD (None) left to the wrapper
     with pytest.raises(TypeError, match="QD"):
         traced.flat_arguments(forward_flat, dict(QD="a descriptor"))
-
-
-def test_stacking_gives_one_slab_and_its_gradient_reaches_every_entry():
-    entries = [torch.randn(1, 2, 3, 4, requires_grad=True) for _ in range(3)]
-    (slab,) = traced.stacked(entries)
-    assert slab.shape == (1, 2, 3, 3, 4) and torch.equal(slab[:, :, :, 1], entries[1])
-    slab.backward(torch.arange(3.0).view(1, 1, 1, 3, 1).expand_as(slab))
-    assert [e.grad.unique().item() for e in entries] == [0.0, 1.0, 2.0]
-    assert traced.stacked([]) == [] and traced.stacked([slab]) == [slab]
 
 
 @pytest.mark.parametrize("count", [1, 5, 17])  # one launch, one part-filled, two launches
@@ -133,7 +118,7 @@ def test_the_traced_ops_autograd_gives_the_eager_gradients(backend):
     leaves = [t["q"], t["k"], t["v"], *t["depth_k"], *t["depth_v"]]
     expected = torch.autograd.grad(moda_attention(*leaves[:3], t["depth_k"], t["depth_v"], backend=backend)
                                    .square().sum(), leaves)  # fmt: skip
-    depth = [traced.stacked(list(t["depth_k"])), traced.stacked(list(t["depth_v"]))]
+    depth = [list(t["depth_k"]), list(t["depth_v"])]
     scale = 16**-0.5
     if backend == "split":
         opts = split_ops.call_options(t["q"], t["k"], 3, variants.causal(), scale)
@@ -142,5 +127,33 @@ def test_the_traced_ops_autograd_gives_the_eager_gradients(backend):
         opts = launch.Options(scale, True, 0, 0, True, 0.0, False)
         out, _ = fused_traced.traced_forward(*leaves[:3], *depth, None, None, *opts)
     actual = torch.autograd.grad(out.square().sum(), leaves)
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_autos_traced_op_launches_the_fused_kernels_itself_unless_the_graph_is_captured(graphs, monkeypatch):
+    """``auto``'s traced op, called eagerly under inductor's ``triton.cudagraphs`` setting: without CUDA graphs
+    its body launches the fused kernels through the traced route; with them it holds the opaque ops, which
+    choose at launch. Either way the results and every gradient are the fused kernel's."""
+    from torch._inductor import config
+
+    from moda_flex import moda_attention, variants
+    from moda_flex.backends import capture
+    from moda_flex.backends.split import ops as split_ops
+
+    launched = []
+    route = fused_traced.TRACED
+    monkeypatch.setattr(fused_traced, "TRACED", route._replace(
+        launch=lambda kernel, *args, **kwargs: launched.append(kernel) or route.launch(kernel, *args, **kwargs)))
+    t = make_inputs(MoDAShape(1, 3, 1, 6, 6, 3, 16), depth_entries=True, seed=5)
+    leaves = [t["q"], t["k"], t["v"], *t["depth_k"], *t["depth_v"]]
+    out = moda_attention(*leaves[:3], t["depth_k"], t["depth_v"], backend="triton")
+    expected = (out, *torch.autograd.grad(out.square().sum(), leaves))
+    opts = split_ops.call_options(t["q"], t["k"], 3, variants.causal(), 16**-0.5)
+    with config.patch({"triton.cudagraphs": graphs}):
+        out, _ = capture.traced_forward(*leaves[:3], list(t["depth_k"]), list(t["depth_v"]), *opts)
+        actual = (out, *torch.autograd.grad(out.square().sum(), leaves))
+    assert bool(launched) != graphs
     for a, e in zip(actual, expected, strict=True):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)

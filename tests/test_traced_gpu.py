@@ -34,7 +34,7 @@ def _compiled(backend):
         (MoDAShape(2, 12, 3, 40, 40, 3, 32), torch.float16, "causal", True, False),  # G=4, D=32
     ],
 )
-@pytest.mark.parametrize("backend", ["triton", "split"])
+@pytest.mark.parametrize("backend", ["triton", "split", "auto"])
 def test_compiled_calls_match_the_reference(backend, shape, dtype, variant, entries, strided):
     if backend == "split" and shape.q_len != shape.kv_len and variant == "causal":
         pytest.skip("the split path's causal mask needs Tq == Tk")
@@ -43,26 +43,31 @@ def test_compiled_calls_match_the_reference(backend, shape, dtype, variant, entr
     assert_matches_reference(inputs, backend=_compiled(backend), variant=variant)
 
 
+_FUSED = ("forward_flat", "dq_flat", "dkdv_flat", "stack_kernel")
+_CAPTURE = ("moda_flex.capture_forward.default", "moda_flex.capture_backward.default")
+
+
 @pytest.mark.parametrize(
-    "backend, kernels, opaque",
+    "backend, mode, kernels, opaque",
     [
-        ("triton", ("forward_flat", "dq_flat", "dkdv_flat", "stack_kernel"),
-         ("moda_flex.triton_forward.default", "moda_flex.triton_backward.default")),
-        ("split", ("sanitize_kv_flat", "depth_forward_token_flat", "prepare_backward_flat",
-                   "depth_backward_token_flat", "stack_kernel"),
+        ("triton", "default", _FUSED, ("moda_flex.triton_forward.default", "moda_flex.triton_backward.default")),
+        ("split", "default", ("sanitize_kv_flat", "depth_forward_token_flat", "prepare_backward_flat",
+                              "depth_backward_token_flat", "stack_kernel"),
          ("moda_flex.split_forward.default", "moda_flex.split_backward.default")),
+        ("auto", "default", _FUSED, _CAPTURE),
+        ("auto", "reduce-overhead", _CAPTURE, _FUSED),  # a CUDA graph: the ops that choose at capture
     ],
 )  # fmt: skip
-def test_a_compiled_call_launches_the_kernels_from_its_graph(backend, kernels, opaque):
-    """The generated code launches the flat kernels itself (the stack kernel too); the eager ops are not
-    called."""
+def test_a_compiled_call_launches_the_kernels_from_its_graph(backend, mode, kernels, opaque):
+    """The generated code launches the flat kernels itself (the stack kernel too) and does not call the eager
+    ops; ``auto`` does so unless the graph runs as a CUDA graph, where it calls its opaque ops."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
     inputs = make_inputs(MoDAShape(2, 6, 2, 64, 64, 4, 64), dtype=torch.bfloat16, device="cuda", depth_entries=True)
     leaves = [inputs["q"], inputs["k"], inputs["v"], *inputs["depth_k"], *inputs["depth_v"]]
 
-    @torch.compile(fullgraph=True)
+    @torch.compile(fullgraph=True, mode=mode)
     def loss(q, k, v, depth_k, depth_v):
         return moda_attention(q, k, v, depth_k, depth_v, backend=backend).float().square().sum()
 
@@ -77,7 +82,7 @@ def test_a_compiled_call_launches_the_kernels_from_its_graph(backend, kernels, o
 
 
 def test_a_checkpointed_model_compiles_and_matches_eager():
-    """The stacks' own checkpoint inside a model's checkpointed blocks: one compiled graph, eager's gradients."""
+    """The traced ops' stacks inside a model's checkpointed blocks: one compiled graph, eager's gradients."""
     from gpt import GPT, GPTConfig
 
     torch._dynamo.reset()

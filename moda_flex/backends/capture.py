@@ -24,23 +24,33 @@ the split path's forward and backward once as well, uncaptured (the
 backward in each of its forms: returning the depth gradients, writing them
 into a depth stream's buffer, adding to it), and drops their results: a
 step's warm-up prepares its capture.
+
+Compiled on CUDA with static shapes, the call is one traced op
+(:mod:`.traced`), ``moda_flex::capture_traced_forward`` and its backward,
+whose body inductor traces under the compile mode's settings: for a graph
+that runs as a CUDA graph it holds the two ops above, otherwise the fused
+kernel's launches themselves, which spare a host-bound step the opaque
+ops' host time (:func:`graphs_captured`).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 from ..depth import DepthKV, as_list, grads_shape, slot_count
 from ..variants import Variant
-from .records import define, unpack
+from .records import define, define_traced, unpack
 from .split import ops as split_ops
 from .split import sequence
 from .split.ops import Grads, Inputs, Into, Options
 from .triton import ops as fused_ops
+from .traced import traceable
 from .triton import launch as fused_launch
+from .triton import traced as fused_traced
 
 
 def capturing(device: torch.device) -> bool:
@@ -123,13 +133,15 @@ def _split_grads(grads: Grads, opts: Options) -> Grads:
     return grads._replace(lse=sequence.lse_layout(opts.kernel, grads.lse))
 
 
-def _fused_backward(grads: Grads, inputs: Inputs, opts: Options, into: Optional[Into] = None) -> tuple[Tensor, ...]:
-    """The fused kernel's dq, dk, dv and depth gradients (put into ``into`` where given)."""
+def _fused_backward(grads: Grads, inputs: Inputs, opts: Options, into: Optional[Into] = None,
+                    run_backward: Optional[Callable] = None) -> tuple[Tensor, ...]:  # fmt: skip
+    """The fused kernel's dq, dk, dv and depth gradients (put into ``into`` where given), by ``run_backward``
+    (:func:`.triton.launch.backward`'s arguments; the eager path's where None)."""
     grad_out = torch.zeros_like(grads.out) if grads.grad_out is None else grads.grad_out.contiguous()
     fused_inputs, fused_opts = fused_records(inputs, opts)
     fused_grads = fused_launch.Grads(grad_out, grads.grad_lse, grads.out, grads.lse, bias_grad=False)
     depth = dict(into=tuple(into.depth_grads.unbind(0)), add=into.add) if into is not None else {}
-    return fused_ops._run_backward(fused_grads, fused_inputs, fused_opts, **depth)[:5]
+    return (run_backward or fused_ops._run_backward)(fused_grads, fused_inputs, fused_opts, **depth)[:5]
 
 
 # ---- torch.library ops -------------------------------------------------------------------------
@@ -156,12 +168,50 @@ def _setup_context(ctx, inputs, output):
     split_ops._save(ctx, *unpack(inputs, Inputs, Options), output)
 
 
-def _autograd_backward(ctx, grad_out, grad_lse):
-    grads = split_ops._gradients(ctx, grad_out, grad_lse, _backward_by_op, backend="auto")
+def _autograd_backward(ctx, grad_out, grad_lse, run_backward=_backward_by_op):
+    grads = split_ops._gradients(ctx, grad_out, grad_lse, run_backward, backend="auto")
     return (*(grads or (None,) * len(Inputs._fields)), *(None,) * len(ctx.options))
 
 
 torch.library.register_autograd("moda_flex::capture_forward", _autograd_backward, setup_context=_setup_context)
+
+
+# ---- traced ops (moda_flex.backends.traced) ------------------------------------------------------
+
+def graphs_captured() -> bool:
+    """Whether the graph inductor compiles runs as a CUDA graph: its ``triton.cudagraphs`` setting, which
+    ``mode="reduce-overhead"`` and ``"max-autotune"`` turn on. Inductor traces a traced op's body under the
+    mode's settings; Dynamo's trace before it, which only infers the outputs' shapes, sees the defaults."""
+    from torch._inductor import config
+
+    return bool(config.triton.cudagraphs)
+
+
+def _traced_forward_body(inputs: Inputs, opts: Options):
+    if graphs_captured():  # no host time to spare: the opaque op, which takes the split path while captured
+        return torch.ops.moda_flex.capture_forward(*inputs, *opts)
+    return fused_launch.forward(*fused_records(inputs, opts), route=fused_traced.TRACED)
+
+
+def _traced_backward_body(grads: Grads, inputs: Inputs, opts: Options):
+    if graphs_captured():
+        return torch.ops.moda_flex.capture_backward(*grads, *inputs, *opts)
+    return _fused_backward(grads, inputs, opts, run_backward=functools.partial(fused_launch.backward,
+                                                                               route=fused_traced.TRACED))
+
+
+# Their results are the opaque ops' (both kernels' layouts are alike); the autograd is theirs too.
+traced_forward = define_traced("capture_traced_forward", Inputs, Options, returns=2, body=_traced_forward_body)
+traced_backward = define_traced("capture_traced_backward", Grads, Inputs, Options, returns=5,
+                                body=_traced_backward_body)  # fmt: skip
+
+
+def _traced_backward_by_op(grads: Grads, inputs: Inputs, opts: Options):
+    return traced_backward(*grads, *inputs, *opts)
+
+
+traced_forward.register_autograd(functools.partial(_autograd_backward, run_backward=_traced_backward_by_op),
+                                 setup_context=_setup_context)  # fmt: skip
 
 
 def capture_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: DepthKV, depth_v: DepthKV, variant: Variant,
@@ -180,7 +230,8 @@ def capture_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: DepthKV, depth_v
         out (B, Hq, Tq, D) and lse (B, Hq, Tq) float32, natural log; both
         differentiable. Eagerly the call runs wholly on the kernel chosen
         when it is made; compiled, its forward and backward each choose when
-        they launch.
+        they launch, or, traced (CUDA, static shapes), when inductor
+        compiles them (:func:`graphs_captured`).
     """
     compiling = torch.compiler.is_compiling()
     if not compiling and kernel_now(q.device) == "split":
@@ -188,6 +239,9 @@ def capture_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: DepthKV, depth_v
     depth_k, depth_v = as_list(depth_k), as_list(depth_v)
     opts = split_ops.call_options(q, k, slot_count(depth_k), variant, scale)
     if compiling:
-        return torch.ops.moda_flex.capture_forward(*Inputs(q, k, v, depth_k, depth_v), *opts)
+        inputs = Inputs(q, k, v, depth_k, depth_v)
+        if traceable(q, k, v, *depth_k, *depth_v):
+            return traced_forward(*inputs, *opts)
+        return torch.ops.moda_flex.capture_forward(*inputs, *opts)
     prepare_capture(Inputs(q, k, v, depth_k, depth_v), opts)
     return fused_ops.triton_attention(q, k, v, depth_k, depth_v, variant, scale)

@@ -11,22 +11,23 @@ Inductor takes scalars and tensors as a kernel's arguments, not tuples: each
 kernel a traced op launches has a flat wrapper that takes the strides one
 by one (:func:`flat_arguments`, :func:`launch_flat`).
 
-A traced kernel cannot be handed addresses read on the host, so the depth
-entries reach it as one (B, Hk, Tq, L, D) slab a side, stacked before the op
-(:func:`stacked`, one launch of :mod:`.stack_kernel` per 16 entries) and
-read by slot stride (``SLOTS`` 2, :func:`.slot_pointers.slot_bases`); a slab
-input is read as it lies. The copy costs ``L`` entries of memory traffic a
-call, against no slot table at all, which also makes the ops safe to
-capture in CUDA graphs. The stacks are not kept for the backward, which
-stacks the entries again.
+A traced kernel cannot be handed addresses read on the host, so each side's
+depth entries reach it as one (B, Hk, Tq, L, D) slab, stacked inside the
+op's body (:func:`slab_depth`, one launch of :mod:`.stack_kernel` per 16
+entries) and read by slot stride (``SLOTS`` 2,
+:func:`.slot_pointers.slot_bases`); a slab input is read as it lies. The
+copy costs ``L`` entries of memory traffic a call, against no slot table at
+all, which also makes the ops safe to capture in CUDA graphs. The stack
+lives only while the op's kernels read it: the op keeps the entries for its
+backward, whose body stacks them again (a model's layers would otherwise
+hold a stack each, memory that grows as the square of the depth).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.library import triton_op, wrap_triton
-from torch.utils.checkpoint import checkpoint
+from torch.library import wrap_triton
 
 from ..depth import is_slab
 from .blocks import cdiv, next_pow2
@@ -66,22 +67,6 @@ def launch_flat(wrapper, grid: tuple, wrap=wrap_triton, **arguments) -> None:
     wrap(wrapper)[grid](**flat_arguments(wrapper, arguments))
 
 
-def stacked(depth: list[Tensor]) -> list[Tensor]:
-    """A side's entries as a list of one (B, Hk, Tq, L, D) slab (slabs and no entries as they are).
-
-    Stacked under a checkpoint: a compiled backward stacks the entries again
-    rather than keep every layer's stack from the forward (which would hold
-    ``L`` entries a layer, memory that grows as the square of the depth).
-    """
-    if not depth or is_slab(depth):
-        return depth
-    return [checkpoint(_stack, *depth, use_reentrant=False)]
-
-
-def _stack(*entries: Tensor) -> Tensor:
-    return stack_slots(list(entries))
-
-
 def stack_entries(entries: list[Tensor], wrap=wrap_triton) -> Tensor:
     """A contiguous (B, Hk, T, L, D) slab of L (B, Hk, T, D) entries, ``GROUP`` entries a launch of
     :func:`.stack_kernel.stack_kernel` through ``wrap``.
@@ -109,17 +94,9 @@ def stack_entries(entries: list[Tensor], wrap=wrap_triton) -> Tensor:
     return out
 
 
-@triton_op("moda_flex::stack_slots", mutates_args=())
-def stack_slots(entries: list[Tensor]) -> Tensor:
-    """:func:`stack_entries` as an op that inductor traces; its gradient hands each entry its slot's."""
-    return stack_entries(entries)
-
-
-stack_slots.register_autograd(lambda ctx, grad: list(grad.unbind(3)), setup_context=lambda ctx, inputs, output: None)
-
-
 def slab_depth(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device) -> tuple[dict, list]:
-    """The depth arguments of a traced launch: each side one slab (:func:`stacked`), read as it lies.
+    """The depth arguments of a traced launch: each side one slab read as it lies, entries stacked into one
+    first (:func:`stack_entries`).
 
     Without entries, an address table of one null slot that no load reads (``SLOTS`` 0): a kernel then types
     its depth pointers by the queries' dtype, as an eager call's table does, where an empty slab's dtype
@@ -128,6 +105,8 @@ def slab_depth(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: tor
     if not depth_k and not depth_v:
         table = torch.zeros(1, dtype=torch.int64, device=device)
         return dict(DK_TAB=table, DV_TAB=table, sdk=(0,) * 5, sdv=(0,) * 5, SLOTS=0), []
-    if not (is_slab(depth_k) and is_slab(depth_v)):
-        raise ValueError("a traced launch reads depth as one slab a side: stack the entries first (stacked)")
-    return slab_args(depth_k[0], depth_v[0]), []
+    return slab_args(_slab(depth_k), _slab(depth_v)), []
+
+
+def _slab(depth: list[Tensor]) -> Tensor:
+    return depth[0] if is_slab(depth) else stack_entries(depth)

@@ -42,7 +42,7 @@ from ..first_order import refuse_create_graph
 from ..launcher import launch
 from ..records import ATTENTION, Written, define, define_traced, restored, saved, unpack
 from ..slots import depth_args
-from ..traced import launch_flat, slab_depth, stacked, traceable
+from ..traced import launch_flat, slab_depth, traceable
 from . import sequence
 
 _LOG2E = math.log2(math.e)
@@ -473,12 +473,12 @@ def split_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: T
         differentiable. The NaN rule of :mod:`moda_flex.nonfinite` holds.
         Under ``torch.compile`` on CUDA (static shapes) the compiled graph
         launches the kernels itself, the entries stacked into one slab a
-        side first (:mod:`moda_flex.backends.traced`).
+        side inside the op (:mod:`moda_flex.backends.traced`).
     """
     depth_k, depth_v = as_list(depth_k), as_list(depth_v)
     opts = call_options(q, k, slot_count(depth_k), variant, scale)
     if torch.compiler.is_compiling() and traceable(q, k, v, *depth_k, *depth_v):  # launched by the graph itself
-        out, lse = traced_forward(q, k, v, stacked(depth_k), stacked(depth_v), *opts)
+        out, lse = traced_forward(q, k, v, depth_k, depth_v, *opts)
     elif torch.compiler.is_compiling():
         out, lse = torch.ops.moda_flex.split_forward(*Inputs(q, k, v, depth_k, depth_v), *opts)
     else:

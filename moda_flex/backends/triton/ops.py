@@ -23,7 +23,7 @@ from ...depth import DepthKV, as_list, grads_like, slot_count
 from ...variants import Variant
 from ..first_order import refuse_create_graph
 from ..records import define, restored, saved, unpack
-from ..traced import stacked, traceable
+from ..traced import traceable
 from .configs import ConfigHook
 from .launch import Grads, Inputs, Options, backward, forward, gradients, outputs
 from .support import score_args
@@ -183,7 +183,7 @@ def triton_attention(
         if config is not None:
             raise ValueError("config= tunes eager calls; torch.compile traces the op with the default launches")
         if traceable(q, k, v, *depth_k, *depth_v):  # launched from the compiled graph itself
-            return traced_forward(q, k, v, stacked(depth_k), stacked(depth_v), documents, bias, *opts)
+            return traced_forward(q, k, v, depth_k, depth_v, documents, bias, *opts)
         return torch.ops.moda_flex.triton_forward(*Inputs(q, k, v, depth_k, depth_v, documents, bias), *opts)
     # Eager: the same kernels behind a plain autograd.Function, without the
     # dispatcher round trips of a custom op (the call is host-bound at short lengths).
