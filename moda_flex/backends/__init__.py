@@ -24,7 +24,9 @@ takes the first that applies:
    call has at least ``SPLIT_MIN_SCORES`` logits (``B * Hq * Tq * Tk``);
    below that, where both run it, ``capture``: the fused kernel, except while
    a CUDA graph is captured, where the split path is the faster
-   (:mod:`moda_flex.backends.capture`); else ``triton`` where it supports
+   (:mod:`moda_flex.backends.capture`; compiled with static shapes, chosen
+   when inductor compiles the graph: the fused kernels launched by the graph
+   itself, unless it runs as a CUDA graph); else ``triton`` where it supports
    the call, else ``split`` where it does, else ``flex``;
 3. elsewhere: ``reference`` (on CPU it beats eager FlexAttention).
 
