@@ -93,13 +93,16 @@ def test_flat_arguments_flatten_tuples_and_refuse_what_the_wrapper_lacks():
         traced.flat_arguments(forward_flat, dict(QD="a descriptor"))
 
 
-@pytest.mark.parametrize("count", [1, 5, 17])  # one launch, one part-filled, two launches
-def test_the_stack_kernel_stacks_entries_of_any_strides(count):
-    base = torch.randn(2, 3, 7, count, 12)  # strided entries: the slots of a slab, D=12 padded to 16 inside
-    entries = list(base.unbind(3))
-    torch.testing.assert_close(traced.stack_entries(entries, wrap=lambda kernel: kernel), base, rtol=0, atol=0)
-    mixed = [entries[0].contiguous(), *entries[1:]]  # strides that differ: stacked all the same
-    torch.testing.assert_close(traced.stack_entries(mixed, wrap=lambda kernel: kernel), base, rtol=0, atol=0)
+@pytest.mark.parametrize("count", [1, 5, 33])  # one launch, one part-filled, two launches
+def test_the_stack_kernel_stacks_both_sides_of_any_strides(count):
+    keys = torch.randn(2, 3, 7, count, 12)  # strided entries: the slots of a slab, D=12 padded to 16 inside
+    values = torch.randn(2, 3, 7, 12, count).transpose(3, 4)  # other strides, the head dim's not 1
+    stack = functools.partial(traced.stack_sides, wrap=lambda kernel: kernel)
+    for k, v in zip(stack(list(keys.unbind(3)), list(values.unbind(3))), (keys, values), strict=True):
+        torch.testing.assert_close(k, v, rtol=0, atol=0)
+    mixed = [keys[:, :, :, 0].contiguous(), *keys.unbind(3)[1:]]  # strides that differ: stacked all the same
+    for k, v in zip(stack(mixed, list(values.unbind(3))), (keys, values), strict=True):
+        torch.testing.assert_close(k, v, rtol=0, atol=0)
 
 
 def test_only_static_cuda_calls_are_traced():

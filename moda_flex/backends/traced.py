@@ -13,8 +13,8 @@ by one (:func:`flat_arguments`, :func:`launch_flat`).
 
 A traced kernel cannot be handed addresses read on the host, so each side's
 depth entries reach it as one (B, Hk, Tq, L, D) slab, stacked inside the
-op's body (:func:`slab_depth`, one launch of :mod:`.stack_kernel` per 16
-entries) and read by slot stride (``SLOTS`` 2,
+op's body (:func:`slab_depth`, one launch of :mod:`.stack_kernel` for both
+sides' first 32 entries) and read by slot stride (``SLOTS`` 2,
 :func:`.slot_pointers.slot_bases`); a slab input is read as it lies. The
 copy costs ``L`` entries of memory traffic a call, against no slot table at
 all, which also makes the ops safe to capture in CUDA graphs. The stack
@@ -67,36 +67,38 @@ def launch_flat(wrapper, grid: tuple, wrap=wrap_triton, **arguments) -> None:
     wrap(wrapper)[grid](**flat_arguments(wrapper, arguments))
 
 
-def stack_entries(entries: list[Tensor], wrap=wrap_triton) -> Tensor:
-    """A contiguous (B, Hk, T, L, D) slab of L (B, Hk, T, D) entries, ``GROUP`` entries a launch of
-    :func:`.stack_kernel.stack_kernel` through ``wrap``.
+def stack_sides(depth_k: list[Tensor], depth_v: list[Tensor], wrap=wrap_triton) -> tuple[Tensor, Tensor]:
+    """Two contiguous (B, Hk, T, L, D) slabs of L (B, Hk, T, D) key and value entries, ``GROUP`` entries a side
+    a launch of :func:`.stack_kernel.stack_kernel` through ``wrap``.
 
     Inductor lowers ``torch.stack`` of many entries to a copy kernel each, whose launches a compiled step pays
-    on the host (about 2,000 a Table 6 step with FFN entries); entries whose strides differ are stacked so all
-    the same.
+    on the host (about 2,000 a Table 6 step with FFN entries). Entries whose strides differ within a side, or
+    keys and values of different shapes, are stacked by ``torch.stack``.
     """
-    first_entry = entries[0]
-    if any(e.stride() != first_entry.stride() for e in entries):
-        return torch.stack(entries, dim=3)
-    B, Hk, T, D = first_entry.shape
-    L = len(entries)
-    out = first_entry.new_empty((B, Hk, T, L, D))
+    key, value = depth_k[0], depth_v[0]
+    if key.shape != value.shape or any(e.stride() != d[0].stride() for d in (depth_k, depth_v) for e in d):
+        return torch.stack(depth_k, dim=3), torch.stack(depth_v, dim=3)
+    B, Hk, T, D = key.shape
+    L = len(depth_k)
+    out_k, out_v = key.new_empty((B, Hk, T, L, D)), value.new_empty((B, Hk, T, L, D))
     rows, width = B * Hk * T, next_pow2(D)
     block_rows = max(1, _STACK_ELEMENTS // width)
-    for first in range(0, L if out.numel() else 0, GROUP):
-        group = entries[first : first + GROUP]
-        pointers = {f"E{i}": group[min(i, len(group) - 1)] for i in range(GROUP)}  # the unused repeat the last
-        wrap(stack_kernel)[(cdiv(rows, block_rows), len(group))](
-            OUT=out, **pointers, rows=rows, Hk=Hk, T=T, L=L, first=first, se0=first_entry.stride(0),
-            se1=first_entry.stride(1), se2=first_entry.stride(2), se3=first_entry.stride(3),
+    for first in range(0, L if out_k.numel() else 0, GROUP):
+        keys, values = depth_k[first : first + GROUP], depth_v[first : first + GROUP]
+        pointers = {}
+        for name, group in (("K", keys), ("V", values)):  # the unused repeat the last
+            pointers.update((f"{name}{i}", group[min(i, len(group) - 1)]) for i in range(GROUP))
+        wrap(stack_kernel)[(cdiv(rows, block_rows), 2 * len(keys))](
+            OUT_K=out_k, OUT_V=out_v, **pointers, rows=rows, Hk=Hk, T=T, L=L, first=first, count=len(keys),
+            **{f"sk{i}": n for i, n in enumerate(key.stride())}, **{f"sv{i}": n for i, n in enumerate(value.stride())},
             D=D, DP=width, BLOCK_R=block_rows,
         )  # fmt: skip
-    return out
+    return out_k, out_v
 
 
 def slab_depth(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device) -> tuple[dict, list]:
     """The depth arguments of a traced launch: each side one slab read as it lies, entries stacked into one
-    first (:func:`stack_entries`).
+    first (:func:`stack_sides`).
 
     Without entries, an address table of one null slot that no load reads (``SLOTS`` 0): a kernel then types
     its depth pointers by the queries' dtype, as an eager call's table does, where an empty slab's dtype
@@ -105,8 +107,6 @@ def slab_depth(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: tor
     if not depth_k and not depth_v:
         table = torch.zeros(1, dtype=torch.int64, device=device)
         return dict(DK_TAB=table, DV_TAB=table, sdk=(0,) * 5, sdv=(0,) * 5, SLOTS=0), []
-    return slab_args(_slab(depth_k), _slab(depth_v)), []
-
-
-def _slab(depth: list[Tensor]) -> Tensor:
-    return depth[0] if is_slab(depth) else stack_entries(depth)
+    if is_slab(depth_k) and is_slab(depth_v):
+        return slab_args(depth_k[0], depth_v[0]), []
+    return slab_args(*stack_sides(depth_k, depth_v)), []
