@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 
 from moda_flex.backends import traced  # noqa: E402
 from moda_flex.backends.triton import launch  # noqa: E402
+from moda_flex.backends.triton import ops as fused_ops  # noqa: E402
 from moda_flex.backends.triton import traced as fused_traced  # noqa: E402
 from moda_flex.backends.triton.kernels.flat import forward_flat  # noqa: E402
 from moda_flex.testing import MoDAShape, make_inputs  # noqa: E402
@@ -128,7 +129,7 @@ def test_the_traced_ops_autograd_gives_the_eager_gradients(backend):
         out, _ = split_ops.traced_forward(*leaves[:3], *depth, *opts)
     else:
         opts = launch.Options(scale, True, 0, 0, True, 0.0, False)
-        out, _ = fused_traced.traced_forward(*leaves[:3], *depth, None, None, *opts)
+        out, _ = fused_ops.traced_forward(*leaves[:3], *depth, None, None, *opts)
     actual = torch.autograd.grad(out.square().sum(), leaves)
     for a, e in zip(actual, expected, strict=True):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)

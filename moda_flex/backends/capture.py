@@ -43,7 +43,7 @@ from torch import Tensor
 
 from ..depth import DepthKV, as_list, grads_shape, slot_count
 from ..variants import Variant
-from .records import define, define_traced, unpack
+from .records import define, define_traced_pair, unpack
 from .split import ops as split_ops
 from .split import sequence
 from .split.ops import Grads, Inputs, Into, Options
@@ -201,17 +201,10 @@ def _traced_backward_body(grads: Grads, inputs: Inputs, opts: Options):
 
 
 # Their results are the opaque ops' (both kernels' layouts are alike); the autograd is theirs too.
-traced_forward = define_traced("capture_traced_forward", Inputs, Options, returns=2, body=_traced_forward_body)
-traced_backward = define_traced("capture_traced_backward", Grads, Inputs, Options, returns=5,
-                                body=_traced_backward_body)  # fmt: skip
-
-
-def _traced_backward_by_op(grads: Grads, inputs: Inputs, opts: Options):
-    return traced_backward(*grads, *inputs, *opts)
-
-
-traced_forward.register_autograd(functools.partial(_autograd_backward, run_backward=_traced_backward_by_op),
-                                 setup_context=_setup_context)  # fmt: skip
+traced_forward, traced_backward = define_traced_pair(
+    "capture_traced", Inputs, Grads, Options, forward=_traced_forward_body, backward=_traced_backward_body,
+    returns=5, autograd_backward=_autograd_backward, setup_context=_setup_context,
+)
 
 
 def capture_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: DepthKV, depth_v: DepthKV, variant: Variant,

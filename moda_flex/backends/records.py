@@ -2,7 +2,7 @@
 
 A kernel backend describes its op's arguments as records (the tensors, the
 options) and derives from them the ``torch.library`` schema
-(:func:`schema`, :func:`define`, or a traced op: :func:`define_traced`), the op's unpacking of its flat arguments (:func:`unpack`)
+(:func:`schema`, :func:`define`, or traced ops: :func:`define_traced`, :func:`define_traced_pair`), the op's unpacking of its flat arguments (:func:`unpack`)
 and what autograd saves (:func:`saved` / :func:`restored`). Adding an
 argument is adding a field.
 """
@@ -67,6 +67,26 @@ def define_traced(op: str, *records: type[NamedTuple], returns: int, body: Calla
 
     run.__name__, run.__signature__ = op, signature
     return torch.library.triton_op(f"moda_flex::{op}", run, mutates_args=())
+
+
+def define_traced_pair(name: str, inputs: type[NamedTuple], grads: type[NamedTuple], options: type[NamedTuple], *,
+                       forward: Callable, backward: Callable, returns: int, autograd_backward: Callable,
+                       setup_context: Callable):  # fmt: skip
+    """The traced ops ``moda_flex::<name>_forward`` (out and lse, by ``forward(inputs, options)``) and
+    ``<name>_backward`` (``returns`` tensors, by ``backward(grads, inputs, options)``) (:func:`define_traced`).
+
+    The forward's autograd is an eager op's: ``autograd_backward(ctx, grad_out, grad_lse, run_backward=...)``
+    with ``setup_context``, given the traced backward op to run.
+    """
+    forward_op = define_traced(f"{name}_forward", inputs, options, returns=2, body=forward)
+    backward_op = define_traced(f"{name}_backward", grads, inputs, options, returns=returns, body=backward)
+
+    def run_backward(grads_record, inputs_record, options_record):
+        return backward_op(*grads_record, *inputs_record, *options_record)
+
+    forward_op.register_autograd(functools.partial(autograd_backward, run_backward=run_backward),
+                                 setup_context=setup_context)  # fmt: skip
+    return forward_op, backward_op
 
 
 def unpack(args: tuple, *records: type[NamedTuple]) -> tuple:

@@ -27,7 +27,6 @@ takes it as it is, the vendor's backward through two extra head lanes
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Callable, NamedTuple, Optional
 
@@ -40,7 +39,7 @@ from ...depth import as_list, empty_grads, grads_like, slot_count
 from ..blocks import cdiv, next_pow2
 from ..first_order import refuse_create_graph
 from ..launcher import launch
-from ..records import ATTENTION, Written, define, define_traced, restored, saved, unpack
+from ..records import ATTENTION, Written, define, define_traced_pair, restored, saved, unpack
 from ..slots import depth_args
 from ..traced import launch_flat, slab_depth, traceable
 from . import sequence
@@ -411,18 +410,11 @@ def _traced_backward_body(grads: Grads, inputs: Inputs, opts: Options):
     return backward_in_op_layouts(grads, inputs, opts, route=TRACED)
 
 
-traced_forward = define_traced("split_traced_forward", Inputs, Options, returns=2, body=_traced_forward_body)
-traced_backward = define_traced("split_traced_backward", Grads, Inputs, Options, returns=5,
-                                body=_traced_backward_body)  # fmt: skip
-
-
-def _traced_backward_by_op(grads: Grads, inputs: Inputs, opts: Options):
-    return traced_backward(*grads, *inputs, *opts)
-
-
 # The traced op's autograd is the eager op's, its backward the traced backward.
-traced_forward.register_autograd(functools.partial(_autograd_backward, run_backward=_traced_backward_by_op),
-                                 setup_context=_setup_context)  # fmt: skip
+traced_forward, traced_backward = define_traced_pair(
+    "split_traced", Inputs, Grads, Options, forward=_traced_forward_body, backward=_traced_backward_body,
+    returns=5, autograd_backward=_autograd_backward, setup_context=_setup_context,
+)
 
 
 class _EagerSplit(torch.autograd.Function):

@@ -22,12 +22,12 @@ from torch import Tensor
 from ...depth import DepthKV, as_list, grads_like, slot_count
 from ...variants import Variant
 from ..first_order import refuse_create_graph
-from ..records import define, restored, saved, unpack
+from ..records import define, define_traced_pair, restored, saved, unpack
 from ..traced import traceable
+from . import traced
 from .configs import ConfigHook
 from .launch import Grads, Inputs, Options, backward, forward, gradients, outputs
 from .support import score_args
-from .traced import traced_backward, traced_forward
 
 
 def _interpreter_upcast(inputs: Inputs, *more: Tensor) -> tuple[Inputs, list[Tensor], Optional[torch.dtype]]:
@@ -107,13 +107,11 @@ def _autograd_backward(ctx, grad_out, grad_lse, run_backward=None):
 torch.library.register_autograd("moda_flex::triton_forward", _autograd_backward, setup_context=_setup_context)
 
 
-def _traced_backward(grads: Grads, inputs: Inputs, opts: Options):
-    return traced_backward(*grads, *inputs, *opts)
-
-
-# The traced op's autograd is the eager op's, its backward the traced backward.
-traced_forward.register_autograd(functools.partial(_autograd_backward, run_backward=_traced_backward),
-                                 setup_context=_setup_context)  # fmt: skip
+# Launched by the compiled graph itself (.traced); the autograd is the eager op's, its backward the traced one.
+traced_forward, traced_backward = define_traced_pair(
+    "triton_traced", Inputs, Grads, Options, forward=traced.forward_body, backward=traced.backward_body,
+    returns=6, autograd_backward=_autograd_backward, setup_context=_setup_context,
+)
 
 
 class _EagerMoDA(torch.autograd.Function):

@@ -1,8 +1,10 @@
-"""The fused kernels as ops that ``torch.compile`` traces into its graph (:mod:`..traced`): no Python at run time.
+"""The fused kernels' launches that ``torch.compile`` traces into its graph (:mod:`..traced`): no Python at run time.
 
-Taken by :func:`.ops.triton_attention` under ``torch.compile`` for CUDA
-tensors of static shapes (:func:`..traced.traceable`); the launches are the
-generic path's (no tensor descriptors) with the default configurations.
+The route and the bodies of the traced ops ``moda_flex::triton_traced_forward``
+/ ``_backward`` (defined in :mod:`.ops`), which :func:`.ops.triton_attention`
+takes under ``torch.compile`` for CUDA tensors of static shapes
+(:func:`..traced.traceable`); the launches are the generic path's (no tensor
+descriptors) with the default configurations.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import torch
 from torch.library import wrap_triton
 
 from ..launcher import Fixed
-from ..records import define_traced
 from ..traced import launch_flat, slab_depth
 from .kernels.flat import FLAT
 from .launch import Grads, Inputs, Options, Route, backward, forward
@@ -29,15 +30,11 @@ def _generic(*tensors) -> bool:
 TRACED = Route(slab_depth, launch_traced, _generic)
 
 
-def _forward_body(inputs: Inputs, opts: Options):
+def forward_body(inputs: Inputs, opts: Options):
+    """The traced forward op's body (:mod:`.ops`): out and lse."""
     return forward(inputs, opts, route=TRACED)
 
 
-def _backward_body(grads: Grads, inputs: Inputs, opts: Options):
+def backward_body(grads: Grads, inputs: Inputs, opts: Options):
+    """The traced backward op's body (:mod:`.ops`): what :func:`.launch.gradients` describes."""
     return backward(grads, inputs, opts, route=TRACED)
-
-
-# The forward gives out and lse, the backward what launch.gradients describes; their autograd is the eager
-# op's (.ops), which calls traced_backward.
-traced_forward = define_traced("triton_traced_forward", Inputs, Options, returns=2, body=_forward_body)
-traced_backward = define_traced("triton_traced_backward", Grads, Inputs, Options, returns=6, body=_backward_body)
