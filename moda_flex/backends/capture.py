@@ -47,8 +47,8 @@ from .records import define, define_traced_pair, unpack
 from .split import ops as split_ops
 from .split import sequence
 from .split.ops import Grads, Inputs, Into, Options
-from .triton import ops as fused_ops
 from .traced import traceable
+from .triton import ops as fused_ops
 from .triton import launch as fused_launch
 from .triton import traced as fused_traced
 
@@ -231,10 +231,10 @@ def capture_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: DepthKV, depth_v
         return split_ops.split_attention(q, k, v, depth_k, depth_v, variant, scale)
     depth_k, depth_v = as_list(depth_k), as_list(depth_v)
     opts = split_ops.call_options(q, k, slot_count(depth_k), variant, scale)
+    inputs = Inputs(q, k, v, depth_k, depth_v)
     if compiling:
-        inputs = Inputs(q, k, v, depth_k, depth_v)
         if traceable(q, k, v, *depth_k, *depth_v):
             return traced_forward(*inputs, *opts)
         return torch.ops.moda_flex.capture_forward(*inputs, *opts)
-    prepare_capture(Inputs(q, k, v, depth_k, depth_v), opts)
+    prepare_capture(inputs, opts)
     return fused_ops.triton_attention(q, k, v, depth_k, depth_v, variant, scale)

@@ -2,9 +2,10 @@
 
 A kernel backend describes its op's arguments as records (the tensors, the
 options) and derives from them the ``torch.library`` schema
-(:func:`schema`, :func:`define`, or traced ops: :func:`define_traced`, :func:`define_traced_pair`), the op's unpacking of its flat arguments (:func:`unpack`)
-and what autograd saves (:func:`saved` / :func:`restored`). Adding an
-argument is adding a field.
+(:func:`schema`, :func:`define`, or traced ops: :func:`define_traced`,
+:func:`define_traced_pair`), the op's unpacking of its flat arguments
+(:func:`unpack`) and what autograd saves (:func:`saved` /
+:func:`restored`). Adding an argument is adding a field.
 """
 
 from __future__ import annotations
