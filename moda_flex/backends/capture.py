@@ -30,7 +30,9 @@ Compiled on CUDA with static shapes, the call is one traced op
 whose body inductor traces under the compile mode's settings: for a graph
 that runs as a CUDA graph it holds the two ops above, otherwise the fused
 kernel's launches themselves, which spare a host-bound step the opaque
-ops' host time (:func:`graphs_captured`).
+ops' host time (:func:`graphs_captured`). Those launches hold no host
+addresses either, so a CUDA graph captured by hand around a step compiled
+in the default mode replays them correctly, on the fused kernel.
 """
 
 from __future__ import annotations
