@@ -161,3 +161,21 @@ def test_autos_traced_op_launches_the_fused_kernels_itself_unless_the_graph_is_c
     assert bool(launched) != graphs
     for a, e in zip(actual, expected, strict=True):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode, graphs", [("default", False), ("reduce-overhead", True), ("max-autotune", True)])
+def test_a_traced_body_sees_whether_its_graph_runs_as_a_cuda_graph(mode, graphs):
+    """What ``auto``'s traced op relies on: inductor traces a triton_op's body under the compile mode's settings
+    (here with a body of PyTorch ops on CPU, which inductor compiles without a GPU)."""
+    from moda_flex.backends import capture
+
+    seen = []
+
+    @torch.library.triton_op("moda_flex_test::graphs_probe_" + mode.replace("-", "_"), mutates_args=())
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        seen.append(capture.graphs_captured())
+        return x * 2
+
+    torch._dynamo.reset()
+    torch.compile(lambda x: probe(x) + 1, mode=None if mode == "default" else mode, fullgraph=True)(torch.ones(3))
+    assert seen[-1] is graphs  # the trace inductor compiles (Dynamo's earlier one sees the defaults)
