@@ -177,5 +177,7 @@ def test_a_traced_body_sees_whether_its_graph_runs_as_a_cuda_graph(mode, graphs)
         return x * 2
 
     torch._dynamo.reset()
-    torch.compile(lambda x: probe(x) + 1, mode=None if mode == "default" else mode, fullgraph=True)(torch.ones(3))
+    # a cached graph would be reused untraced (its key holds the mode's settings): trace afresh
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        torch.compile(lambda x: probe(x) + 1, mode=None if mode == "default" else mode, fullgraph=True)(torch.ones(3))
     assert seen[-1] is graphs  # the trace inductor compiles (Dynamo's earlier one sees the defaults)
