@@ -10,11 +10,12 @@ At short lengths a call is bound by the host. This times, with tiny tensors
 
 and beside them ``vendor``, the sequence part's aten ops alone (forward +
 backward), which a baseline's SDPA calls cost too, ``fused ops``, the
-fused kernel's two ops (what ``auto`` runs in a compiled model's default
-mode), and its forward alone, through the op (``fused fwd op``) and called
-directly (``fused fwd direct``): their difference is the dispatcher's. On
-CPU (the default; no GPU is needed) every Triton launch is stubbed out and the vendor is SDPA's CPU op: the rows time the Python
-around the launches. With ``--device cuda`` each L gets two rows, launches
+fused kernel's two opaque ops (what a compiled model's calls take where
+they cannot be traced, such as with dynamic shapes), and its forward
+alone, through the op (``fused fwd op``) and called directly (``fused fwd
+direct``): their difference is the dispatcher's. On CPU (the default; no
+GPU is needed) every Triton launch is stubbed out and the vendor is SDPA's
+CPU op: the rows time the Python around the launches. With ``--device cuda`` each L gets two rows, launches
 stubbed and real: their difference is what the launches cost the host.
 
 Median us per call of repeats after warm-up (on CUDA each repeat ends with

@@ -49,7 +49,7 @@ from moda_flex.backends.blocks import cdiv
 from moda_flex.backends.slots import depth_args
 from moda_flex.backends.split import kernels, ops, sequence
 from moda_flex.backends.split.flat import FLAT
-from moda_flex.backends.traced import flat_arguments
+from moda_flex.backends.traced import launch_flat
 
 from bench_call import wall_ms
 
@@ -100,7 +100,7 @@ def _launcher(q: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], causal: b
         if direct:
             return _binary_launcher(kernel, grid, arguments), out
         if flat:
-            run(FLAT[kernel])[grid](**flat_arguments(FLAT[kernel], arguments))
+            launch_flat(FLAT[kernel], grid, run, **arguments)
         else:
             run(kernel)[grid](**arguments)
         return out, lse

@@ -5,7 +5,7 @@ tensors as its arguments, not tuples. Each wrapper takes the strides one by
 one (``sq0`` .. ``sq3`` for ``sq``), rebuilds the tuples and runs its
 kernel on the generic path (no tensor descriptors: ``TMA`` off). A
 wrapper's arguments are its kernel's with the tuples flattened
-(:func:`moda_flex.backends.triton.traced.flat_arguments`). Inductor passes
+(:func:`moda_flex.backends.traced.flat_arguments`). Inductor passes
 a float as float64 where the GPU has it: each wrapper casts its floats to
 float32, as Triton's own launch types them.
 """
