@@ -210,20 +210,22 @@ def test_the_capture_kernels_add_into_the_buffer(states, compiled, monkeypatch):
 @given(
     shape=moda_shapes(max_kv_len=20, max_slots=9, max_kv_heads=2, head_dims=(8, 16)),
     kernel=st.sampled_from(["split", "fused"]),
+    traced=st.booleans(),
     with_lse_grad=st.booleans(),
     data=st.data(),
 )
-def test_the_depth_kernels_add_to_or_write_the_buffer(shape, kernel, with_lse_grad, data):
-    """``split_backward_into``, and ``capture_backward_into`` on the fused kernel: the buffer gets exactly what
-    the backward op returns, added or written, for odd lengths, G of 1..8 (both split designs), L of 0..9,
-    Tq < Tk under full, an lse gradient or none; slots the call does not reach keep what they held."""
+def test_the_depth_kernels_add_to_or_write_the_buffer(shape, kernel, traced, with_lse_grad, data):
+    """``split_backward_into``, and ``capture_backward_into`` on the fused kernel, and their traced ops (run
+    eagerly): the buffer gets exactly what the backward op returns, added or written, for odd lengths, G of
+    1..8 (both split designs), L of 0..9, Tq < Tk under full, an lse gradient or none; slots the call does not
+    reach keep what they held."""
     variant = data.draw(_split_variants(shape))
     inputs = make_inputs(shape, device=DEVICE, dtype=DTYPE, depth_entries=True)
     L = shape.slots
     opts = split_ops.call_options(inputs["q"], inputs["k"], L, variant, 0.25)
     records = split_ops.Inputs(inputs["q"], inputs["k"], inputs["v"], list(inputs["depth_k"]),
                                list(inputs["depth_v"]))  # fmt: skip
-    name = "split" if kernel == "split" else "capture"
+    name = ("split" if kernel == "split" else "capture") + ("_traced" if traced else "")
     ops = [getattr(torch.ops.moda_flex, f"{name}_{op}") for op in ("forward", "backward", "backward_into")]
     with mock.patch.object(capture, "capturing", lambda device: False):  # capture's ops: the fused kernel
         _check_into(shape, records, opts, *ops, with_lse_grad)

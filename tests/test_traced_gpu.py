@@ -104,3 +104,45 @@ def test_a_checkpointed_model_compiles_and_matches_eager():
     torch.testing.assert_close(compiled_loss, loss, rtol=2e-2, atol=2e-2)
     for name, grad in grads.items():
         assert (compiled_grads[name] - grad).norm() / grad.norm().clamp_min(1e-6) < 5e-2, name
+
+
+@pytest.mark.parametrize("backend, kernel", [("auto", "dq_flat"), ("split", "depth_backward_token_flat")])
+def test_a_compiled_model_adds_its_entries_gradients_into_one_buffer(backend, kernel, monkeypatch):
+    """A stream's gradient buffer compiled (moda_flex.backends.chain): the traced backward-into ops, whose
+    kernels the graph launches itself (no opaque op), and eager's gradients."""
+    from gpt import GPT, GPTConfig
+    from torch._inductor.utils import run_and_get_code
+
+    from moda_flex import depth
+    from moda_flex.backends import chain
+
+    monkeypatch.setattr(depth, "buffers_gradients", lambda choice: True)
+    reads, read_stream = [], chain.read_stream
+
+    def counted(*args, **kwargs):
+        reads.append(torch.compiler.is_compiling())
+        return read_stream(*args, **kwargs)
+
+    monkeypatch.setattr(chain, "read_stream", counted)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = GPTConfig(n_embd=128, n_head=6, n_kv_head=2, n_layer=4, vocab_size=256, block_size=64,
+                       depth_kv="attn+ffn", backend=backend)  # fmt: skip
+    model = GPT(config).cuda()
+    idx = torch.randint(0, config.vocab_size, (4, 64), device="cuda")
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = m(idx, idx)
+        loss.backward()
+        return loss.detach().float(), {n.removeprefix("_orig_mod."): p.grad.float() for n, p in m.named_parameters()}
+
+    loss, grads = step(model)
+    (compiled_loss, compiled_grads), code = run_and_get_code(step, torch.compile(model, fullgraph=True))
+    code = "\n".join(code)
+    assert reads.count(True) >= config.n_layer - 1  # each attention after the first, through the buffer
+    assert kernel in code and "torch.ops.moda_flex" not in code
+    torch.testing.assert_close(compiled_loss, loss, rtol=2e-2, atol=2e-2)
+    for name, grad in grads.items():
+        assert (compiled_grads[name] - grad).norm() / grad.norm().clamp_min(1e-6) < 5e-2, name

@@ -41,16 +41,19 @@ from .first_order import refuse_create_graph
 from .split import ops as split_ops
 from .split import sequence
 from .split.ops import Grads, Inputs, Into
+from .traced import traceable
 
 # The kernel backends (:data:`moda_flex.backends.KERNELS`) that add into a stream's gradient buffer: each module
-# defines the ops ``moda_flex::<name>_forward`` and ``<name>_backward_into``.
+# defines the ops ``moda_flex::<name>_forward`` and ``<name>_backward_into``, and their traced twins
+# ``<name>_traced_forward`` and ``<name>_traced_backward_into`` (:mod:`.traced`).
 _MODULES = {"split": split, "capture": capture}
 KERNELS = tuple(_MODULES)
 
 
-def _ops(kernel: str):
-    """The forward op and the backward-into op of ``kernel``."""
-    return getattr(torch.ops.moda_flex, f"{kernel}_forward"), getattr(torch.ops.moda_flex, f"{kernel}_backward_into")
+def _ops(kernel: str, traced: bool):
+    """The forward op and the backward-into op of ``kernel``, the traced ones with ``traced``."""
+    name = f"{kernel}_traced" if traced else kernel
+    return getattr(torch.ops.moda_flex, f"{name}_forward"), getattr(torch.ops.moda_flex, f"{name}_backward_into")
 
 
 class _ReadStream(torch.autograd.Function):
@@ -59,11 +62,14 @@ class _ReadStream(torch.autograd.Function):
     @staticmethod
     def forward(ctx, path, kernel, opts, return_lse, n_depth, q, k, v, *depth):
         inputs = Inputs(q, k, v, list(depth[:n_depth]), list(depth[n_depth:]))
-        forward_op, _ = _ops(kernel)
+        # compiled, the kernels' launches traced into the graph where the shapes are static
+        traced = torch.compiler.is_compiling() and traceable(q, k, v, *depth)
+        forward_op, _ = _ops(kernel, traced)
         out, lse = forward_op(*inputs, *opts)
         ctx.save_for_backward(out, lse, q, k, v, *depth)
         ctx.set_materialize_grads(False)  # an output no loss reached: None, not zeros (eagerly)
-        ctx.kernel, ctx.options, ctx.n_depth, ctx.path = kernel, opts, n_depth, (path.shape, path.dtype)
+        ctx.kernel, ctx.traced, ctx.options, ctx.n_depth = kernel, traced, opts, n_depth
+        ctx.path = (path.shape, path.dtype)
         ctx.return_lse = return_lse
         path = path.new_empty(()).expand(path.shape)
         # The lse only when asked for: compiled, an output's gradient is zeros rather than None, and a zero
@@ -82,7 +88,7 @@ class _ReadStream(torch.autograd.Function):
         shape, dtype = ctx.path
         add = grad_path is not None
         buffer = grad_path if add else out.new_empty(shape, dtype=dtype)  # the last reader writes it first
-        _, backward_into = _ops(ctx.kernel)
+        _, backward_into = _ops(ctx.kernel, ctx.traced)
         dq, dk, dv = backward_into(*Grads(grad_out, grad_lse, out, lse), *inputs, *ctx.options, *Into(buffer, add))
         return buffer, None, None, None, None, dq, dk, dv, *no_depth
 
