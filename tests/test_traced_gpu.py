@@ -126,7 +126,7 @@ def test_a_compiled_model_adds_its_entries_gradients_into_one_buffer(backend, ke
     monkeypatch.setattr(chain, "read_stream", counted)
     torch._dynamo.reset()
     torch.manual_seed(0)
-    config = GPTConfig(n_embd=128, n_head=6, n_kv_head=2, n_layer=4, vocab_size=256, block_size=64,
+    config = GPTConfig(n_embd=192, n_head=6, n_kv_head=2, n_layer=4, vocab_size=256, block_size=64,
                        depth_kv="attn+ffn", backend=backend)  # fmt: skip
     model = GPT(config).cuda()
     idx = torch.randint(0, config.vocab_size, (4, 64), device="cuda")
