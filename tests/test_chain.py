@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 from moda_flex import DepthStream, backends, moda_attention  # noqa: E402
-from moda_flex.backends import capture  # noqa: E402
+from moda_flex.backends import capture, chain  # noqa: E402
 from moda_flex.backends.split import ops as split_ops  # noqa: E402
 from moda_flex.nn import Block, BlockConfig  # noqa: E402
 from moda_flex.testing import MoDAShape, make_inputs, moda_shapes  # noqa: E402
@@ -206,26 +206,51 @@ def test_the_capture_kernels_add_into_the_buffer(states, compiled, monkeypatch):
     _assert_same(got, _gradients(blocks, x, run), _truth(blocks, x))
 
 
+@pytest.mark.parametrize("kernel", ["split", "capture"])
+def test_the_traced_ops_sum_the_buffer_out_of_place(kernel, monkeypatch):
+    """Compiled on CUDA a call takes the traced ops, whose backward returns its depth gradients, and the buffer
+    is summed out of place: the same gradients (run here eagerly, the traced ops' bodies as they are)."""
+    blocks, x = _blocks(backend=kernel if kernel == "split" else "auto"), _input()
+    monkeypatch.setattr(backends, "_auto", lambda *args: capture.capture_attention)
+    monkeypatch.setattr(chain, "_traced", lambda *tensors: True)
+    traced, fused, split = [], capture._fused_backward, split_ops.backward_in_op_layouts
+
+    def fused_spy(*args, run_backward=None, **kwargs):
+        traced.append(run_backward is not None)
+        return fused(*args, run_backward=run_backward, **kwargs)
+
+    def split_spy(*args, route=split_ops.EAGER):
+        traced.append(route is split_ops.TRACED)
+        return split(*args, route=route)
+
+    monkeypatch.setattr(capture, "_fused_backward", fused_spy)
+    monkeypatch.setattr(split_ops, "backward_in_op_layouts", split_spy)
+    added = IntoSpy(monkeypatch)
+    got = _gradients(blocks, x)
+    assert added.calls == 0  # no backward added into the buffer in place
+    assert traced == [True] * (len(blocks) - 1)  # each call that reads the stream: the traced body
+    _plain(monkeypatch)
+    _assert_same(got, _gradients(blocks, x), _truth(blocks, x))
+
+
 @settings(max_examples=examples(12))
 @given(
     shape=moda_shapes(max_kv_len=20, max_slots=9, max_kv_heads=2, head_dims=(8, 16)),
     kernel=st.sampled_from(["split", "fused"]),
-    traced=st.booleans(),
     with_lse_grad=st.booleans(),
     data=st.data(),
 )
-def test_the_depth_kernels_add_to_or_write_the_buffer(shape, kernel, traced, with_lse_grad, data):
-    """``split_backward_into``, and ``capture_backward_into`` on the fused kernel, and their traced ops (run
-    eagerly): the buffer gets exactly what the backward op returns, added or written, for odd lengths, G of
-    1..8 (both split designs), L of 0..9, Tq < Tk under full, an lse gradient or none; slots the call does not
-    reach keep what they held."""
+def test_the_depth_kernels_add_to_or_write_the_buffer(shape, kernel, with_lse_grad, data):
+    """``split_backward_into``, and ``capture_backward_into`` on the fused kernel: the buffer gets exactly what
+    the backward op returns, added or written, for odd lengths, G of 1..8 (both split designs), L of 0..9,
+    Tq < Tk under full, an lse gradient or none; slots the call does not reach keep what they held."""
     variant = data.draw(_split_variants(shape))
     inputs = make_inputs(shape, device=DEVICE, dtype=DTYPE, depth_entries=True)
     L = shape.slots
     opts = split_ops.call_options(inputs["q"], inputs["k"], L, variant, 0.25)
     records = split_ops.Inputs(inputs["q"], inputs["k"], inputs["v"], list(inputs["depth_k"]),
                                list(inputs["depth_v"]))  # fmt: skip
-    name = ("split" if kernel == "split" else "capture") + ("_traced" if traced else "")
+    name = "split" if kernel == "split" else "capture"
     ops = [getattr(torch.ops.moda_flex, f"{name}_{op}") for op in ("forward", "backward", "backward_into")]
     with mock.patch.object(capture, "capturing", lambda device: False):  # capture's ops: the fused kernel
         _check_into(shape, records, opts, *ops, with_lse_grad)

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from ..depth import DepthKV, as_list, grads_shape, slot_count
 from ..variants import Variant
-from .records import define, define_traced, define_traced_pair, unpack
+from .records import define, define_traced_pair, unpack
 from .split import ops as split_ops
 from .split import sequence
 from .split.ops import Grads, Inputs, Into, Options
@@ -195,19 +195,11 @@ def _traced_forward_body(inputs: Inputs, opts: Options):
     return fused_launch.forward(*fused_records(inputs, opts), route=fused_traced.TRACED)
 
 
-_TRACED_BACKWARD = functools.partial(fused_launch.backward, route=fused_traced.TRACED)
-
-
 def _traced_backward_body(grads: Grads, inputs: Inputs, opts: Options):
     if graphs_captured():
         return torch.ops.moda_flex.capture_backward(*grads, *inputs, *opts)
-    return _fused_backward(grads, inputs, opts, run_backward=_TRACED_BACKWARD)
-
-
-def _traced_backward_into_body(grads: Grads, inputs: Inputs, opts: Options, into: Into):
-    if graphs_captured():
-        return torch.ops.moda_flex.capture_backward_into(*grads, *inputs, *opts, *into)
-    return _fused_backward(grads, inputs, opts, into, run_backward=_TRACED_BACKWARD)[:3]
+    return _fused_backward(grads, inputs, opts, run_backward=functools.partial(fused_launch.backward,
+                                                                               route=fused_traced.TRACED))
 
 
 # Their results are the opaque ops' (both kernels' layouts are alike); the autograd is theirs too.
@@ -215,8 +207,6 @@ traced_forward, traced_backward = define_traced_pair(
     "capture_traced", Inputs, Grads, Options, forward=_traced_forward_body, backward=_traced_backward_body,
     returns=5, autograd_backward=_autograd_backward, setup_context=_setup_context,
 )
-traced_backward_into = define_traced("capture_traced_backward_into", Grads, Inputs, Options, Into, returns=3,
-                                     body=_traced_backward_into_body)
 
 
 def capture_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: DepthKV, depth_v: DepthKV, variant: Variant,

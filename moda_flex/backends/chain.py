@@ -44,16 +44,23 @@ from .split.ops import Grads, Inputs, Into
 from .traced import traceable
 
 # The kernel backends (:data:`moda_flex.backends.KERNELS`) that add into a stream's gradient buffer: each module
-# defines the ops ``moda_flex::<name>_forward`` and ``<name>_backward_into``, and their traced twins
-# ``<name>_traced_forward`` and ``<name>_traced_backward_into`` (:mod:`.traced`).
+# defines the ops ``moda_flex::<name>_forward`` and ``<name>_backward_into``.
 _MODULES = {"split": split, "capture": capture}
 KERNELS = tuple(_MODULES)
 
 
 def _ops(kernel: str, traced: bool):
-    """The forward op and the backward-into op of ``kernel``, the traced ones with ``traced``."""
-    name = f"{kernel}_traced" if traced else kernel
-    return getattr(torch.ops.moda_flex, f"{name}_forward"), getattr(torch.ops.moda_flex, f"{name}_backward_into")
+    """The forward op of ``kernel`` and its backward-into op; with ``traced``, its traced forward and backward
+    ops (:mod:`.traced`), whose backward returns the depth gradients."""
+    if traced:
+        return getattr(torch.ops.moda_flex, f"{kernel}_traced_forward"), getattr(torch.ops.moda_flex,
+                                                                                  f"{kernel}_traced_backward")
+    return getattr(torch.ops.moda_flex, f"{kernel}_forward"), getattr(torch.ops.moda_flex, f"{kernel}_backward_into")
+
+
+def _traced(*tensors: Tensor) -> bool:
+    """Whether a call takes the traced ops: compiled, on CUDA, with static shapes (:func:`.traced.traceable`)."""
+    return torch.compiler.is_compiling() and traceable(*tensors)
 
 
 class _ReadStream(torch.autograd.Function):
@@ -62,8 +69,7 @@ class _ReadStream(torch.autograd.Function):
     @staticmethod
     def forward(ctx, path, kernel, opts, return_lse, n_depth, q, k, v, *depth):
         inputs = Inputs(q, k, v, list(depth[:n_depth]), list(depth[n_depth:]))
-        # compiled, the kernels' launches traced into the graph where the shapes are static
-        traced = torch.compiler.is_compiling() and traceable(q, k, v, *depth)
+        traced = _traced(q, k, v, *depth)
         forward_op, _ = _ops(kernel, traced)
         out, lse = forward_op(*inputs, *opts)
         ctx.save_for_backward(out, lse, q, k, v, *depth)
@@ -85,11 +91,17 @@ class _ReadStream(torch.autograd.Function):
         no_depth = (None,) * len(depth)
         if grad_out is None and grad_lse is None:
             return grad_path, None, None, None, None, None, None, None, *no_depth
+        grads = Grads(grad_out, grad_lse, out, lse)
+        _, backward_op = _ops(ctx.kernel, ctx.traced)
+        if ctx.traced:  # the sum out of place: one kernel that inductor fuses from the stack and the add
+            dq, dk, dv, ddk, ddv = backward_op(*grads, *inputs, *ctx.options)
+            buffer = torch.stack([ddk, ddv])
+            buffer = buffer if grad_path is None else grad_path + buffer
+            return buffer, None, None, None, None, dq, dk, dv, *no_depth
         shape, dtype = ctx.path
         add = grad_path is not None
         buffer = grad_path if add else out.new_empty(shape, dtype=dtype)  # the last reader writes it first
-        _, backward_into = _ops(ctx.kernel, ctx.traced)
-        dq, dk, dv = backward_into(*Grads(grad_out, grad_lse, out, lse), *inputs, *ctx.options, *Into(buffer, add))
+        dq, dk, dv = backward_op(*grads, *inputs, *ctx.options, *Into(buffer, add))
         return buffer, None, None, None, None, dq, dk, dv, *no_depth
 
 

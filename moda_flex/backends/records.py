@@ -56,12 +56,10 @@ def define(op: str, *records: type[NamedTuple], returns: int, run: Callable, fak
 def define_traced(op: str, *records: type[NamedTuple], returns: int, body: Callable):
     """A ``torch.library.triton_op`` ``moda_flex::<op>`` whose arguments are the records' fields and which
     returns ``returns`` tensors; ``body`` is called with one instance of each record, and inductor traces it
-    (:mod:`.traced`). The op's schema is inferred from the signature given here; it writes its
-    :data:`Written` fields."""
+    (:mod:`.traced`). The op's schema is inferred from the signature given here."""
     fields = [(name, kind) for record in records for name, kind in _fields(record).items()]
     signature = inspect.Signature(
-        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                           annotation=Tensor if kind is Written else kind) for name, kind in fields],
+        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=kind) for name, kind in fields],
         return_annotation=tuple[(Tensor,) * returns],
     )  # fmt: skip
 
@@ -69,8 +67,7 @@ def define_traced(op: str, *records: type[NamedTuple], returns: int, body: Calla
         return body(*unpack(signature.bind(*args, **kwargs).args, *records))
 
     run.__name__, run.__signature__ = op, signature
-    written = tuple(name for name, kind in fields if kind is Written)
-    return torch.library.triton_op(f"moda_flex::{op}", run, mutates_args=written)
+    return torch.library.triton_op(f"moda_flex::{op}", run, mutates_args=())
 
 
 def define_traced_pair(name: str, inputs: type[NamedTuple], grads: type[NamedTuple], options: type[NamedTuple], *,

@@ -27,7 +27,6 @@ takes it as it is, the vendor's backward through two extra head lanes
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Callable, NamedTuple, Optional
 
@@ -40,7 +39,7 @@ from ...depth import as_list, empty_grads, grads_like, slot_count
 from ..blocks import cdiv, next_pow2
 from ..first_order import refuse_create_graph
 from ..launcher import launch
-from ..records import ATTENTION, Written, define, define_traced, define_traced_pair, restored, saved, unpack
+from ..records import ATTENTION, Written, define, define_traced_pair, restored, saved, unpack
 from ..slots import depth_args
 from ..traced import launch_flat, slab_depth, traceable
 from . import sequence
@@ -332,9 +331,9 @@ def backward_in_op_layouts(grads: Grads, inputs: Inputs, opts: Options, route: R
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), ddk, ddv
 
 
-def backward_into(grads: Grads, inputs: Inputs, opts: Options, into: Into, route: Route = EAGER):
+def backward_into(grads: Grads, inputs: Inputs, opts: Options, into: Into):
     """dq, dk, dv, contiguous, with the depth gradients put into ``into``."""
-    dq, dk, dv, _, _ = _backward_without_dispatch(grads, inputs, opts, into, route)
+    dq, dk, dv, _, _ = _backward_without_dispatch(grads, inputs, opts, into)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
@@ -416,8 +415,6 @@ traced_forward, traced_backward = define_traced_pair(
     "split_traced", Inputs, Grads, Options, forward=_traced_forward_body, backward=_traced_backward_body,
     returns=5, autograd_backward=_autograd_backward, setup_context=_setup_context,
 )
-traced_backward_into = define_traced("split_traced_backward_into", Grads, Inputs, Options, Into, returns=3,
-                                     body=functools.partial(backward_into, route=TRACED))
 
 
 class _EagerSplit(torch.autograd.Function):
