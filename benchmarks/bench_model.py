@@ -214,7 +214,7 @@ def release() -> None:
 def entry_gradients(how: str):
     """Inside the block, a depth stream's entries get their gradients by ``how``: ``auto`` (the stream's
     default, :func:`moda_flex.depth.buffers_gradients`), ``buffer`` or ``summed`` (each entry its own)."""
-    choices = {"auto": depth.buffers_gradients, "buffer": lambda choice: True, "summed": lambda choice: False}
+    choices = {"auto": depth.buffers_gradients, "buffer": lambda choice, k: True, "summed": lambda choice, k: False}
     if how not in choices:
         raise ValueError(f"--entry-gradients takes {', '.join(choices)}, got {how!r}")
     default = depth.buffers_gradients

@@ -15,8 +15,8 @@ read it, with no buffer written behind its back.
 stream and leaves the old one as it was. A pass builds its stream layer by
 layer; nothing is mutated, so ``torch.compile(fullgraph=True)`` traces it,
 activation checkpointing can re-run a block, and a stream used twice gives the
-same entries twice. A stream built eagerly with gradients also carries a
-gradient path, whose gradient is one buffer of all its entries' gradients:
+same entries twice. A stream built with gradients (eagerly, or compiled
+on CUDA with static shapes) also carries a gradient path, whose gradient is one buffer of all its entries' gradients:
 :meth:`DepthStream.attend` has the kernel of each layer add into it, rather
 than autograd summing each entry's gradients one layer at a time
 (:mod:`moda_flex.backends.chain`, :func:`buffers_gradients`).
@@ -106,16 +106,28 @@ class _Append(torch.autograd.Function):
         return grad[:, :, :, :, :n], grad[0, :, :, :, n], grad[1, :, :, :, n]
 
 
-def buffers_gradients(choice: Optional[bool]) -> bool:
-    """Whether a stream with ``gradient_buffer=choice`` gives its entries their gradients through one buffer
-    (:meth:`DepthStream.attend`). ``None``: eagerly, not while ``torch.compile`` traces.
+def buffers_gradients(choice: Optional[bool], k: Tensor) -> bool:
+    """Whether a stream with ``gradient_buffer=choice``, given the entry ``k``, gives its entries their gradients
+    through one buffer (:meth:`DepthStream.attend`). ``None``: eagerly, and compiled where the calls take the
+    traced ops (CUDA, static shapes: :func:`moda_flex.backends.traced.traceable`).
 
-    Eagerly autograd sums each entry's gradients one layer at a time, a kernel each; compiled, inductor fuses
-    those sums into kernels the step has anyway, and the buffer's own pass costs more than it saves (NVIDIA
-    H100, the Table 6 step, BENCHMARKS.md "One gradient buffer a stream": attn+ffn eager 135.7 -> 114.6 ms;
-    compiled, attn 47.1 -> 50.9 ms, and under CUDA graphs attn+ffn 40.5 -> 41.1 ms).
+    Eagerly autograd sums each entry's gradients one layer at a time, a kernel each, which the buffer spares
+    (NVIDIA H100, the Table 6 step with FFN entries, BENCHMARKS.md "One gradient buffer a stream": 135.7 ->
+    114.6 ms). Compiled, inductor fuses those sums into one kernel an entry, which runs once the last reader's
+    gradient exists and so holds every layer's depth gradients until then; the traced calls' buffer, summed
+    layer by layer, does not (the same step compiled, BENCHMARKS.md "A gradient buffer compiled": peak
+    memory 1.39x -> 1.17x the baseline's, step 1.56x -> 1.53x). Compiled with dynamic shapes the calls are
+    opaque ops, whose host time the buffer's extra op adds to.
     """
-    return not torch.compiler.is_compiling() if choice is None else choice
+    if choice is not None:
+        return choice
+    if not torch.compiler.is_compiling():
+        return True
+    if not k.is_cuda:
+        return False
+    from .backends.traced import traceable  # CUDA: triton is there
+
+    return traceable(k)
 
 
 def _path_after(stream: "DepthStream", k: Tensor, v: Tensor) -> Optional[Tensor]:
@@ -124,7 +136,7 @@ def _path_after(stream: "DepthStream", k: Tensor, v: Tensor) -> Optional[Tensor]
     (:func:`buffers_gradients`) or the path would not cover every entry."""
     if not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or stream.gradients is not None)):
         return None
-    if not buffers_gradients(stream.gradient_buffer):
+    if not buffers_gradients(stream.gradient_buffer, k):
         return None
     path = stream.gradients
     if path is None:
@@ -151,7 +163,8 @@ class DepthStream:
         keys, values: the entries, each (B, Hk, T, D), oldest first.
         gradient_buffer: whether :meth:`attend` gathers the entries'
             gradients in one buffer: True, False, or None (the default:
-            eagerly, not compiled; :func:`buffers_gradients` says why).
+            eagerly, and compiled on CUDA with static shapes;
+            :func:`buffers_gradients` says why).
         gradients: the gradient path (2, B, Hk, T, n, D) of :meth:`attend`,
             or None: a stream appended to with gradients into a buffer has one.
     """

@@ -290,7 +290,8 @@ def test_a_stream_carries_a_path_only_where_its_entries_get_gradients_through_it
 @pytest.mark.parametrize("gradient_buffer, eager, compiled", [(None, True, False), (True, True, True),
                                                               (False, False, False)])  # fmt: skip
 def test_a_compiled_stream_buffers_gradients_only_when_asked(gradient_buffer, eager, compiled):
-    """By default a compiled stream's entries sum their own gradients (inductor fuses those sums)."""
+    """By default a stream compiled off CUDA (no traced ops) has its entries sum their own gradients; on CUDA
+    test_traced_gpu.py checks the buffer by default."""
     k, v = torch.randn(2, 1, 2, 3, 4, requires_grad=True).unbind(0)
 
     def has_path(k, v):

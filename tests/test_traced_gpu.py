@@ -107,16 +107,15 @@ def test_a_checkpointed_model_compiles_and_matches_eager():
 
 
 @pytest.mark.parametrize("backend, kernel", [("auto", "dq_flat"), ("split", "depth_backward_token_flat")])
-def test_a_compiled_model_adds_its_entries_gradients_into_one_buffer(backend, kernel, monkeypatch):
-    """A stream's gradient buffer compiled (moda_flex.backends.chain): the traced backward-into ops, whose
-    kernels the graph launches itself (no opaque op), and eager's gradients."""
+def test_a_compiled_model_sums_its_entries_gradients_in_one_buffer(backend, kernel, monkeypatch):
+    """By default a compiled model's stream carries a gradient buffer (moda_flex.backends.chain) that the
+    traced ops' gradients are added to, whose kernels the graph launches itself (no opaque op): eager's
+    gradients."""
     from gpt import GPT, GPTConfig
     from torch._inductor.utils import run_and_get_code
 
-    from moda_flex import depth
     from moda_flex.backends import chain
 
-    monkeypatch.setattr(depth, "buffers_gradients", lambda choice: True)
     reads, read_stream = [], chain.read_stream
 
     def counted(*args, **kwargs):

@@ -23,6 +23,16 @@ gradient, so ``torch.compile`` (where inductor re-inplaces the ops' writes
 into one buffer), activation checkpointing and a stream read twice
 (autograd sums the two buffers) keep the gradients exact.
 
+Compiled on CUDA with static shapes the call takes the traced ops
+(:mod:`.traced`), and the layer's depth gradients, returned by the traced
+backward, are added to the buffer out of place: an op that wrote into a
+slice of the buffer would leave inductor to clone the slice for its kernels
+(and it read past it: an illegal address on an H100). The sum is one kernel a
+layer that inductor fuses from the stack and the add; it costs two passes
+over the layer's slots more than the in-place add, and holds at most three
+layers' worth of depth gradients at a time, where each entry's own sum,
+fused by inductor into one late kernel, holds every layer's.
+
 It runs the two kernels ``auto`` takes for a model's calls on CUDA:
 ``split`` and ``capture`` (:data:`KERNELS`). Any other backend reads the
 stream's entries as a sequence, each given its own gradient.
