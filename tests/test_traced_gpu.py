@@ -81,52 +81,15 @@ def test_a_compiled_call_launches_the_kernels_from_its_graph(backend, mode, kern
     assert not any(op in code for op in opaque)
 
 
-def test_a_checkpointed_model_compiles_and_matches_eager():
-    """The traced ops' stacks inside a model's checkpointed blocks: one compiled graph, eager's gradients."""
-    from gpt import GPT, GPTConfig
-
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    config = GPTConfig(n_embd=128, n_head=4, n_kv_head=2, n_layer=3, vocab_size=256, block_size=64,
-                       depth_kv="attn+ffn", backend="triton", checkpoint=True)  # fmt: skip
-    model = GPT(config).cuda()
-    idx = torch.randint(0, config.vocab_size, (4, 64), device="cuda")
-
-    def step(m):
-        m.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            _, loss = m(idx, idx)
-        loss.backward()
-        return loss.detach().float(), {n.removeprefix("_orig_mod."): p.grad.float() for n, p in m.named_parameters()}
-
-    loss, grads = step(model)
-    compiled_loss, compiled_grads = step(torch.compile(model, fullgraph=True))
-    torch.testing.assert_close(compiled_loss, loss, rtol=2e-2, atol=2e-2)
-    for name, grad in grads.items():
-        assert (compiled_grads[name] - grad).norm() / grad.norm().clamp_min(1e-6) < 5e-2, name
-
-
-@pytest.mark.parametrize("backend, kernel", [("auto", "dq_flat"), ("split", "depth_backward_token_flat")])
-def test_a_compiled_model_sums_its_entries_gradients_in_one_buffer(backend, kernel, monkeypatch):
-    """By default a compiled model's stream carries a gradient buffer (moda_flex.backends.chain) that the
-    traced ops' gradients are added to, whose kernels the graph launches itself (no opaque op): eager's
-    gradients."""
+def _compiled_model_matches_eager(**config) -> str:
+    """A small GPT (``config`` on top of a 64-token, bf16-autocast one) compiled with ``fullgraph=True``: its
+    loss and every gradient against eager's; returns the generated code."""
     from gpt import GPT, GPTConfig
     from torch._inductor.utils import run_and_get_code
 
-    from moda_flex.backends import chain
-
-    reads, read_stream = [], chain.read_stream
-
-    def counted(*args, **kwargs):
-        reads.append(torch.compiler.is_compiling())
-        return read_stream(*args, **kwargs)
-
-    monkeypatch.setattr(chain, "read_stream", counted)
     torch._dynamo.reset()
     torch.manual_seed(0)
-    config = GPTConfig(n_embd=192, n_head=6, n_kv_head=2, n_layer=4, vocab_size=256, block_size=64,
-                       depth_kv="attn+ffn", backend=backend)  # fmt: skip
+    config = GPTConfig(n_kv_head=2, vocab_size=256, block_size=64, depth_kv="attn+ffn", **config)
     model = GPT(config).cuda()
     idx = torch.randint(0, config.vocab_size, (4, 64), device="cuda")
 
@@ -139,9 +102,32 @@ def test_a_compiled_model_sums_its_entries_gradients_in_one_buffer(backend, kern
 
     loss, grads = step(model)
     (compiled_loss, compiled_grads), code = run_and_get_code(step, torch.compile(model, fullgraph=True))
-    code = "\n".join(code)
-    assert reads.count(True) >= config.n_layer - 1  # each attention after the first, through the buffer
-    assert kernel in code and "torch.ops.moda_flex" not in code
     torch.testing.assert_close(compiled_loss, loss, rtol=2e-2, atol=2e-2)
     for name, grad in grads.items():
         assert (compiled_grads[name] - grad).norm() / grad.norm().clamp_min(1e-6) < 5e-2, name
+    return "\n".join(code)
+
+
+def test_a_checkpointed_model_compiles_and_matches_eager():
+    """The traced ops' stacks inside a model's checkpointed blocks: one compiled graph, eager's gradients."""
+    _compiled_model_matches_eager(n_embd=128, n_head=4, n_layer=3, backend="triton", checkpoint=True)
+
+
+@pytest.mark.parametrize("backend, kernel", [("auto", "dq_flat"), ("split", "depth_backward_token_flat")])
+def test_a_compiled_model_sums_its_entries_gradients_in_one_buffer(backend, kernel, monkeypatch):
+    """By default a compiled model's stream carries a gradient buffer (moda_flex.backends.chain) that the
+    traced ops' gradients are added to, whose kernels the graph launches itself (no opaque op): eager's
+    gradients."""
+    from moda_flex.backends import chain
+
+    reads, read_stream = [], chain.read_stream
+
+    def counted(*args, **kwargs):
+        reads.append(torch.compiler.is_compiling())
+        return read_stream(*args, **kwargs)
+
+    monkeypatch.setattr(chain, "read_stream", counted)
+    n_layer = 4
+    code = _compiled_model_matches_eager(n_embd=192, n_head=6, n_layer=n_layer, backend=backend)
+    assert reads.count(True) >= n_layer - 1  # each attention after the first, through the buffer
+    assert kernel in code and "torch.ops.moda_flex" not in code
