@@ -15,11 +15,12 @@ read it, with no buffer written behind its back.
 stream and leaves the old one as it was. A pass builds its stream layer by
 layer; nothing is mutated, so ``torch.compile(fullgraph=True)`` traces it,
 activation checkpointing can re-run a block, and a stream used twice gives the
-same entries twice. A stream built with gradients (eagerly, or compiled
-on CUDA with static shapes) also carries a gradient path, whose gradient is one buffer of all its entries' gradients:
-:meth:`DepthStream.attend` has the kernel of each layer add into it, rather
-than autograd summing each entry's gradients one layer at a time
-(:mod:`moda_flex.backends.chain`, :func:`buffers_gradients`).
+same entries twice. A stream built with gradients (eagerly, or compiled on
+CUDA with static shapes) also carries a gradient path, whose gradient is one
+buffer of all its entries' gradients: :meth:`DepthStream.attend` has each
+layer add its depth gradients to it, rather than autograd summing each
+entry's gradients one layer at a time (:mod:`moda_flex.backends.chain`,
+:func:`buffers_gradients`).
 """
 
 from __future__ import annotations

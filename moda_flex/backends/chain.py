@@ -29,9 +29,9 @@ backward, are added to the buffer out of place: an op that wrote into a
 slice of the buffer would leave inductor to clone the slice for its kernels
 (and it read past it: an illegal address on an H100). The sum is one kernel a
 layer that inductor fuses from the stack and the add; it costs two passes
-over the layer's slots more than the in-place add, and holds at most three
-layers' worth of depth gradients at a time, where each entry's own sum,
-fused by inductor into one late kernel, holds every layer's.
+over the layer's slots more than the in-place add, and holds a few layers'
+depth gradients at a time, where each entry's own sum, fused by inductor
+into one late kernel, holds every layer's.
 
 It runs the two kernels ``auto`` takes for a model's calls on CUDA:
 ``split`` and ``capture`` (:data:`KERNELS`). Any other backend reads the
@@ -62,10 +62,10 @@ KERNELS = tuple(_MODULES)
 def _ops(kernel: str, traced: bool):
     """The forward op of ``kernel`` and its backward-into op; with ``traced``, its traced forward and backward
     ops (:mod:`.traced`), whose backward returns the depth gradients."""
+    ops = torch.ops.moda_flex
     if traced:
-        return getattr(torch.ops.moda_flex, f"{kernel}_traced_forward"), getattr(torch.ops.moda_flex,
-                                                                                  f"{kernel}_traced_backward")
-    return getattr(torch.ops.moda_flex, f"{kernel}_forward"), getattr(torch.ops.moda_flex, f"{kernel}_backward_into")
+        return getattr(ops, f"{kernel}_traced_forward"), getattr(ops, f"{kernel}_traced_backward")
+    return getattr(ops, f"{kernel}_forward"), getattr(ops, f"{kernel}_backward_into")
 
 
 def _traced(*tensors: Tensor) -> bool:
