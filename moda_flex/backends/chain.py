@@ -1,4 +1,4 @@
-"""One gradient buffer for a depth stream's entries: each layer's backward adds its depth gradients in place.
+"""One gradient buffer for a depth stream's entries: each layer's backward adds its depth gradients to it.
 
 A depth entry written by layer ``j`` is read by every later layer, and its
 gradient is the sum of theirs. Given the entries as leaves of their own,
