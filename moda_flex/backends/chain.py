@@ -107,11 +107,11 @@ class _ReadStream(torch.autograd.Function):
             dq, dk, dv, ddk, ddv = backward_op(*grads, *inputs, *ctx.options)
             buffer = torch.stack([ddk, ddv])
             buffer = buffer if grad_path is None else grad_path + buffer
-            return buffer, None, None, None, None, dq, dk, dv, *no_depth
-        shape, dtype = ctx.path
-        add = grad_path is not None
-        buffer = grad_path if add else out.new_empty(shape, dtype=dtype)  # the last reader writes it first
-        dq, dk, dv = backward_op(*grads, *inputs, *ctx.options, *Into(buffer, add))
+        else:
+            shape, dtype = ctx.path
+            add = grad_path is not None
+            buffer = grad_path if add else out.new_empty(shape, dtype=dtype)  # the last reader writes it first
+            dq, dk, dv = backward_op(*grads, *inputs, *ctx.options, *Into(buffer, add))
         return buffer, None, None, None, None, dq, dk, dv, *no_depth
 
 
