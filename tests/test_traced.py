@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("triton")
 
 from moda_flex.backends import traced  # noqa: E402
+from moda_flex.backends.slot_pointers import SLOT_ARGS  # noqa: E402
 from moda_flex.backends.triton import launch  # noqa: E402
 from moda_flex.backends.triton import ops as fused_ops  # noqa: E402
 from moda_flex.backends.triton import traced as fused_traced  # noqa: E402
@@ -104,6 +105,33 @@ def test_the_stack_kernel_stacks_both_sides_of_any_strides(count):
     mixed = [keys[:, :, :, 0].contiguous(), *keys.unbind(3)[1:]]  # strides that differ: stacked all the same
     for k, v in zip(stack(mixed, list(values.unbind(3))), (keys, values), strict=True):
         torch.testing.assert_close(k, v, rtol=0, atol=0)
+
+
+def test_the_fused_kernels_take_a_models_entries_as_pointers_uncopied():
+    keys = [torch.randn(1, 2, 3, 8) for _ in range(3)]
+    values = list(torch.randn(1, 2, 3, 3, 8).unbind(3))  # the slots of a slab: strided, each 32 bytes apart
+    arguments, held = traced.pointer_depth(keys, values, 3, keys[0].device)
+    assert arguments["SLOTS"] == 3 and not held
+    for given, side in ((arguments["DK"], keys), (arguments["DV"], values)):
+        assert len(given) == SLOT_ARGS and all(a is e for a, e in zip(given, side + side[-1:] * (SLOT_ARGS - 3)))
+    assert arguments["sdk"] == (*keys[0].stride(), 0) and arguments["sdv"] == (*values[0].stride(), 0)
+
+
+@pytest.mark.parametrize("case", ["more than the arguments", "strides that differ", "misaligned", "a slab"])
+def test_other_depth_reaches_the_pointer_arguments_as_one_slab(case, monkeypatch):
+    monkeypatch.setattr(traced, "stack_sides", functools.partial(traced.stack_sides, wrap=lambda kernel: kernel))
+    slab = torch.randn(1, 2, 3, SLOT_ARGS + 1 if case == "more than the arguments" else 4, 8)
+    entries = list(slab.unbind(3))
+    if case == "strides that differ":
+        entries[1] = entries[1].contiguous()
+    if case == "misaligned":  # 8 bytes into its storage
+        entries = [torch.randn(1, 2, 3, 10)[..., 2:] for _ in entries]
+    depth = [slab] if case == "a slab" else entries
+    arguments, _ = traced.pointer_depth(depth, depth, slab.shape[3], slab.device)
+    assert arguments["SLOTS"] == 2
+    stacked = arguments["DK"][0]
+    assert all(a is stacked for a in arguments["DK"]) and len(arguments["DK"]) == SLOT_ARGS
+    torch.testing.assert_close(stacked, torch.stack(entries, 3), rtol=0, atol=0)
 
 
 def test_only_static_cuda_calls_are_traced():

@@ -43,24 +43,26 @@ def test_compiled_calls_match_the_reference(backend, shape, dtype, variant, entr
     assert_matches_reference(inputs, backend=_compiled(backend), variant=variant)
 
 
-_FUSED = ("forward_flat", "dq_flat", "dkdv_flat", "stack_kernel")
+_FUSED = ("forward_flat", "dq_flat", "dkdv_flat")
 _CAPTURE = ("moda_flex.capture_forward.default", "moda_flex.capture_backward.default")
 
 
 @pytest.mark.parametrize(
     "backend, mode, kernels, opaque",
     [
-        ("triton", "default", _FUSED, ("moda_flex.triton_forward.default", "moda_flex.triton_backward.default")),
+        ("triton", "default", _FUSED,  # the entries passed to the kernels as they lie: no stack kernel
+         ("moda_flex.triton_forward.default", "moda_flex.triton_backward.default", "stack_kernel")),
         ("split", "default", ("sanitize_kv_flat", "depth_forward_token_flat", "prepare_backward_flat",
                               "depth_backward_token_flat", "stack_kernel"),
          ("moda_flex.split_forward.default", "moda_flex.split_backward.default")),
-        ("auto", "default", _FUSED, _CAPTURE),
+        ("auto", "default", _FUSED, (*_CAPTURE, "stack_kernel")),
         ("auto", "reduce-overhead", _CAPTURE, _FUSED),  # a CUDA graph: the ops that choose at capture
     ],
 )  # fmt: skip
 def test_a_compiled_call_launches_the_kernels_from_its_graph(backend, mode, kernels, opaque):
-    """The generated code launches the flat kernels itself (the stack kernel too) and does not call the eager
-    ops; ``auto`` does so unless the graph runs as a CUDA graph, where it calls its opaque ops."""
+    """The generated code launches the flat kernels itself and does not call the eager ops (the split path
+    stacks the entries, the fused kernels take them as they lie); ``auto`` does so unless the graph runs as a
+    CUDA graph, where it calls its opaque ops."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
@@ -109,7 +111,7 @@ def _compiled_model_matches_eager(**config) -> str:
 
 
 def test_a_checkpointed_model_compiles_and_matches_eager():
-    """The traced ops' stacks inside a model's checkpointed blocks: one compiled graph, eager's gradients."""
+    """The traced ops inside a model's checkpointed blocks: one compiled graph, eager's gradients."""
     _compiled_model_matches_eager(n_embd=128, n_head=4, n_layer=3, backend="triton", checkpoint=True)
 
 

@@ -6,6 +6,10 @@ Both kernel backends read depth through it: the fused kernels of ``triton/`` and
 import triton
 import triton.language as tl
 
+# The most depth slots a side that a traced launch passes as pointer arguments of their own (``SLOTS`` 3): a flat
+# wrapper that takes them has the arguments ``DK0`` .. ``DK63`` and ``DV0`` .. ``DV63``.
+SLOT_ARGS = 64
+
 
 @triton.jit
 def slot_bases(DK_TAB, DV_TAB, slot, L, sdk, sdv, ELEM: tl.constexpr, SLOTS: tl.constexpr):
@@ -15,11 +19,15 @@ def slot_bases(DK_TAB, DV_TAB, slot, L, sdk, sdv, ELEM: tl.constexpr, SLOTS: tl.
     0); 1: every slot starts at a multiple of 16 bytes (:data:`moda_flex.backends.slots.SLOT_ALIGNMENT`), which a
     pointer made from an integer cannot tell the compiler (it would load the slots element by element). 2: they
     point at one (B, Hk, Tq, L, D) slab each, slot ``l`` ``sdk[4] * l`` (``sdv[4] * l``) elements after slot 0;
-    ``sdk``, ``sdv`` are the (b, h, t, d, l) strides.
+    ``sdk``, ``sdv`` are the (b, h, t, d, l) strides. 3: they are tuples of :data:`SLOT_ARGS` pointers, slot
+    ``l`` at ``DK_TAB[l]`` (``DV_TAB[l]``), each starting at a multiple of 16 bytes.
     """
     if SLOTS == 2:
         at = slot.to(tl.int64)
         dk_slot, dv_slot = DK_TAB + at * sdk[4], DV_TAB + at * sdv[4]
+    elif SLOTS == 3:
+        dk_slot = tl.multiple_of(_pick(DK_TAB, slot, L).to(tl.pointer_type(ELEM)), 16)
+        dv_slot = tl.multiple_of(_pick(DV_TAB, slot, L).to(tl.pointer_type(ELEM)), 16)
     else:
         ok = slot < L
         dk_slot = tl.load(DK_TAB + slot, mask=ok, other=0).to(tl.pointer_type(ELEM))
@@ -28,3 +36,23 @@ def slot_bases(DK_TAB, DV_TAB, slot, L, sdk, sdv, ELEM: tl.constexpr, SLOTS: tl.
             dk_slot = tl.multiple_of(dk_slot, 16)
             dv_slot = tl.multiple_of(dv_slot, 16)
     return dk_slot, dv_slot
+
+
+@triton.jit
+def _pick(pointers, slot, L):
+    """The address of ``pointers[l]`` for each slot ``l`` of ``slot``; 0 for a slot past ``L``."""
+    address = slot.to(tl.int64) * 0
+    for i in tl.static_range(len(pointers)):
+        if i < L:  # the first L only: a model's early layers read few
+            address = tl.where(slot == i, pointers[i].to(tl.int64), address)
+    return address
+
+
+@triton.jit
+def slot_args(pointers, SLOTS: tl.constexpr):
+    """A flat wrapper's depth pointers, a tuple, as its kernel takes them: the tuple with ``SLOTS`` 3, else its
+    first (the table or the slab, which the traced launch repeats)."""
+    if SLOTS == 3:
+        return pointers
+    else:
+        return pointers[0]

@@ -1,4 +1,4 @@
-"""What the kernel backends' traced ops share: launches that ``torch.compile`` traces, and depth as slabs.
+"""What the kernel backends' traced ops share: launches that ``torch.compile`` traces, and how depth reaches them.
 
 An eager op is opaque to inductor: each call runs the dispatcher, our
 launcher's Python and a slot table's copy, about 0.2 ms of host time per
@@ -11,16 +11,24 @@ Inductor takes scalars and tensors as a kernel's arguments, not tuples: each
 kernel a traced op launches has a flat wrapper that takes the strides one
 by one (:func:`flat_arguments`, :func:`launch_flat`).
 
-A traced kernel cannot be handed addresses read on the host, so each side's
-depth entries reach it as one (B, Hk, Tq, L, D) slab, stacked inside the
-op's body (:func:`slab_depth`, one launch of :mod:`.stack_kernel` for both
-sides' first 32 entries) and read by slot stride (``SLOTS`` 2,
-:func:`.slot_pointers.slot_bases`); a slab input is read as it lies. The
-copy costs ``L`` entries of memory traffic a call, against no slot table at
-all, which also makes the ops safe to capture in CUDA graphs. The stack
-lives only while the op's kernels read it: the op keeps the entries for its
-backward, whose body stacks them again (a model's layers would otherwise
-hold a stack each, memory that grows as the square of the depth).
+A traced kernel cannot be handed addresses read on the host, and a table of
+addresses made on the device would not keep the entries alive: inductor
+frees a buffer after the last kernel that takes it. So the entries are the
+kernel's own arguments, in one of two ways:
+
+- the fused kernels take each entry as a pointer argument of its own, up to
+  :data:`.slot_pointers.SLOT_ARGS` a side (:func:`pointer_depth`, ``SLOTS``
+  3): read where they lie, no copy;
+- the split path's kernels, and depth beyond that, take one (B, Hk, Tq, L, D)
+  slab a side, read by slot stride (``SLOTS`` 2): a slab input as it lies,
+  entries stacked into one inside the op's body (:func:`slab_depth`, one
+  launch of :mod:`.stack_kernel` for both sides' first 32 entries). The copy
+  costs ``L`` entries of memory traffic a call. The stack lives only while
+  the op's kernels read it: the op keeps the entries for its backward, whose
+  body stacks them again (a model's layers would otherwise hold a stack
+  each, memory that grows as the square of the depth).
+
+Neither holds a host address, which makes the ops safe to capture in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ from torch.library import wrap_triton
 
 from ..depth import is_slab
 from .blocks import cdiv, next_pow2
-from .slots import slab_args
+from .slot_pointers import SLOT_ARGS
+from .slots import SLOT_ALIGNMENT, slab_args
 from .stack_kernel import GROUP, stack_kernel
 
 # The launch options a wrapper's launch passes on as they are.
@@ -110,3 +119,33 @@ def slab_depth(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: tor
     if is_slab(depth_k) and is_slab(depth_v):
         return slab_args(depth_k[0], depth_v[0]), []
     return slab_args(*stack_sides(depth_k, depth_v)), []
+
+
+def pointer_depth(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device) -> tuple[dict, list]:
+    """The depth arguments of a traced launch whose kernel takes each slot as a pointer argument of its own
+    (``SLOTS`` 3, :data:`.slot_pointers.SLOT_ARGS` a side): ``DK``, ``DV``, tuples the wrapper takes as
+    ``DK0`` .. ``DK63`` and ``DV0`` .. ``DV63``.
+
+    Entries are read where they lie, no copy, where each side has at most ``SLOT_ARGS`` of them that share
+    their strides and start at multiples of 16 bytes; the unused arguments repeat the last. Any other depth
+    reaches the kernel as :func:`slab_depth` gives it, the slab or table repeated.
+    """
+    if L and L <= SLOT_ARGS and not is_slab(depth_k) and all(_pointable(d) for d in (depth_k, depth_v)):
+        pad = SLOT_ARGS - L
+        return dict(DK=(*depth_k, *depth_k[-1:] * pad), DV=(*depth_v, *depth_v[-1:] * pad),
+                    sdk=(*depth_k[0].stride(), 0), sdv=(*depth_v[0].stride(), 0), SLOTS=3), []  # fmt: skip
+    arguments, held = slab_depth(depth_k, depth_v, L, device)
+    dk, dv = arguments.pop("DK_TAB"), arguments.pop("DV_TAB")
+    return dict(arguments, DK=(dk,) * SLOT_ARGS, DV=(dv,) * SLOT_ARGS), held
+
+
+def _pointable(entries: list[Tensor]) -> bool:
+    """Whether a side's entries can be passed as pointers a kernel loads 16 bytes at a time: one stride tuple,
+    each starting a multiple of 16 bytes into its storage (whose start inductor and PyTorch's allocators
+    align)."""
+    strides = entries[0].stride()
+    return all(e.stride() == strides and _aligned(e.storage_offset(), e.element_size()) for e in entries)
+
+
+def _aligned(offset, element_size: int) -> bool:
+    return isinstance(offset, int) and offset * element_size % SLOT_ALIGNMENT == 0

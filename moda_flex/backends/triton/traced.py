@@ -13,7 +13,7 @@ import torch
 from torch.library import wrap_triton
 
 from ..launcher import Fixed
-from ..traced import launch_flat, slab_depth
+from ..traced import launch_flat, pointer_depth
 from .kernels.flat import FLAT
 from .launch import Grads, Inputs, Options, Route, backward, forward
 
@@ -27,7 +27,7 @@ def _generic(*tensors) -> bool:
     return False
 
 
-TRACED = Route(slab_depth, launch_traced, _generic)
+TRACED = Route(pointer_depth, launch_traced, _generic)
 
 
 def forward_body(inputs: Inputs, opts: Options):
