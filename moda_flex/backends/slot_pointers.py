@@ -20,7 +20,8 @@ def slot_bases(DK_TAB, DV_TAB, slot, L, sdk, sdv, ELEM: tl.constexpr, SLOTS: tl.
     pointer made from an integer cannot tell the compiler (it would load the slots element by element). 2: they
     point at one (B, Hk, Tq, L, D) slab each, slot ``l`` ``sdk[4] * l`` (``sdv[4] * l``) elements after slot 0;
     ``sdk``, ``sdv`` are the (b, h, t, d, l) strides. 3: they are tuples of :data:`SLOT_ARGS` pointers, slot
-    ``l`` at ``DK_TAB[l]`` (``DV_TAB[l]``), each starting at a multiple of 16 bytes.
+    ``l`` at ``DK_TAB[l]`` (``DV_TAB[l]``), each starting at a multiple of 16 bytes, None past the first L
+    rounded up to a power of two.
     """
     if SLOTS == 2:
         at = slot.to(tl.int64)
@@ -43,8 +44,9 @@ def _pick(pointers, slot, L):
     """The address of ``pointers[l]`` for each slot ``l`` of ``slot``; 0 for a slot past ``L``."""
     address = slot.to(tl.int64) * 0
     for i in tl.static_range(len(pointers)):
-        if i < L:  # the first L only: a model's early layers read few
-            address = tl.where(slot == i, pointers[i].to(tl.int64), address)
+        if pointers[i] is not None:  # None: past the launch's size class, which its compile knows
+            if i < L:
+                address = tl.where(slot == i, pointers[i].to(tl.int64), address)
     return address
 
 

@@ -45,6 +45,8 @@ from .stack_kernel import GROUP, stack_kernel
 
 # The launch options a wrapper's launch passes on as they are.
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")
+# The fewest pointer arguments a side a launch of :func:`pointer_depth` fills.
+_LEAST_CLASS = 4
 # Elements of an entry one program of the stack kernel copies.
 _STACK_ELEMENTS = 4096
 
@@ -127,16 +129,24 @@ def pointer_depth(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: 
     ``DK0`` .. ``DK63`` and ``DV0`` .. ``DV63``.
 
     Entries are read where they lie, no copy, where each side has at most ``SLOT_ARGS`` of them that share
-    their strides and start at multiples of 16 bytes; the unused arguments repeat the last. Any other depth
-    reaches the kernel as :func:`slab_depth` gives it, the slab or table repeated.
+    their strides and start at multiples of 16 bytes. The arguments past L, up to the next power of two (at
+    least 4), repeat the last entry, and the rest are None: a launch pays host time for each pointer it
+    passes (Triton's launcher checks each), and Triton compiles the kernel once per pattern of Nones, so once
+    per size class rather than once per L. Any other depth reaches the kernel as :func:`slab_depth` gives
+    it, the slab or table passed once.
     """
     if L and L <= SLOT_ARGS and not is_slab(depth_k) and all(_pointable(d) for d in (depth_k, depth_v)):
-        pad = SLOT_ARGS - L
-        return dict(DK=(*depth_k, *depth_k[-1:] * pad), DV=(*depth_v, *depth_v[-1:] * pad),
-                    sdk=(*depth_k[0].stride(), 0), sdv=(*depth_v[0].stride(), 0), SLOTS=3), []  # fmt: skip
+        size = max(_LEAST_CLASS, next_pow2(L))
+        return dict(DK=_padded(depth_k, size), DV=_padded(depth_v, size), sdk=(*depth_k[0].stride(), 0),
+                    sdv=(*depth_v[0].stride(), 0), SLOTS=3), []  # fmt: skip
     arguments, held = slab_depth(depth_k, depth_v, L, device)
     dk, dv = arguments.pop("DK_TAB"), arguments.pop("DV_TAB")
-    return dict(arguments, DK=(dk,) * SLOT_ARGS, DV=(dv,) * SLOT_ARGS), held
+    return dict(arguments, DK=_padded([dk], 1), DV=_padded([dv], 1)), held
+
+
+def _padded(pointers: list, size: int) -> tuple:
+    """``pointers``, their last repeated up to ``size``, then None up to :data:`.slot_pointers.SLOT_ARGS`."""
+    return (*pointers, *pointers[-1:] * (size - len(pointers)), *(None,) * (SLOT_ARGS - size))
 
 
 def _pointable(entries: list[Tensor]) -> bool:
