@@ -49,12 +49,3 @@ def _pick(pointers, slot, L):
                 address = tl.where(slot == i, pointers[i].to(tl.int64), address)
     return address
 
-
-@triton.jit
-def slot_args(pointers, SLOTS: tl.constexpr):
-    """A flat wrapper's depth pointers, a tuple, as its kernel takes them: the tuple with ``SLOTS`` 3, else its
-    first (the table or the slab, which the traced launch repeats)."""
-    if SLOTS == 3:
-        return pointers
-    else:
-        return pointers[0]
