@@ -111,7 +111,7 @@ def test_the_fused_kernels_take_a_models_entries_as_pointers_uncopied():
     keys = [torch.randn(1, 2, 3, 8) for _ in range(3)]
     values = list(torch.randn(1, 2, 3, 3, 8).unbind(3))  # the slots of a slab: strided, each 32 bytes apart
     arguments, held = traced.pointer_depth(keys, values, 3, keys[0].device)
-    assert arguments["SLOTS"] == 3 and not held
+    assert arguments["SLOTS"] == 3 and arguments["SLOT_PTRS"] == 4 and not held
     for given, side in ((arguments["DK"], keys), (arguments["DV"], values)):  # 3 rounds up to 4, then None
         assert given == (*side, side[-1], *(None,) * (SLOT_ARGS - 4))
     assert arguments["sdk"] == (*keys[0].stride(), 0) and arguments["sdv"] == (*values[0].stride(), 0)

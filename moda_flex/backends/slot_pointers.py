@@ -7,7 +7,8 @@ import triton
 import triton.language as tl
 
 # The most depth slots a side that a traced launch passes as pointer arguments of their own (``SLOTS`` 3): a flat
-# wrapper that takes them has the arguments ``DK0`` .. ``DK63`` and ``DV0`` .. ``DV63``.
+# wrapper that takes them has the arguments ``DK0`` .. ``DK63`` and ``DV0`` .. ``DV63``, and the constexpr
+# ``SLOT_PTRS``: how many of them a launch fills.
 SLOT_ARGS = 64
 
 
@@ -19,9 +20,8 @@ def slot_bases(DK_TAB, DV_TAB, slot, L, sdk, sdv, ELEM: tl.constexpr, SLOTS: tl.
     0); 1: every slot starts at a multiple of 16 bytes (:data:`moda_flex.backends.slots.SLOT_ALIGNMENT`), which a
     pointer made from an integer cannot tell the compiler (it would load the slots element by element). 2: they
     point at one (B, Hk, Tq, L, D) slab each, slot ``l`` ``sdk[4] * l`` (``sdv[4] * l``) elements after slot 0;
-    ``sdk``, ``sdv`` are the (b, h, t, d, l) strides. 3: they are tuples of :data:`SLOT_ARGS` pointers, slot
-    ``l`` at ``DK_TAB[l]`` (``DV_TAB[l]``), each starting at a multiple of 16 bytes, None past the first L
-    rounded up to a power of two.
+    ``sdk``, ``sdv`` are the (b, h, t, d, l) strides. 3: they are tuples of at least L pointers (at most
+    :data:`SLOT_ARGS`), slot ``l`` at ``DK_TAB[l]`` (``DV_TAB[l]``), each starting at a multiple of 16 bytes.
     """
     if SLOTS == 2:
         at = slot.to(tl.int64)
@@ -44,8 +44,7 @@ def _pick(pointers, slot, L):
     """The address of ``pointers[l]`` for each slot ``l`` of ``slot``; 0 for a slot past ``L``."""
     address = slot.to(tl.int64) * 0
     for i in tl.static_range(len(pointers)):
-        if pointers[i] is not None:  # None: past the launch's size class, which its compile knows
-            if i < L:
-                address = tl.where(slot == i, pointers[i].to(tl.int64), address)
+        if i < L:
+            address = tl.where(slot == i, pointers[i].to(tl.int64), address)
     return address
 
