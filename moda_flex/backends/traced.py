@@ -18,7 +18,8 @@ kernel's own arguments, in one of two ways:
 
 - the fused kernels take each entry as a pointer argument of its own, up to
   :data:`.slot_pointers.SLOT_ARGS` a side (:func:`pointer_depth`, ``SLOTS``
-  3): read where they lie, no copy;
+  3), and write their addresses into a table each program reads: the
+  entries are read where they lie, no copy;
 - the split path's kernels, and depth beyond that, take one (B, Hk, Tq, L, D)
   slab a side, read by slot stride (``SLOTS`` 2): a slab input as it lies,
   entries stacked into one inside the op's body (:func:`slab_depth`, one
@@ -126,7 +127,9 @@ def slab_depth(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: tor
 def pointer_depth(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device) -> tuple[dict, list]:
     """The depth arguments of a traced launch whose kernel takes each slot as a pointer argument of its own
     (``SLOTS`` 3, :data:`.slot_pointers.SLOT_ARGS` a side): ``DK``, ``DV``, tuples the wrapper takes as
-    ``DK0`` .. ``DK63`` and ``DV0`` .. ``DV63``, the first ``SLOT_PTRS`` of them filled.
+    ``DK0`` .. ``DK63`` and ``DV0`` .. ``DV63``, the first ``SLOT_PTRS`` of them filled, and ``TAB``, the
+    (2 * SLOT_PTRS,) int64 table the kernel writes their addresses into
+    (:func:`.slot_pointers.write_slot_table`).
 
     Entries are read where they lie, no copy, where each side has at most ``SLOT_ARGS`` of them that share
     their strides and start at multiples of 16 bytes. The arguments past L, up to the next power of two (at
@@ -137,11 +140,12 @@ def pointer_depth(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: 
     """
     if L and L <= SLOT_ARGS and not is_slab(depth_k) and all(_pointable(d) for d in (depth_k, depth_v)):
         size = max(_LEAST_CLASS, next_pow2(L))
-        return dict(DK=_padded(depth_k, size), DV=_padded(depth_v, size), SLOT_PTRS=size,
+        table = torch.empty(2 * size, dtype=torch.int64, device=device)
+        return dict(DK=_padded(depth_k, size), DV=_padded(depth_v, size), SLOT_PTRS=size, TAB=table,
                     sdk=(*depth_k[0].stride(), 0), sdv=(*depth_v[0].stride(), 0), SLOTS=3), []  # fmt: skip
     arguments, held = slab_depth(depth_k, depth_v, L, device)
     dk, dv = arguments.pop("DK_TAB"), arguments.pop("DV_TAB")
-    return dict(arguments, DK=_padded([dk], 1), DV=_padded([dv], 1), SLOT_PTRS=1), held
+    return dict(arguments, DK=_padded([dk], 1), DV=_padded([dv], 1), SLOT_PTRS=1, TAB=dk), held
 
 
 def _padded(pointers: list, size: int) -> tuple:
