@@ -32,10 +32,11 @@ the sequence phase in place.
 Depth slots are read through address tables: slot ``l`` of the depth keys
 starts at ``DK_TAB[l]`` (values ``DV_TAB[l]``), so the L slots may be L
 separate tensors (the entries of a model's layers) or the slots of one 5-D
-tensor, both read in place with shared (b, h, t, d) strides; or slot ``l``
-is ``l`` slot strides past ``DK_TAB`` (``SLOTS`` 2, one slab each, which a
-traced call stacks: :mod:`..traced`). The head dim is
-padded to a power of two inside the kernels (:func:`.common.head_lanes`). The backward
+tensor, both read in place with shared (b, h, t, d) strides (a traced call's
+flat wrapper writes the table from the entries, its own pointer arguments:
+``SLOTS`` 3, :mod:`..traced`); or slot ``l`` is ``l`` slot strides past
+``DK_TAB`` (``SLOTS`` 2, one slab each). The head dim is padded to a power of
+two inside the kernels (:func:`.common.head_lanes`). The backward
 runs the dQ kernel first: it also writes ``delta = rowsum(dO * O) - dLSE``,
 which the dK/dV kernel reads.
 
