@@ -49,15 +49,18 @@ def slot_table(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: tor
             addresses += range(t.data_ptr(), t.data_ptr() + L * step, step) if step else [t.data_ptr()] * L
             strides.append((t.stride(0), t.stride(1), t.stride(2), t.stride(4)))
             continue
-        each = [t.stride() for t in depth]
-        if each and each.count(each[0]) < len(each):
+        if not shared_strides(depth):
             depth = [t.contiguous() for t in depth]
-            each = [t.stride() for t in depth]
         addresses += [t.data_ptr() for t in depth]
-        strides.append(each[0] if each else (0, 0, 0, 0))
+        strides.append(depth[0].stride() if depth else (0, 0, 0, 0))
         held.append(depth)
     aligned = functools.reduce(operator.or_, addresses, 0) % SLOT_ALIGNMENT == 0
     return SlotTable(device_table(tuple(addresses or [0]), device), strides[0], strides[1], held, aligned)
+
+
+def shared_strides(entries: list[Tensor]) -> bool:
+    """Whether a side's entries all have one stride tuple, which a kernel reads every slot of the side at."""
+    return all(e.stride() == entries[0].stride() for e in entries)
 
 
 class PinnedTables:

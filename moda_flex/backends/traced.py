@@ -41,7 +41,7 @@ from torch.library import wrap_triton
 from ..depth import is_slab
 from .blocks import cdiv, next_pow2
 from .slot_pointers import SLOT_ARGS
-from .slots import SLOT_ALIGNMENT, slab_args
+from .slots import SLOT_ALIGNMENT, shared_strides, slab_args
 from .stack_kernel import GROUP, stack_kernel
 
 # The launch options a wrapper's launch passes on as they are.
@@ -88,7 +88,7 @@ def stack_sides(depth_k: list[Tensor], depth_v: list[Tensor], wrap=wrap_triton) 
     keys and values of different shapes, are stacked by ``torch.stack``.
     """
     key, value = depth_k[0], depth_v[0]
-    if key.shape != value.shape or any(e.stride() != d[0].stride() for d in (depth_k, depth_v) for e in d):
+    if key.shape != value.shape or not (shared_strides(depth_k) and shared_strides(depth_v)):
         return torch.stack(depth_k, dim=3), torch.stack(depth_v, dim=3)
     B, Hk, T, D = key.shape
     L = len(depth_k)
@@ -157,8 +157,7 @@ def _pointable(entries: list[Tensor]) -> bool:
     """Whether a side's entries can be passed as pointers a kernel loads 16 bytes at a time: one stride tuple,
     each starting a multiple of 16 bytes into its storage (whose start inductor and PyTorch's allocators
     align)."""
-    strides = entries[0].stride()
-    return all(e.stride() == strides and _aligned(e.storage_offset(), e.element_size()) for e in entries)
+    return shared_strides(entries) and all(_aligned(e.storage_offset(), e.element_size()) for e in entries)
 
 
 def _aligned(offset, element_size: int) -> bool:
