@@ -142,7 +142,7 @@ def _fused_backward(grads: Grads, inputs: Inputs, opts: Options, into: Optional[
     grad_out = torch.zeros_like(grads.out) if grads.grad_out is None else grads.grad_out.contiguous()
     fused_inputs, fused_opts = fused_records(inputs, opts)
     fused_grads = fused_launch.Grads(grad_out, grads.grad_lse, grads.out, grads.lse, bias_grad=False)
-    depth = dict(into=tuple(into.depth_grads.unbind(0)), add=into.add) if into is not None else {}
+    depth = dict(into=into.depth_grads, add=into.add) if into is not None else {}
     return (run_backward or fused_ops._run_backward)(fused_grads, fused_inputs, fused_opts, **depth)[:5]
 
 

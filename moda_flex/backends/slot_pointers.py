@@ -1,4 +1,5 @@
-"""The depth slots' base pointers, read from their address table (:mod:`moda_flex.backends.slots`) inside a kernel.
+"""The depth slots' base pointers, read from their address table (:mod:`moda_flex.backends.slots`) inside a kernel,
+and the depth gradients' pointers (:mod:`moda_flex.backends.grad_sides`).
 
 Both kernel backends read depth through it: the fused kernels of ``triton/`` and the split path's depth kernels.
 """
@@ -47,3 +48,12 @@ def write_slot_table(TAB, pointers):
         address = tl.where(i == j, pointers[j].to(tl.int64), address)
     tl.store(TAB + i, address)
     return TAB
+
+
+@triton.jit
+def second_side(FIRST, SECOND, AT):
+    """The values' pointer of a pair of depth-gradient pointers (:func:`moda_flex.backends.grad_sides.side_arguments`):
+    ``SECOND``, or where it is None, ``AT`` elements past ``FIRST`` (one buffer)."""
+    if SECOND is None:
+        SECOND = FIRST + AT
+    return SECOND

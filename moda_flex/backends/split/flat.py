@@ -82,21 +82,21 @@ def depth_forward_token_flat(
 
 @triton.jit
 def depth_backward_flat(
-    Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV,
+    Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV, ADK, ADV,
     sq0, sq1, sq2, sq3, sdk0, sdk1, sdk2, sdk3, sdk4, sdv0, sdv1, sdv2, sdv3, sdv4, so0, so1, so2, so3,
     sdo0, sdo1, sdo2, sdo3, sl0, sl1, sl2, sgl0, sgl1, sgl2, sdq0, sdq1, sdq2, sdq3,
-    sgk0, sgk1, sgk2, sgk3, sgk4, sgv0, sgv1, sgv2, sgv3, sgv4,
-    Hk, Tq, L, depth_first, scale, qk_scale,
+    sgk0, sgk1, sgk2, sgk3, sgk4, sgv0, sgv1, sgv2, sgv3, sgv4, sga0, sga1, sga2, sga3, sga4,
+    Hk, Tq, L, depth_first, scale, qk_scale, DDV_AT, ADV_AT,
     G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, D: tl.constexpr,
     DP: tl.constexpr, DQ_ADD: tl.constexpr, HAS_GLSE: tl.constexpr, SLOTS: tl.constexpr, DEPTH_ADD: tl.constexpr,
 ):  # fmt: skip
     """:func:`.kernels._depth_backward_kernel`."""
     _depth_backward_kernel(
-        Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV,
+        Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV, ADK, ADV,
         (sq0, sq1, sq2, sq3), (sdk0, sdk1, sdk2, sdk3, sdk4), (sdv0, sdv1, sdv2, sdv3, sdv4), (so0, so1, so2, so3),
         (sdo0, sdo1, sdo2, sdo3), (sl0, sl1, sl2), (sgl0, sgl1, sgl2), (sdq0, sdq1, sdq2, sdq3),
-        (sgk0, sgk1, sgk2, sgk3, sgk4), (sgv0, sgv1, sgv2, sgv3, sgv4),
-        Hk, Tq, L, depth_first, tl.cast(scale, tl.float32), tl.cast(qk_scale, tl.float32),
+        (sgk0, sgk1, sgk2, sgk3, sgk4), (sgv0, sgv1, sgv2, sgv3, sgv4), (sga0, sga1, sga2, sga3, sga4),
+        Hk, Tq, L, depth_first, tl.cast(scale, tl.float32), tl.cast(qk_scale, tl.float32), DDV_AT, ADV_AT,
         G=G, GP=GP, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, D=D, DP=DP, DQ_ADD=DQ_ADD, HAS_GLSE=HAS_GLSE, SLOTS=SLOTS,
         DEPTH_ADD=DEPTH_ADD,
     )  # fmt: skip
@@ -104,21 +104,21 @@ def depth_backward_flat(
 
 @triton.jit
 def depth_backward_token_flat(
-    Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV,
+    Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV, ADK, ADV,
     sq0, sq1, sq2, sq3, sdk0, sdk1, sdk2, sdk3, sdk4, sdv0, sdv1, sdv2, sdv3, sdv4, so0, so1, so2, so3,
     sdo0, sdo1, sdo2, sdo3, sl0, sl1, sl2, sgl0, sgl1, sgl2, sdq0, sdq1, sdq2, sdq3,
-    sgk0, sgk1, sgk2, sgk3, sgk4, sgv0, sgv1, sgv2, sgv3, sgv4,
-    Hk, Tq, L, depth_first, scale, qk_scale,
+    sgk0, sgk1, sgk2, sgk3, sgk4, sgv0, sgv1, sgv2, sgv3, sgv4, sga0, sga1, sga2, sga3, sga4,
+    Hk, Tq, L, depth_first, scale, qk_scale, DDV_AT, ADV_AT,
     G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
     DP: tl.constexpr, DQ_ADD: tl.constexpr, HAS_GLSE: tl.constexpr, SLOTS: tl.constexpr, DEPTH_ADD: tl.constexpr,
 ):  # fmt: skip
     """:func:`.kernels._depth_backward_token_kernel`."""
     _depth_backward_token_kernel(
-        Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV,
+        Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV, ADK, ADV,
         (sq0, sq1, sq2, sq3), (sdk0, sdk1, sdk2, sdk3, sdk4), (sdv0, sdv1, sdv2, sdv3, sdv4), (so0, so1, so2, so3),
         (sdo0, sdo1, sdo2, sdo3), (sl0, sl1, sl2), (sgl0, sgl1, sgl2), (sdq0, sdq1, sdq2, sdq3),
-        (sgk0, sgk1, sgk2, sgk3, sgk4), (sgv0, sgv1, sgv2, sgv3, sgv4),
-        Hk, Tq, L, depth_first, tl.cast(scale, tl.float32), tl.cast(qk_scale, tl.float32),
+        (sgk0, sgk1, sgk2, sgk3, sgk4), (sgv0, sgv1, sgv2, sgv3, sgv4), (sga0, sga1, sga2, sga3, sga4),
+        Hk, Tq, L, depth_first, tl.cast(scale, tl.float32), tl.cast(qk_scale, tl.float32), DDV_AT, ADV_AT,
         G=G, GP=GP, BLOCK_T=BLOCK_T, D=D, DP=DP, DQ_ADD=DQ_ADD, HAS_GLSE=HAS_GLSE, SLOTS=SLOTS,
         DEPTH_ADD=DEPTH_ADD,
     )  # fmt: skip

@@ -39,7 +39,7 @@ are read where they lie, through their address table
 import triton
 import triton.language as tl
 
-from ..slot_pointers import slot_bases
+from ..slot_pointers import second_side, slot_bases
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -256,19 +256,20 @@ def _prepare_backward_kernel(
 
 
 @triton.jit
-def _store_gradient(ptr, value, mask, ADD: tl.constexpr):
-    """Store a depth slot's gradient; with ``ADD``, add it to what the buffer holds (a depth stream's one
-    gradient buffer, :mod:`moda_flex.backends.chain`), in float32 before the one rounding."""
+def _store_gradient(ptr, addend, value, mask, ADD: tl.constexpr):
+    """Store a depth slot's gradient at ``ptr``; with ``ADD``, plus what ``addend`` holds (a depth stream's
+    gradient buffer, :mod:`moda_flex.backends.chain`: ``ptr`` itself, or a buffer read beside the one written),
+    in float32 before the one rounding."""
     if ADD:
-        value += tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+        value += tl.load(addend, mask=mask, other=0.0).to(tl.float32)
     tl.store(ptr, value.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _depth_backward_kernel(
-    Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV,
-    sq, sdk, sdv, so, sdo, sl, sgl, sdq, sgk, sgv,
-    Hk, Tq, L, depth_first, scale, qk_scale,
+    Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV, ADK, ADV,
+    sq, sdk, sdv, so, sdo, sl, sgl, sdq, sgk, sgv, sga,
+    Hk, Tq, L, depth_first, scale, qk_scale, DDV_AT, ADV_AT,
     G: tl.constexpr,
     GP: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -285,7 +286,9 @@ def _depth_backward_kernel(
     ``P = exp(scale q . kd - lse)``, ``delta = rowsum(dO * O) - dLSE``,
     ``dS = P (dO . vd - delta)``: writes dK_d, dV_d of every slot (zero for
     slots before ``depth_first``) and dQ, added in place to the sequence
-    part's ``DQ`` with ``DQ_ADD``. With ``DEPTH_ADD`` dK_d, dV_d are added to DDK, DDV.
+    part's ``DQ`` with ``DQ_ADD``. dK_d, dV_d go to ``DDK``, ``DDV`` (strides ``sgk``, ``sgv``; ``DDV`` None:
+    ``DDV_AT`` elements past ``DDK``, one buffer); with ``DEPTH_ADD`` plus what ``ADK``, ``ADV`` hold (strides
+    ``sga``; ``ADV`` None: ``ADV_AT`` past ``ADK``), which may be ``DDK``, ``DDV`` themselves.
     """
     R: tl.constexpr = BLOCK_T * GP
     b, hk, bhk, t0, rt, tok, h, row_ok, d, d_ok = _program_rows(Hk, Tq, G, GP, BLOCK_T, D, DP)
@@ -300,9 +303,12 @@ def _depth_backward_kernel(
     lse = tl.load(LSE + b * sl[0] + h * sl[1] + tok * sl[2], mask=row_ok, other=float("inf")) * _LOG2E
     dq = tl.zeros((R, DP), tl.float32)
 
+    DDV, ADV = second_side(DDK, DDV, DDV_AT), second_side(ADK, ADV, ADV_AT)
     b64, hk64 = b.to(tl.int64), hk.to(tl.int64)  # a slab's offsets may pass 2**31
     gkbase = DDK + b64 * sgk[0] + hk64 * sgk[1]
     gvbase = DDV + b64 * sgv[0] + hk64 * sgv[1]
+    akbase = ADK + b64 * sga[0] + hk64 * sga[1]
+    avbase = ADV + b64 * sga[0] + hk64 * sga[1]
     for c0 in range(0, BLOCK_T * L, BLOCK_C):  # every slot's pair: those before depth_first get zeros
         j, col_tok, slot, stored = _pair_columns(c0, L, 0, t0, Tq, BLOCK_T, BLOCK_C)
         visible = stored & (slot >= depth_first)
@@ -322,8 +328,11 @@ def _depth_backward_kernel(
         ddk = tl.dot(tl.trans(ds), q) * scale
         col_tok64 = col_tok.to(tl.int64)
         out = stored[:, None] & d_ok[None, :]
-        _store_gradient(gvbase + (col_tok64 * sgv[2] + slot * sgv[3])[:, None] + d[None, :], ddv, out, DEPTH_ADD)
-        _store_gradient(gkbase + (col_tok64 * sgk[2] + slot * sgk[3])[:, None] + d[None, :], ddk, out, DEPTH_ADD)
+        added = (col_tok64 * sga[2] + slot * sga[3])[:, None] + d[None, :]
+        _store_gradient(gvbase + (col_tok64 * sgv[2] + slot * sgv[3])[:, None] + d[None, :], avbase + added, ddv,
+                        out, DEPTH_ADD)  # fmt: skip
+        _store_gradient(gkbase + (col_tok64 * sgk[2] + slot * sgk[3])[:, None] + d[None, :], akbase + added, ddk,
+                        out, DEPTH_ADD)  # fmt: skip
 
     dq = dq * scale
     dq_ptr = DQ + b * sdq[0] + h[:, None] * sdq[1] + tok[:, None] * sdq[2] + d[None, :]
@@ -454,9 +463,9 @@ def _depth_forward_token_kernel(
 
 @triton.jit
 def _depth_backward_token_kernel(
-    Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV,
-    sq, sdk, sdv, so, sdo, sl, sgl, sdq, sgk, sgv,
-    Hk, Tq, L, depth_first, scale, qk_scale,
+    Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV, ADK, ADV,
+    sq, sdk, sdv, so, sdo, sl, sgl, sdq, sgk, sgv, sga,
+    Hk, Tq, L, depth_first, scale, qk_scale, DDV_AT, ADV_AT,
     G: tl.constexpr,
     GP: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -484,13 +493,16 @@ def _depth_backward_token_kernel(
     q_scaled = q * qk_scale
     dq = tl.zeros((BLOCK_T, GP, DP), tl.float32)
 
+    DDV, ADV = second_side(DDK, DDV, DDV_AT), second_side(ADK, ADV, ADV_AT)
     b64, hk64, t64 = b.to(tl.int64), hk.to(tl.int64), t.to(tl.int64)  # a slab's offsets may pass 2**31
     gk = DDK + b64 * sgk[0] + hk64 * sgk[1] + t64[:, None] * sgk[2] + d[None, :]
     gv = DDV + b64 * sgv[0] + hk64 * sgv[1] + t64[:, None] * sgv[2] + d[None, :]
-    if not DEPTH_ADD:
-        for slot in range(0, depth_first):  # slots no row sees
-            tl.store(gk + slot * sgk[3], tl.zeros((BLOCK_T, DP), DDK.dtype.element_ty), mask=slot_live)
-            tl.store(gv + slot * sgv[3], tl.zeros((BLOCK_T, DP), DDV.dtype.element_ty), mask=slot_live)
+    ak = ADK + b64 * sga[0] + hk64 * sga[1] + t64[:, None] * sga[2] + d[None, :]
+    av = ADV + b64 * sga[0] + hk64 * sga[1] + t64[:, None] * sga[2] + d[None, :]
+    for slot in range(0, depth_first):  # slots no row sees: a zero gradient
+        none_seen = tl.zeros((BLOCK_T, DP), tl.float32)
+        _store_gradient(gk + slot * sgk[3], ak + slot * sga[3], none_seen, slot_live, DEPTH_ADD)
+        _store_gradient(gv + slot * sgv[3], av + slot * sga[3], none_seen, slot_live, DEPTH_ADD)
     kd_next, vd_next = _token_slot(DK_TAB, DV_TAB, depth_first, L, b, hk, t, d, sdk, sdv, slot_live,
                                    ELEM=Q.dtype.element_ty, SLOTS=SLOTS)  # fmt: skip
     for slot in range(depth_first, L):  # the next slot loaded before this one's products, as in the forward
@@ -502,8 +514,9 @@ def _depth_backward_token_kernel(
         dp = tl.sum(do * vd[:, None, :], 2)
         ds = tl.where(live, p * (dp - delta), 0.0)
         dq += ds[:, :, None] * kd[:, None, :]
-        _store_gradient(gk + slot * sgk[3], tl.sum(ds[:, :, None] * q, 1) * scale, slot_live, DEPTH_ADD)
-        _store_gradient(gv + slot * sgv[3], tl.sum(p[:, :, None] * do, 1), slot_live, DEPTH_ADD)
+        _store_gradient(gk + slot * sgk[3], ak + slot * sga[3], tl.sum(ds[:, :, None] * q, 1) * scale, slot_live,
+                        DEPTH_ADD)  # fmt: skip
+        _store_gradient(gv + slot * sgv[3], av + slot * sga[3], tl.sum(p[:, :, None] * do, 1), slot_live, DEPTH_ADD)
 
     dq = tl.where(live[:, :, None], dq * scale, 0.0)  # a dead row's products met its non-finite slots
     dq_ptr = _rows_at(DQ, sdq, b, h, t, d)

@@ -38,6 +38,7 @@ from torch.library import wrap_triton
 from ...depth import as_list, empty_grads, grads_like, slot_count
 from ..blocks import cdiv, next_pow2
 from ..first_order import refuse_create_graph
+from ..grad_sides import side_arguments
 from ..launcher import launch
 from ..records import ATTENTION, Written, define, define_traced_pair, restored, saved, unpack
 from ..slots import depth_args
@@ -263,12 +264,14 @@ def _sequence_backward_with_lse(q, k, v, out, grad_out, lse, grad_lse, opts: Opt
 
 
 def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Options,
-              into: Optional[tuple[Tensor, Tensor]] = None, add: bool = False, route: Route = EAGER):  # fmt: skip
+              into: Optional[Tensor] = None, add: bool = False, addend: Optional[Tensor] = None,
+              route: Route = EAGER):  # fmt: skip
     """dq (B, Hq, Tq, D), dk, dv (B, Hk, Tk, D), and the depth gradients, two (B, Hk, Tq, L, D) tensors.
 
     ``grad_out`` or ``grad_lse`` may be None (no gradient reached that output). dq, dk, dv are in the
-    vendor's layouts (the op makes them contiguous, as its fake says). ``into``: two (B, Hk, Tq, L, D) tensors,
-    any strides, that get the depth gradients (returned as they are), added to what they hold with ``add``.
+    vendor's layouts (the op makes them contiguous, as its fake says). ``into``: a (2, B, Hk, Tq, L, D)
+    buffer, any strides, that gets the depth gradients (returned as its halves), plus what it holds with
+    ``add``, or plus what ``addend``, a buffer of its shape, holds.
     """
     from . import kernels
 
@@ -277,9 +280,12 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     Hk, L = k.shape[1], slot_count(depth_k)
     # dO in any layout: the silencing pass below copies it into out's, which the vendor's backward reads
     grad_out = torch.zeros_like(out) if grad_out is None else _unit_last(grad_out)
-    ddk, ddv = empty_grads(q, k, depth_k) if into is None else into
+    sides = empty_grads(q, k, depth_k) if into is None else into
+    ddk, ddv = sides if into is None else into.unbind(0)
     if q.numel() == 0:
-        if not add:
+        if addend is not None:
+            into.copy_(addend)
+        elif not add:
             ddk.zero_()
             ddv.zero_()
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), ddk, ddv
@@ -301,12 +307,16 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     kernel, layout = _depth_kernel(kernels.BACKWARD, _layout(q, Hk, L, True))
     grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
     depth, _held = route.depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
+    gk, gv, gv_at, sgk, sgv = side_arguments(sides)
+    added = _unit_last(addend) if addend is not None else sides  # what the kernel adds to the gradients
+    ak, av, av_at, sga, _ = side_arguments(added)
     route.launch(kernel, grid, q.device,
-        Q=q_c, O=out_c, DO=grad_c, LSE=lv, GLSE=glse, DQ=dq, DDK=ddk, DDV=ddv, **depth,
+        Q=q_c, O=out_c, DO=grad_c, LSE=lv, GLSE=glse, DQ=dq, DDK=gk, DDV=gv, ADK=ak, ADV=av, **depth,
         sq=q_c.stride(), so=out_c.stride(), sdo=grad_c.stride(),
-        sl=lv.stride(), sgl=glse.stride(), sdq=dq.stride(), sgk=ddk.stride(), sgv=ddv.stride(),
+        sl=lv.stride(), sgl=glse.stride(), sdq=dq.stride(), sgk=sgk, sgv=sgv, sga=sga,
         Hk=Hk, Tq=Tq, L=L, depth_first=opts.depth_first, scale=opts.scale, qk_scale=opts.scale * _LOG2E,
-        **layout, DQ_ADD=has_sequence, HAS_GLSE=grad_lse is not None, DEPTH_ADD=add,
+        DDV_AT=gv_at, ADV_AT=av_at, **layout, DQ_ADD=has_sequence, HAS_GLSE=grad_lse is not None,
+        DEPTH_ADD=add or addend is not None,
     )  # fmt: skip
     return dq, dk, dv, ddk, ddv
 
@@ -318,7 +328,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
 def _backward_without_dispatch(grads: Grads, inputs: Inputs, opts: Options, into: Optional[Into] = None,
                                route: Route = EAGER):  # fmt: skip
     """:func:`_backward` of the records the backward ops take: what the ops and the eager path run."""
-    depth = dict(into=tuple(into.depth_grads.unbind(0)), add=into.add) if into is not None else {}
+    depth = dict(into=into.depth_grads, add=into.add) if into is not None else {}
     return _backward(grads.grad_out, grads.grad_lse, *inputs, grads.out, grads.lse, opts, **depth, route=route)
 
 

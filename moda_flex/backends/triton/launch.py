@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ...depth import empty_grads, is_slab, slot_count
 from ..blocks import cdiv
+from ..grad_sides import Sides, side_arguments
 from ..launcher import Fixed, launch_fixed
 from ..records import ATTENTION
 from ..slots import depth_args, slab_args
@@ -217,24 +218,32 @@ def forward(inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None,
 
 
 def backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None,
-             into: Optional[tuple[Tensor, Tensor]] = None, add: bool = False,
+             into: Optional[Tensor] = None, add: bool = False, addend: Optional[Tensor] = None,
              route: Route = EAGER) -> tuple[Tensor, ...]:  # fmt: skip
     """Launch the backward, the dQ kernel then the dK/dV kernel: the results of :func:`gradients`, written.
 
-    ``into``: two (B, Hk, Tq, L, D) tensors, any strides, that get the depth gradients (and are returned), added
-    to what they hold with ``add``. ``route``: how the kernels are reached.
+    ``into``: a (2, B, Hk, Tq, L, D) buffer, any strides, that gets the depth gradients (returned as its
+    halves), plus what it holds with ``add``, or plus what ``addend``, a buffer of its shape, holds.
+    ``route``: how the kernels are reached.
     """
     q, k, v, depth_k, _, documents, bias = inputs
     B, Hq, Tq, D = q.shape
     Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
-    dq, dk, dv, ddk, ddv, dbias = results = gradients(inputs, grads.bias_grad, into)
+    halves = None if into is None else into.unbind(0)
+    dq, dk, dv, ddk, ddv, dbias = results = gradients(inputs, grads.bias_grad, halves)
     if q.numel() == 0 or k.numel() == 0:
-        for g in (dq, dk, dv, dbias) if add else results:
+        for g in (dq, dk, dv, dbias) if add or addend is not None else results:
             g.zero_()
+        if addend is not None:
+            into.copy_(addend)
         return results
-    if opts.depth_first > 0 and not add:  # masked slots get a zero gradient
-        ddk.zero_()
-        ddv.zero_()
+    if opts.depth_first > 0 and not add:  # masked slots get a zero gradient, plus the addend's
+        first = slice(0, opts.depth_first)
+        if addend is None:
+            ddk[..., first, :].zero_()
+            ddv[..., first, :].zero_()
+        else:
+            into[..., first, :].copy_(addend[..., first, :])
     hopper, G = route.hopper(q, k, v, grads.grad_out), Hq // Hk
     layout = (q.device, D, G, B, Hk, Tq, Tk, opts, documents is not None, hopper)
     dkdv_fixed = _fixed(_dkdv_fixed, config, *layout)
@@ -245,8 +254,10 @@ def backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[Confi
     # part of dQ, as float32 sums to which the dK/dV kernel adds the sequence part.
     dq_out = torch.empty_like(dq, dtype=torch.float32) if atomic and dq.dtype != torch.float32 else dq
     dq_fixed = _fixed(_dq_fixed, config, *layout, L, bool(dkdv_fixed.arguments["TMA"]), bool(atomic),
-                      grads.grad_lse is not None, grads.bias_grad, add)  # fmt: skip
-    delta, gbias, dead = _launch_dq(grads, inputs, dq_fixed, dq_out, ddk, ddv, route)
+                      grads.grad_lse is not None, grads.bias_grad, add or addend is not None)  # fmt: skip
+    sides = (ddk, ddv) if into is None else into
+    added = sides if addend is None else addend  # what the kernel adds to the gradients
+    delta, gbias, dead = _launch_dq(grads, inputs, dq_fixed, dq_out, sides, added, route)
     if sequence:
         _launch_dkdv(grads.grad_out, q, k, v, grads.lse, delta, dead, documents, dk, dv,
                      dq_out if atomic else None, dkdv_fixed, route)  # fmt: skip
@@ -282,10 +293,11 @@ def _dq_fixed(device, D, G, B, Hk, Tq, Tk, opts: Options, documents: bool, hoppe
     return Fixed((cdiv(Tq, cfg["BLOCK_M"] // layout["GP"]), B * Hk), arguments)
 
 
-def _launch_dq(grads: Grads, inputs: Inputs, fixed: Fixed, dq: Tensor, ddk: Tensor, ddv: Tensor, route: Route):
-    """The dQ kernel as ``fixed`` says, writing ``dq`` and the depth gradients ``ddk``, ``ddv`` (adding to them
-    with ``DEPTH_ADD``): returns delta for the dK/dV kernel, the bias's gradient in parts or None, and with
-    ``DEAD_FLAGS`` whether each block of rows has a dead one, (B * Hk, blocks) int8, else None."""
+def _launch_dq(grads: Grads, inputs: Inputs, fixed: Fixed, dq: Tensor, sides: Sides, added: Sides, route: Route):
+    """The dQ kernel as ``fixed`` says, writing ``dq`` and the depth gradients into ``sides``, plus what
+    ``added`` holds with ``DEPTH_ADD`` (:mod:`..grad_sides`; sides that share their strides): returns delta for
+    the dK/dV kernel, the bias's gradient in parts or None, and with ``DEAD_FLAGS`` whether each block of rows
+    has a dead one, (B * Hk, blocks) int8, else None."""
     from . import kernels
 
     grad_out, grad_lse, out, lse, _ = grads
@@ -295,6 +307,8 @@ def _launch_dq(grads: Grads, inputs: Inputs, fixed: Fixed, dq: Tensor, ddk: Tens
     delta = torch.empty_like(lse)
     glse = delta if grad_lse is None else grad_lse.float().contiguous()
     depth, _held = route.depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
+    gk, gv, gv_at, sgd, _ = side_arguments(sides)
+    ak, av, av_at, sga, _ = side_arguments(added)
     blocks = fixed.grid[0]
     tiles = {}
     if arguments["TMA"]:
@@ -305,10 +319,10 @@ def _launch_dq(grads: Grads, inputs: Inputs, fixed: Fixed, dq: Tensor, ddk: Tens
     dead = torch.empty((B * Hk, blocks), device=q.device, dtype=torch.int8) if arguments["DEAD_FLAGS"] else None
     route.launch(kernels.dq_kernel, fixed, q.device,
         Q=q, K=k, V=v, O=out, DO=grad_out, LSE=lse, GLSE=glse, DELTA=delta, DEAD=dead,
-        DQO=dq, DDKO=ddk, DDVO=ddv, GBIAS=gbias,
+        DQO=dq, DDKO=gk, DDVO=gv, ADK=ak, ADV=av, GBIAS=gbias,
         **tiles, **depth, **_mask_tensors(documents, q), **_bias_args(bias, q),
         sq=q.stride(), so=out.stride(), sk=k.stride(), sv=v.stride(), sdo=grad_out.stride(), sl=lse.stride(),
-        sgq=dq.stride(), sgd=ddk.stride(),
+        sgq=dq.stride(), sgd=sgd, sga=sga, DDVO_AT=gv_at, ADV_AT=av_at,
     )  # fmt: skip
     return delta, gbias if with_bias_grad else None, dead
 

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from ...slot_pointers import slot_bases
+from ...slot_pointers import second_side, slot_bases
 from .common import (
     batch_head, bias_tile, block_rows, depth_offsets, depth_tiles, documents, finite, head_lanes,
     key_columns,
@@ -117,7 +117,8 @@ def _store_bias_grad(GBIAS, ds, l0, L, G: tl.constexpr, GP: tl.constexpr, DEPTH_
 
 @triton.jit
 def _depth(
-    dq, q, do, lse, delta, DK_TAB, DV_TAB, DDKO, DDVO, BIAS, GBIAS, b, hk, t0, offs_d, d_ok, sdk, sdv, sgd, sbias,
+    dq, q, do, lse, delta, DK_TAB, DV_TAB, DDKO, DDVO, ADK, ADV, BIAS, GBIAS, b, hk, t0, offs_d, d_ok, sdk, sdv, sgd,
+    sga, sbias,
     Tq, L, depth_first, scale, qk_scale, softcap,
     G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -129,8 +130,9 @@ def _depth(
     ``DDKO``, ``DDVO`` point at this program's head of the (B, Hk, Tq, L, D)
     gradients (strides ``sgd``). A token's depth entries are read only by its
     own G rows, which all live in this block, so its depth gradients are
-    written once, without atomics; with ``DEPTH_ADD`` added to what they hold
-    (a depth stream's gradient buffer, :mod:`moda_flex.backends.chain`).
+    written once, without atomics; with ``DEPTH_ADD`` plus what ``ADK``,
+    ``ADV`` hold there (strides ``sga``): a depth stream's gradient buffer
+    (:mod:`moda_flex.backends.chain`), which may be ``DDKO``, ``DDVO`` themselves.
     """
     U: tl.constexpr = BLOCK_M // DEPTH_ROWS
     BLOCK_S: tl.constexpr = BLOCK_C // (DEPTH_ROWS // GP)
@@ -172,8 +174,10 @@ def _depth(
         gk = tl.dot(tl.permute(ds, (0, 2, 1)).to(q3.dtype), q3) * scale
         slot_offs = grad_offs + slot[None, :, None] * sgd[3]
         if DEPTH_ADD:
-            gk += tl.load(DDKO + slot_offs, mask=store_ok, other=0.0).to(tl.float32)
-            gv += tl.load(DDVO + slot_offs, mask=store_ok, other=0.0).to(tl.float32)
+            added = (col_token.to(tl.int64)[:, :, None] * sga[2] + slot[None, :, None] * sga[3]
+                     + offs_d[None, None, :] * sga[4])  # fmt: skip
+            gk += tl.load(ADK + added, mask=store_ok, other=0.0).to(tl.float32)
+            gv += tl.load(ADV + added, mask=store_ok, other=0.0).to(tl.float32)
         tl.store(DDKO + slot_offs, gk.to(DDKO.dtype.element_ty), mask=store_ok)
         tl.store(DDVO + slot_offs, gv.to(DDVO.dtype.element_ty), mask=store_ok)
     return tl.reshape(dq3, (BLOCK_M, HEAD_DIM))
@@ -181,10 +185,10 @@ def _depth(
 
 @triton.jit
 def dq_kernel(
-    Q, K, V, O, DO, LSE, GLSE, DELTA, DQO, DDKO, DDVO, GBIAS, DEAD, KD, VD, DK_TAB, DV_TAB, DOC_IDS, DOC_LO, DOC_HI,
-    BIAS,
-    sq, sk, sv, so, sdo, sl, sgq, sgd, sdk, sdv, sdoc, sbias,
-    Hk, Tq, Tk, L, depth_first, window, scale, qk_scale, softcap,
+    Q, K, V, O, DO, LSE, GLSE, DELTA, DQO, DDKO, DDVO, ADK, ADV, GBIAS, DEAD, KD, VD, DK_TAB, DV_TAB, DOC_IDS, DOC_LO,
+    DOC_HI, BIAS,
+    sq, sk, sv, so, sdo, sl, sgq, sgd, sga, sdk, sdv, sdoc, sbias,
+    Hk, Tq, Tk, L, depth_first, window, scale, qk_scale, softcap, DDVO_AT, ADV_AT,
     G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
@@ -204,8 +208,9 @@ def dq_kernel(
     (Hopper): the unmasked key blocks come through the descriptors ``KD``,
     ``VD`` (:func:`_interior_tma`), else they are None. With
     ``DEAD_FLAGS``, the program also writes whether its block has a dead row
-    to ``DEAD`` (B * Hk, blocks) int8, for the dK/dV kernel's descriptors. With ``DEPTH_ADD`` the depth
-    gradients are added to what DDKO, DDVO hold.
+    to ``DEAD`` (B * Hk, blocks) int8, for the dK/dV kernel's descriptors. The depth gradients go to
+    ``DDKO``, ``DDVO`` (``DDVO`` None: ``DDVO_AT`` elements past ``DDKO``, one buffer); with ``DEPTH_ADD``
+    plus what ``ADK``, ``ADV`` hold (strides ``sga``; ``ADV`` None: ``ADV_AT`` past ``ADK``).
     """
     BLOCK_T: tl.constexpr = BLOCK_M // GP
     b, hk = batch_head(Hk)
@@ -248,11 +253,13 @@ def dq_kernel(
             TMA=TMA, LOOP_STAGES=LOOP_STAGES,
         )
     if HAS_DEPTH:
+        DDVO, ADV = second_side(DDKO, DDVO, DDVO_AT), second_side(ADK, ADV, ADV_AT)
         dq = _depth(
             dq, q, do, lse, delta, DK_TAB=DK_TAB, DV_TAB=DV_TAB, DDKO=DDKO + b * sgd[0] + hk * sgd[1],
-            DDVO=DDVO + b * sgd[0] + hk * sgd[1], BIAS=BIAS + hk * G * sbias[0],
+            DDVO=DDVO + b * sgd[0] + hk * sgd[1], ADK=ADK + b * sga[0] + hk * sga[1],
+            ADV=ADV + b * sga[0] + hk * sga[1], BIAS=BIAS + hk * G * sbias[0],
             GBIAS=GBIAS + ((b * Hk + hk) * tl.num_programs(0) + block) * GP * L, b=b, hk=hk, t0=t0,
-            offs_d=offs_d, d_ok=d_ok, sdk=sdk, sdv=sdv, sgd=sgd, sbias=sbias, Tq=Tq, L=L, depth_first=depth_first,
+            offs_d=offs_d, d_ok=d_ok, sdk=sdk, sdv=sdv, sgd=sgd, sga=sga, sbias=sbias, Tq=Tq, L=L, depth_first=depth_first,
             scale=scale, qk_scale=qk_scale, softcap=softcap, G=G, GP=GP, DEPTH_ROWS=DEPTH_ROWS, HEAD_DIM=HEAD_DIM,
             BLOCK_M=BLOCK_M, BLOCK_C=BLOCK_C, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, BIAS_FIRST=BIAS_FIRST,
             BIAS_GRAD=BIAS_GRAD, SLOTS=SLOTS, DEPTH_ADD=DEPTH_ADD,

@@ -72,7 +72,7 @@ def forward_flat(
 
 @triton.jit
 def dq_flat(
-    Q, K, V, O, DO, LSE, GLSE, DELTA, DQO, DDKO, DDVO, GBIAS, DOC_IDS, DOC_LO, DOC_HI, BIAS, TAB,
+    Q, K, V, O, DO, LSE, GLSE, DELTA, DQO, DDKO, DDVO, ADK, ADV, GBIAS, DOC_IDS, DOC_LO, DOC_HI, BIAS, TAB,
     DK0, DK1, DK2, DK3, DK4, DK5, DK6, DK7, DK8, DK9, DK10, DK11, DK12, DK13, DK14, DK15, DK16, DK17, DK18, DK19,
     DK20, DK21, DK22, DK23, DK24, DK25, DK26, DK27, DK28, DK29, DK30, DK31, DK32, DK33, DK34, DK35, DK36, DK37,
     DK38, DK39, DK40, DK41, DK42, DK43, DK44, DK45, DK46, DK47, DK48, DK49, DK50, DK51, DK52, DK53, DK54, DK55,
@@ -82,9 +82,9 @@ def dq_flat(
     DV38, DV39, DV40, DV41, DV42, DV43, DV44, DV45, DV46, DV47, DV48, DV49, DV50, DV51, DV52, DV53, DV54, DV55,
     DV56, DV57, DV58, DV59, DV60, DV61, DV62, DV63,
     sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, so0, so1, so2, so3, sdo0, sdo1, sdo2, sdo3,
-    sl0, sl1, sl2, sgq0, sgq1, sgq2, sgq3, sgd0, sgd1, sgd2, sgd3, sgd4,
+    sl0, sl1, sl2, sgq0, sgq1, sgq2, sgq3, sgd0, sgd1, sgd2, sgd3, sgd4, sga0, sga1, sga2, sga3, sga4,
     sdk0, sdk1, sdk2, sdk3, sdk4, sdv0, sdv1, sdv2, sdv3, sdv4, sdoc, sbias0, sbias1,
-    Hk, Tq, Tk, L, depth_first, window, scale, qk_scale, softcap,
+    Hk, Tq, Tk, L, depth_first, window, scale, qk_scale, softcap, DDVO_AT, ADV_AT,
     G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
@@ -113,12 +113,12 @@ def dq_flat(
     else:  # a table or a slab
         dk, dv = DK0, DV0
     dq_kernel(
-        Q, K, V, O, DO, LSE, GLSE, DELTA, DQO, DDKO, DDVO, GBIAS, None, None, None, dk, dv,
+        Q, K, V, O, DO, LSE, GLSE, DELTA, DQO, DDKO, DDVO, ADK, ADV, GBIAS, None, None, None, dk, dv,
         DOC_IDS, DOC_LO, DOC_HI, BIAS,
         (sq0, sq1, sq2, sq3), (sk0, sk1, sk2, sk3), (sv0, sv1, sv2, sv3), (so0, so1, so2, so3),
         (sdo0, sdo1, sdo2, sdo3), (sl0, sl1, sl2), (sgq0, sgq1, sgq2, sgq3), (sgd0, sgd1, sgd2, sgd3, sgd4),
-        (sdk0, sdk1, sdk2, sdk3, sdk4), (sdv0, sdv1, sdv2, sdv3, sdv4), sdoc, (sbias0, sbias1),
-        Hk, Tq, Tk, L, depth_first, window, scale, qk_scale, softcap,
+        (sga0, sga1, sga2, sga3, sga4), (sdk0, sdk1, sdk2, sdk3, sdk4), (sdv0, sdv1, sdv2, sdv3, sdv4), sdoc,
+        (sbias0, sbias1), Hk, Tq, Tk, L, depth_first, window, scale, qk_scale, softcap, DDVO_AT, ADV_AT,
         G=G, GP=GP, DEPTH_ROWS=DEPTH_ROWS, HEAD_DIM=HEAD_DIM, D_REAL=D_REAL,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C, CAUSAL=CAUSAL, WINDOW=WINDOW, DOC=DOC,
         HAS_SEQ=HAS_SEQ, HAS_DEPTH=HAS_DEPTH, HAS_GLSE=HAS_GLSE, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS,
