@@ -40,16 +40,16 @@ TOLERANCE = dict(atol=2e-2, rtol=2e-2) if DTYPE == torch.bfloat16 else dict(atol
 
 
 class IntoSpy:
-    """Counts the split path's backward passes that put the depth gradients into a stream's buffer, and those
-    given an lse gradient."""
+    """Counts the split path's eager backward passes that put the depth gradients into a stream's buffer (not
+    a traced op's fresh one), and those given an lse gradient."""
 
     def __init__(self, monkeypatch):
         self.calls, self.lse_grads, backward = 0, 0, split_ops._backward
 
-        def spied(grad_out, grad_lse, *args, into=None, **kwargs):
-            self.calls += into is not None
+        def spied(grad_out, grad_lse, *args, into=None, route=split_ops.EAGER, **kwargs):
+            self.calls += into is not None and route is split_ops.EAGER
             self.lse_grads += grad_lse is not None
-            return backward(grad_out, grad_lse, *args, into=into, **kwargs)
+            return backward(grad_out, grad_lse, *args, into=into, route=route, **kwargs)
 
         monkeypatch.setattr(split_ops, "_backward", spied)
 
@@ -208,12 +208,13 @@ def test_the_capture_kernels_add_into_the_buffer(states, compiled, monkeypatch):
 
 @pytest.mark.parametrize("kernel", ["split", "capture"])
 def test_the_traced_ops_sum_the_buffer_out_of_place(kernel, monkeypatch):
-    """Compiled on CUDA a call takes the traced ops, whose backward returns its depth gradients, and the buffer
-    is summed out of place: the same gradients (run here eagerly, the traced ops' bodies as they are)."""
+    """Compiled on CUDA a call takes the traced ops, whose backward writes the later readers' buffer plus its
+    depth gradients into a fresh one: the same gradients (run here eagerly, the traced ops' bodies as they
+    are)."""
     blocks, x = _blocks(backend=kernel if kernel == "split" else "auto"), _input()
     monkeypatch.setattr(backends, "_auto", lambda *args: capture.capture_attention)
     monkeypatch.setattr(chain, "_traced", lambda *tensors: True)
-    traced, fused, split = [], capture._fused_backward, split_ops.backward_in_op_layouts
+    traced, fused, split = [], capture._fused_backward, split_ops.backward_add
 
     def fused_spy(*args, run_backward=None, **kwargs):
         traced.append(run_backward is not None)
@@ -224,7 +225,7 @@ def test_the_traced_ops_sum_the_buffer_out_of_place(kernel, monkeypatch):
         return split(*args, route=route)
 
     monkeypatch.setattr(capture, "_fused_backward", fused_spy)
-    monkeypatch.setattr(split_ops, "backward_in_op_layouts", split_spy)
+    monkeypatch.setattr(split_ops, "backward_add", split_spy)
     added = IntoSpy(monkeypatch)
     got = _gradients(blocks, x)
     assert added.calls == 0  # no backward added into the buffer in place

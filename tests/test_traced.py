@@ -209,3 +209,40 @@ def test_a_traced_body_sees_whether_its_graph_runs_as_a_cuda_graph(mode, graphs)
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         torch.compile(lambda x: probe(x) + 1, mode=None if mode == "default" else mode, fullgraph=True)(torch.ones(3))
     assert seen[-1] is graphs  # the trace inductor compiles (Dynamo's earlier one sees the defaults)
+
+
+@pytest.mark.parametrize("op, graphs", [
+    ("split", False),  # G=3: the per-token kernels
+    ("capture", False),  # the fused kernels through the traced route
+    ("capture", True),  # the opaque op, which takes the fused kernel uncaptured
+])  # fmt: skip
+@pytest.mark.parametrize("addend", ["none", "strided"])
+@pytest.mark.parametrize("depth_first", [0, 1])
+def test_the_add_ops_write_the_depth_gradients_plus_the_later_readers_into_a_fresh_buffer(op, graphs, addend,
+                                                                                          depth_first):  # fmt: skip
+    """A depth stream's traced backward (moda_flex.backends.chain): the kernel reads the buffer the later
+    readers filled, a slice of a longer one (their stream held more entries), and writes the sum into a fresh
+    buffer; dq, dk, dv and the sum are the plain backward's, the masked slots' gradient the addend's alone."""
+    from torch._inductor import config
+
+    from moda_flex import variants
+    from moda_flex.backends import capture  # noqa: F401  (defines the capture ops)
+    from moda_flex.backends.split import ops as split_ops
+
+    shape = MoDAShape(1, 3, 1, 7, 7, 4, 16)
+    fused, _ = _records(shape, entries=True, strided=False)
+    inputs = split_ops.Inputs(*fused[:5])
+    opts = split_ops.call_options(inputs.q, inputs.k, shape.slots, variants.causal(), shape.head_dim**-0.5)
+    opts = opts._replace(depth_first=depth_first)
+    out, lse = getattr(torch.ops.moda_flex, f"{op}_forward")(*inputs, *opts)
+    grads = split_ops.Grads(torch.randn_like(out), None, out, lse)
+    *expected, ddk, ddv = getattr(torch.ops.moda_flex, f"{op}_backward")(*grads, *inputs, *opts)
+    longer = torch.randn(2, 1, 1, 7, shape.slots + 3, 16)
+    later = longer[..., 1 : shape.slots + 1, :] if addend == "strided" else None
+    with config.patch({"triton.cudagraphs": graphs}):
+        *actual, buffer = getattr(torch.ops.moda_flex, f"{op}_traced_backward_add")(*grads, *inputs, *opts, later)
+    for name, a, e in zip(("dq", "dk", "dv"), actual, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5, msg=name)
+    summed = torch.stack([ddk, ddv]) + (0 if later is None else later)
+    assert buffer.shape == summed.shape and buffer.is_contiguous()
+    torch.testing.assert_close(buffer, summed, rtol=1e-5, atol=1e-5)

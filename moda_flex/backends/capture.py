@@ -45,10 +45,10 @@ from torch import Tensor
 
 from ..depth import DepthKV, as_list, grads_shape, slot_count
 from ..variants import Variant
-from .records import define, define_traced_pair, unpack
+from .records import define, define_traced, define_traced_pair, unpack
 from .split import ops as split_ops
 from .split import sequence
-from .split.ops import Grads, Inputs, Into, Options
+from .split.ops import Addend, Grads, Inputs, Into, Options
 from .traced import traceable
 from .triton import ops as fused_ops
 from .triton import launch as fused_launch
@@ -103,6 +103,8 @@ def _prepare(inputs: Inputs, opts: Options) -> None:
         buffer = inputs.q.new_zeros(2, *grads_shape(inputs.q, inputs.k, inputs.depth_k))
         for add in (False, True):  # a depth stream's gradient buffer (chain.py), written first, then added to
             split_ops.backward_into(grads, inputs, opts, Into(buffer, add))
+        for addend in (None, buffer):  # the traced ops' form: a fresh buffer, plus the later readers' or not
+            split_ops.backward_add(grads, inputs, opts, Addend(addend))
     _PREPARED.add(key)
 
 
@@ -127,7 +129,15 @@ def _backward_into(grads: Grads, inputs: Inputs, opts: Options, into: Into) -> t
     """dq, dk, dv, contiguous, with the depth gradients put into ``into``, by the kernel of :func:`kernel_now`."""
     if kernel_now(inputs.q.device) == "split":
         return split_ops.backward_into(_split_grads(grads, opts), inputs, opts, into)
-    return _fused_backward(grads, inputs, opts, into)[:3]
+    return _fused_backward(grads, inputs, opts, into=into.depth_grads, add=into.add)[:3]
+
+
+def _backward_add(grads: Grads, inputs: Inputs, opts: Options, addend: Addend) -> tuple[Tensor, ...]:
+    """dq, dk, dv, contiguous, and a fresh buffer, the depth gradients plus ``addend``, by the kernel of
+    :func:`kernel_now`."""
+    if kernel_now(inputs.q.device) == "split":
+        return split_ops.backward_add(_split_grads(grads, opts), inputs, opts, addend)
+    return _fused_backward_add(grads, inputs, opts, addend)
 
 
 def _split_grads(grads: Grads, opts: Options) -> Grads:
@@ -135,15 +145,23 @@ def _split_grads(grads: Grads, opts: Options) -> Grads:
     return grads._replace(lse=sequence.lse_layout(opts.kernel, grads.lse))
 
 
-def _fused_backward(grads: Grads, inputs: Inputs, opts: Options, into: Optional[Into] = None,
-                    run_backward: Optional[Callable] = None) -> tuple[Tensor, ...]:  # fmt: skip
-    """The fused kernel's dq, dk, dv and depth gradients (put into ``into`` where given), by ``run_backward``
-    (:func:`.triton.launch.backward`'s arguments; the eager path's where None)."""
+def _fused_backward(grads: Grads, inputs: Inputs, opts: Options, run_backward: Optional[Callable] = None,
+                    **depth) -> tuple[Tensor, ...]:  # fmt: skip
+    """The fused kernel's dq, dk, dv and depth gradients, by ``run_backward`` (:func:`.triton.launch.backward`'s
+    arguments; the eager path's where None), given ``depth``, its arguments ``into``, ``add``, ``addend``."""
     grad_out = torch.zeros_like(grads.out) if grads.grad_out is None else grads.grad_out.contiguous()
     fused_inputs, fused_opts = fused_records(inputs, opts)
     fused_grads = fused_launch.Grads(grad_out, grads.grad_lse, grads.out, grads.lse, bias_grad=False)
-    depth = dict(into=into.depth_grads, add=into.add) if into is not None else {}
     return (run_backward or fused_ops._run_backward)(fused_grads, fused_inputs, fused_opts, **depth)[:5]
+
+
+def _fused_backward_add(grads: Grads, inputs: Inputs, opts: Options, addend: Addend,
+                        run_backward: Optional[Callable] = None) -> tuple[Tensor, ...]:  # fmt: skip
+    """:func:`_backward_add` on the fused kernel, by ``run_backward`` (as :func:`_fused_backward`)."""
+    buffer = split_ops.fresh_buffer(inputs, addend)
+    dq, dk, dv = _fused_backward(grads, inputs, opts, run_backward=run_backward, into=buffer,
+                                 addend=addend.depth_grads)[:3]  # fmt: skip
+    return dq, dk, dv, buffer
 
 
 # ---- torch.library ops -------------------------------------------------------------------------
@@ -160,6 +178,9 @@ define("capture_forward", Inputs, Options, returns=2, run=_forward, fake=_output
 define("capture_backward", Grads, Inputs, Options, returns=5, run=_backward, fake=split_ops.gradients_unwritten)
 define("capture_backward_into", Grads, Inputs, Options, Into, returns=3, run=_backward_into,
        fake=lambda grads, inputs, opts, into: split_ops.gradients_unwritten(grads, inputs, opts)[:3])  # fmt: skip
+define("capture_backward_add", Grads, Inputs, Options, Addend, returns=4, run=_backward_add,
+       fake=lambda grads, inputs, opts, addend: (*split_ops.gradients_unwritten(grads, inputs, opts)[:3],
+                                                 split_ops.fresh_buffer(inputs, addend)))  # fmt: skip
 
 
 def _backward_by_op(grads: Grads, inputs: Inputs, opts: Options):
@@ -207,6 +228,18 @@ traced_forward, traced_backward = define_traced_pair(
     "capture_traced", Inputs, Grads, Options, forward=_traced_forward_body, backward=_traced_backward_body,
     returns=5, autograd_backward=_autograd_backward, setup_context=_setup_context,
 )
+
+
+def _traced_backward_add_body(grads: Grads, inputs: Inputs, opts: Options, addend: Addend):
+    if graphs_captured():
+        return torch.ops.moda_flex.capture_backward_add(*grads, *inputs, *opts, *addend)
+    return _fused_backward_add(grads, inputs, opts, addend, run_backward=functools.partial(
+        fused_launch.backward, route=fused_traced.TRACED))  # fmt: skip
+
+
+# A depth stream's reader (chain.py): the depth gradients into a fresh buffer, plus the later readers'.
+define_traced("capture_traced_backward_add", Grads, Inputs, Options, Addend, returns=4,
+              body=_traced_backward_add_body)  # fmt: skip
 
 
 def capture_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: DepthKV, depth_v: DepthKV, variant: Variant,

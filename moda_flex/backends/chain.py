@@ -24,14 +24,15 @@ into one buffer), activation checkpointing and a stream read twice
 (autograd sums the two buffers) keep the gradients exact.
 
 Compiled on CUDA with static shapes the call takes the traced ops
-(:mod:`.traced`), and the layer's depth gradients, returned by the traced
-backward, are added to the buffer out of place: an op that wrote into a
-slice of the buffer would leave inductor to clone the slice for its kernels
-(and it read past it: an illegal address on an H100). The sum is one kernel a
-layer that inductor fuses from the stack and the add; it costs two passes
-over the layer's slots more than the in-place add, and holds a few layers'
-depth gradients at a time, where each entry's own sum, fused by inductor
-into one late kernel, holds every layer's.
+(:mod:`.traced`), and the layer's depth gradients are added to the buffer
+out of place: an op that wrote into a slice of the buffer would leave
+inductor to clone the slice for its kernels (and it read past it: an
+illegal address on an H100). The traced backward ``<name>_traced_backward_add``
+has the kernel read the buffer the later readers filled (``Addend``) and
+write the sum into a fresh one (:mod:`.grad_sides`): the same passes over
+the layer's slots as the in-place add, and a few layers' buffers alive at a
+time, where each entry's own sum, fused by inductor into one late kernel,
+holds every layer's depth gradients.
 
 It runs the two kernels ``auto`` takes for a model's calls on CUDA:
 ``split`` and ``capture`` (:data:`KERNELS`). Any other backend reads the
@@ -61,10 +62,10 @@ KERNELS = tuple(_MODULES)
 
 def _ops(kernel: str, traced: bool):
     """The forward op of ``kernel`` and its backward-into op; with ``traced``, its traced forward and backward
-    ops (:mod:`.traced`), whose backward returns the depth gradients."""
+    ops (:mod:`.traced`), whose backward returns a fresh buffer."""
     ops = torch.ops.moda_flex
     if traced:
-        return getattr(ops, f"{kernel}_traced_forward"), getattr(ops, f"{kernel}_traced_backward")
+        return getattr(ops, f"{kernel}_traced_forward"), getattr(ops, f"{kernel}_traced_backward_add")
     return getattr(ops, f"{kernel}_forward"), getattr(ops, f"{kernel}_backward_into")
 
 
@@ -103,10 +104,8 @@ class _ReadStream(torch.autograd.Function):
             return grad_path, None, None, None, None, None, None, None, *no_depth
         grads = Grads(grad_out, grad_lse, out, lse)
         _, backward_op = _ops(ctx.kernel, ctx.traced)
-        if ctx.traced:  # the sum out of place: one kernel that inductor fuses from the stack and the add
-            dq, dk, dv, ddk, ddv = backward_op(*grads, *inputs, *ctx.options)
-            buffer = torch.stack([ddk, ddv])
-            buffer = buffer if grad_path is None else grad_path + buffer
+        if ctx.traced:  # the sum out of place: the kernel reads the later readers' buffer, writes a fresh one
+            dq, dk, dv, buffer = backward_op(*grads, *inputs, *ctx.options, grad_path)
         else:
             shape, dtype = ctx.path
             add = grad_path is not None

@@ -35,12 +35,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.library import wrap_triton
 
-from ...depth import as_list, empty_grads, grads_like, slot_count
+from ...depth import as_list, empty_grads, grads_like, grads_shape, slot_count
 from ..blocks import cdiv, next_pow2
 from ..first_order import refuse_create_graph
 from ..grad_sides import side_arguments
 from ..launcher import launch
-from ..records import ATTENTION, Written, define, define_traced_pair, restored, saved, unpack
+from ..records import ATTENTION, Written, define, define_traced, define_traced_pair, restored, saved, unpack
 from ..slots import depth_args
 from ..traced import launch_flat, slab_depth, traceable
 from . import sequence
@@ -68,6 +68,13 @@ class Into(NamedTuple):
 
     depth_grads: Written  # (2, B, Hk, Tq, L, D), any strides: the keys' gradients in [0], the values' in [1]
     add: bool  # add to what it holds; else it is unwritten
+
+
+class Addend(NamedTuple):
+    """What a backward op that returns a fresh gradient buffer adds the depth gradients to
+    (:mod:`moda_flex.backends.chain`)."""
+
+    depth_grads: Optional[Tensor]  # (2, B, Hk, Tq, L, D), any strides, keys' then values'; None: nothing
 
 
 class Options(NamedTuple):
@@ -347,6 +354,21 @@ def backward_into(grads: Grads, inputs: Inputs, opts: Options, into: Into):
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
+def backward_add(grads: Grads, inputs: Inputs, opts: Options, addend: Addend, route: Route = EAGER):
+    """dq, dk, dv, contiguous, and a fresh (2, B, Hk, Tq, L, D) buffer: the depth gradients plus ``addend``."""
+    buffer = fresh_buffer(inputs, addend)
+    dq, dk, dv, _, _ = _backward(grads.grad_out, grads.grad_lse, *inputs, grads.out, grads.lse, opts, into=buffer,
+                                 addend=addend.depth_grads, route=route)  # fmt: skip
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), buffer
+
+
+def fresh_buffer(inputs: Inputs, addend: Addend) -> Tensor:
+    """The unwritten (2, B, Hk, Tq, L, D) buffer, contiguous, that a call's depth gradients plus ``addend`` go
+    to: in the addend's dtype, or without one, q's."""
+    like = inputs.q if addend.depth_grads is None else addend.depth_grads
+    return like.new_empty((2, *grads_shape(inputs.q, inputs.k, inputs.depth_k)))
+
+
 def gradients_unwritten(grads: Grads, inputs: Inputs, opts: Options):
     """The backward op's results, unwritten (its fake): :func:`backward_in_op_layouts`'s shapes and layouts."""
     q, k, v, depth_k, _ = inputs
@@ -425,6 +447,12 @@ traced_forward, traced_backward = define_traced_pair(
     "split_traced", Inputs, Grads, Options, forward=_traced_forward_body, backward=_traced_backward_body,
     returns=5, autograd_backward=_autograd_backward, setup_context=_setup_context,
 )
+def _traced_backward_add_body(grads: Grads, inputs: Inputs, opts: Options, addend: Addend):
+    return backward_add(grads, inputs, opts, addend, route=TRACED)
+
+
+# A depth stream's reader (chain.py): the depth gradients into a fresh buffer, plus the later readers'.
+define_traced("split_traced_backward_add", Grads, Inputs, Options, Addend, returns=4, body=_traced_backward_add_body)
 
 
 class _EagerSplit(torch.autograd.Function):
