@@ -502,7 +502,6 @@ def _depth_backward_token_kernel(
         delta -= tl.load(GLSE + b * sgl[0] + h[None, :] * sgl[1] + t[:, None] * sgl[2], mask=rows, other=0.0)
     lse = tl.load(LSE + b * sl[0] + h[None, :] * sl[1] + t[:, None] * sl[2], mask=rows, other=float("inf")) * _LOG2E
     live = lse < float("inf")
-    q_scaled = q * qk_scale
     dq = tl.zeros((BLOCK_T, GP, DP), tl.float32)
 
     DDV, ADV = second_side(DDK, DDV, DDV_AT), second_side(ADK, ADV, ADV_AT)
@@ -517,15 +516,13 @@ def _depth_backward_token_kernel(
         _store_gradient(gv + slot * sgv[3], av + slot * sga[3], none_seen, slot_live, DEPTH_ADD)
     kd_next, vd_next = _token_slot(DK_TAB, DV_TAB, depth_first, L, b, hk, t, d, sdk, sdv, slot_live,
                                    ELEM=Q.dtype.element_ty, SLOTS=SLOTS)  # fmt: skip
-    gk_next, gv_next = _token_addend(ak, av, depth_first, L, t, sga, slot_live, ADD=DEPTH_ADD)
-    # the next slot's entries and addend loaded before this one's products, as in the forward
+    # the next slot's entries loaded before this one's products, as in the forward
     for slot in range(depth_first, L):
         kd, vd = kd_next.to(tl.float32), vd_next.to(tl.float32)
-        gk_added, gv_added = gk_next, gv_next
         kd_next, vd_next = _token_slot(DK_TAB, DV_TAB, slot + 1, L, b, hk, t, d, sdk, sdv, slot_live,
                                        ELEM=Q.dtype.element_ty, SLOTS=SLOTS)  # fmt: skip
-        gk_next, gv_next = _token_addend(ak, av, slot + 1, L, t, sga, slot_live, ADD=DEPTH_ADD)
-        s = tl.sum(q_scaled * kd[:, None, :], 2)
+        gk_added, gv_added = _token_addend(ak, av, slot, L, t, sga, slot_live, ADD=DEPTH_ADD)
+        s = tl.sum(q * kd[:, None, :], 2) * qk_scale
         p = tl.where(live, tl.math.exp2(s - lse), 0.0)
         dp = tl.sum(do * vd[:, None, :], 2)
         ds = tl.where(live, p * (dp - delta), 0.0)
