@@ -177,7 +177,7 @@ SCRIPTS = [
     "benchmarks/flex_block_mask.py", "benchmarks/tune_moda.py", "benchmarks/bench_data_parallel.py",
     "benchmarks/bench_hopper.py", "benchmarks/count_kernels.py", "benchmarks/tune_split.py",
     "benchmarks/bench_split.py", "benchmarks/bench_flex.py", "benchmarks/bench_score.py", "benchmarks/host_split.py",
-    "benchmarks/launch_split.py", "benchmarks/host_step.py",
+    "benchmarks/launch_split.py", "benchmarks/host_step.py", "benchmarks/kernel_registers.py",
     "moda_flex.visualize",
 ]  # fmt: skip
 WITH_DEVICE = ["examples/gpt.py", "examples/train_gpt.py", "examples/compare_models.py", "benchmarks/ablation.py",

@@ -1,0 +1,131 @@
+"""Registers and spills of the depth backward kernels on an H100 (sm_90), compiled on a machine without a GPU.
+
+A kernel capped at a register count (the per-token backward's 128) spills
+what does not fit to local memory, which costs time no profile names. This
+compiles each kernel as a call reaches it, through the compile-only driver of
+``tests/compile_sm90.py`` (no kernel runs), and assembles its PTX with the
+``ptxas`` that Triton's wheel ships (``-v``: registers, spill stores and
+loads in bytes a thread). The calls are a Table 6 layer's layout
+(6 query / 2 KV heads, D=64, bf16, by default L=23, the mean of a Table 6
+step with FFN entries), each depth backward in its three forms: plain, adding into the
+gradient buffer in place (an eager depth stream), and adding a strided
+buffer into a fresh one (a compiled stream, ``moda_flex.backends.chain``).
+
+The local compiler is Triton's on this machine, which may differ from the
+GPU's; compare rows of one run.
+
+Usage::
+
+    python benchmarks/kernel_registers.py
+    python benchmarks/kernel_registers.py --slots 47
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import cli  # noqa: E402
+
+# The kernels of each backward whose PTX is assembled.
+KERNELS = ("_depth_backward_token_kernel", "dq_kernel")
+
+
+def record_ptx(ptx: dict) -> None:
+    """Make every launch compile only, keeping the PTX of each kernel of :data:`KERNELS` in ``ptx``."""
+    from triton.runtime.jit import JITFunction
+
+    launch = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        if self.fn.__name__ in KERNELS:
+            ptx[self.fn.__name__] = kernel.asm["ptx"]
+        return kernel
+
+    JITFunction.run = run
+
+
+def backwards(slots: int):
+    """(backend, form, run): each depth backward form of a Table 6 layer's layout with ``slots`` entries, on the
+    split path and on the fused kernel (``capture``'s functions off a capture)."""
+    import torch
+
+    from moda_flex import variants
+    from moda_flex.backends import capture
+    from moda_flex.backends.split import ops
+    from moda_flex.testing import MoDAShape, make_inputs
+
+    q, k, v, dk, dv = make_inputs(MoDAShape(1, 6, 2, 64, 64, slots, 64), dtype=torch.bfloat16,
+                                  depth_entries=True, requires_grad=False).values()  # fmt: skip
+    inputs = ops.Inputs(q, k, v, list(dk), list(dv))
+    opts = ops.call_options(q, k, slots, variants.causal(), 0.125)
+    buffer = torch.zeros(2, 1, 2, 64, slots, 64, dtype=torch.bfloat16)
+    longer = torch.zeros(2, 1, 2, 64, slots + 7, 64, dtype=torch.bfloat16)[..., :slots, :]  # a longer stream's
+    split_out, split_lse = ops._forward(*inputs, opts)
+    split_grads = ops.Grads(torch.randn_like(split_out), None, split_out, split_lse)
+    yield "split", "plain", lambda: ops.backward_in_op_layouts(split_grads, inputs, opts)
+    yield "split", "in place", lambda: ops.backward_into(split_grads, inputs, opts, ops.Into(buffer, True))
+    yield "split", "fresh + addend", lambda: ops.backward_add(split_grads, inputs, opts, ops.Addend(longer))
+    out, lse = capture._forward(inputs, opts)
+    grads = ops.Grads(torch.randn_like(out), None, out, lse)
+    yield "fused", "plain", lambda: capture._fused_backward(grads, inputs, opts)
+    yield "fused", "in place", lambda: capture._backward_into(grads, inputs, opts, ops.Into(buffer, True))
+    yield "fused", "fresh + addend", lambda: capture._backward_add(grads, inputs, opts, ops.Addend(longer))
+
+
+def assemble(ptx: str) -> dict:
+    """Registers and spill bytes of ``ptx`` for sm_90a, by the first of Triton's ptxas builds that takes its
+    PTX version."""
+    import triton
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "kernel.ptx"
+        source.write_text(ptx)
+        for name in ("ptxas", "ptxas-blackwell"):
+            done = subprocess.run([str(tools / name), "-arch=sm_90a", "-v", str(source), "-o", str(source) + ".o"],
+                                  capture_output=True, text=True)  # fmt: skip
+            if done.returncode == 0:
+                log = done.stdout + done.stderr
+                numbers = {key: re.search(pattern, log) for key, pattern in (
+                    ("registers", r"Used (\d+) registers"), ("spill stores", r"(\d+) bytes spill stores"),
+                    ("spill loads", r"(\d+) bytes spill loads"))}  # fmt: skip
+                return {key: int(m.group(1)) if m else 0 for key, m in numbers.items()}
+    raise RuntimeError(f"no ptxas under {tools} assembles this PTX:\n{done.stderr}")
+
+
+def main(argv=None) -> None:
+    p = cli.parser(__doc__)
+    p.add_argument("--slots", type=cli.at_least(1), default=23,
+                   help="L, the depth entries of the calls (the mean of a Table 6 step with FFN entries)")
+    args = p.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)  # the kernels are imported as compiled ones
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import compile_sm90  # imports the kernels, then sets the interpreter again for the support checks
+    import triton
+    from triton.runtime import driver
+
+    driver.set_active(compile_sm90.CompileOnly())
+    ptx: dict = {}
+    record_ptx(ptx)
+    compile_sm90.split_takes_any_float()
+    print(f"Triton {triton.__version__}, sm_90a, Table 6 layout (G=3, D=64, bf16, L={args.slots})\n")
+    print("| backend | form | kernel | registers | spill stores (B) | spill loads (B) |")
+    print("|---|---|---|---|---|---|")
+    for backend, form, run in backwards(args.slots):
+        ptx.clear()
+        run()
+        for kernel, source in ptx.items():
+            r = assemble(source)
+            print(f"| {backend} | {form} | `{kernel}` | {r['registers']} | {r['spill stores']} | {r['spill loads']} |",
+                  flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
