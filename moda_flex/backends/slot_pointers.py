@@ -51,6 +51,21 @@ def write_slot_table(TAB, pointers):
 
 
 @triton.jit
+def depth_tables(TAB, keys, values, SLOTS: tl.constexpr):
+    """A flat wrapper's depth arguments for its kernel: with ``SLOTS`` 3, ``keys`` and ``values`` are a launch's
+    pointer arguments (its size class, :data:`SLOT_ARGS` at most), written into one table ``TAB`` that every
+    program reads after a barrier, keys first (:func:`write_slot_table`); else each holds the side's one table
+    or slab."""
+    if SLOTS == 3:
+        dk = write_slot_table(TAB, keys)
+        dv = write_slot_table(TAB + len(keys), values)
+        tl.debug_barrier()
+    else:
+        dk, dv = keys[0], values[0]
+    return dk, dv
+
+
+@triton.jit
 def second_side(FIRST, SECOND, AT):
     """The values' pointer of a pair of depth-gradient pointers (:func:`moda_flex.backends.grad_sides.side_arguments`):
     ``SECOND``, or where it is None, ``AT`` elements past ``FIRST`` (one buffer)."""

@@ -388,18 +388,6 @@ def _token_slot(DK_TAB, DV_TAB, slot, L, b, hk, t, d, sdk, sdv, live, ELEM: tl.c
 
 
 @triton.jit
-def _token_addend(AK, AV, slot, L, t, sga, live, ADD: tl.constexpr):
-    """What the gradient buffer ``AK``, ``AV`` (each token ``t``'s row) holds at slot ``slot``, float32
-    (BLOCK_T, DP): zero without ``ADD``, off ``live`` and past the last slot."""
-    added_k, added_v = 0.0, 0.0
-    if ADD:
-        ok = live & ((t * 0 + slot) < L)[:, None]
-        added_k = tl.load(AK + slot * sga[3], mask=ok, other=0.0).to(tl.float32)
-        added_v = tl.load(AV + slot * sga[3], mask=ok, other=0.0).to(tl.float32)
-    return added_k, added_v
-
-
-@triton.jit
 def _depth_forward_token_kernel(
     Q, DK_TAB, DV_TAB, OS, LS, FIRST, O, LO,
     sq, sdk, sdv, sos, sls, so, slo,
@@ -521,16 +509,14 @@ def _depth_backward_token_kernel(
         kd, vd = kd_next.to(tl.float32), vd_next.to(tl.float32)
         kd_next, vd_next = _token_slot(DK_TAB, DV_TAB, slot + 1, L, b, hk, t, d, sdk, sdv, slot_live,
                                        ELEM=Q.dtype.element_ty, SLOTS=SLOTS)  # fmt: skip
-        gk_added, gv_added = _token_addend(ak, av, slot, L, t, sga, slot_live, ADD=DEPTH_ADD)
         s = tl.sum(q * kd[:, None, :], 2) * qk_scale
         p = tl.where(live, tl.math.exp2(s - lse), 0.0)
         dp = tl.sum(do * vd[:, None, :], 2)
         ds = tl.where(live, p * (dp - delta), 0.0)
         dq += ds[:, :, None] * kd[:, None, :]
-        gk_slot = tl.sum(ds[:, :, None] * q, 1) * scale + gk_added
-        tl.store(gk + slot * sgk[3], gk_slot.to(DDK.dtype.element_ty), mask=slot_live)
-        gv_slot = tl.sum(p[:, :, None] * do, 1) + gv_added
-        tl.store(gv + slot * sgv[3], gv_slot.to(DDV.dtype.element_ty), mask=slot_live)
+        _store_gradient(gk + slot * sgk[3], ak + slot * sga[3], tl.sum(ds[:, :, None] * q, 1) * scale, slot_live,
+                        DEPTH_ADD)  # fmt: skip
+        _store_gradient(gv + slot * sgv[3], av + slot * sga[3], tl.sum(p[:, :, None] * do, 1), slot_live, DEPTH_ADD)
 
     dq = tl.where(live[:, :, None], dq * scale, 0.0)  # a dead row's products met its non-finite slots
     dq_ptr = _rows_at(DQ, sdq, b, h, t, d)

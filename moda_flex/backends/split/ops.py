@@ -288,7 +288,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     # dO in any layout: the silencing pass below copies it into out's, which the vendor's backward reads
     grad_out = torch.zeros_like(out) if grad_out is None else _unit_last(grad_out)
     sides = empty_grads(q, k, depth_k) if into is None else into
-    ddk, ddv = sides if into is None else into.unbind(0)
+    ddk, ddv = sides  # a buffer's halves
     if q.numel() == 0:
         if addend is not None:
             into.copy_(addend)
@@ -447,6 +447,8 @@ traced_forward, traced_backward = define_traced_pair(
     "split_traced", Inputs, Grads, Options, forward=_traced_forward_body, backward=_traced_backward_body,
     returns=5, autograd_backward=_autograd_backward, setup_context=_setup_context,
 )
+
+
 def _traced_backward_add_body(grads: Grads, inputs: Inputs, opts: Options, addend: Addend):
     return backward_add(grads, inputs, opts, addend, route=TRACED)
 

@@ -153,12 +153,11 @@ def _depth(
         # every depth column is masked for most rows of a tile: read non-finite entries as zero
         kd = finite(tl.load(dk_slot[None, :, None] + dk_offs, mask=col_ok, other=0.0))  # (U, BLOCK_C, D)
         vd = finite(tl.load(dv_slot[None, :, None] + dv_offs, mask=col_ok, other=0.0))
-        gk, gv = 0.0, 0.0
         if DEPTH_ADD:  # loaded before the products, which hide their latency
             added = (col_token.to(tl.int64)[:, :, None] * sga[2] + slot[None, :, None] * sga[3]
                      + offs_d[None, None, :] * sga[4])  # fmt: skip
-            gk = tl.load(ADK + added, mask=store_ok, other=0.0).to(tl.float32)
-            gv = tl.load(ADV + added, mask=store_ok, other=0.0).to(tl.float32)
+            gk_added = tl.load(ADK + added, mask=store_ok, other=0.0).to(tl.float32)
+            gv_added = tl.load(ADV + added, mask=store_ok, other=0.0).to(tl.float32)
         bias = 0.0
         if HAS_BIAS:
             bias = bias_tile(BIAS, sbias, slot, L, G=G, GP=GP, DEPTH_ROWS=DEPTH_ROWS)
@@ -176,8 +175,11 @@ def _depth(
             _store_bias_grad(GBIAS, ds, l0, L, G=G, GP=GP, DEPTH_ROWS=DEPTH_ROWS, BLOCK_C=BLOCK_C)
         dq3 += tl.dot(ds.to(kd.dtype), kd)
         # a column's gradient sums over its own token's G rows (p and ds are zero elsewhere)
-        gv += tl.dot(tl.permute(p, (0, 2, 1)).to(do3.dtype), do3)  # (U, BLOCK_C, D)
-        gk += tl.dot(tl.permute(ds, (0, 2, 1)).to(q3.dtype), q3) * scale
+        gv = tl.dot(tl.permute(p, (0, 2, 1)).to(do3.dtype), do3)  # (U, BLOCK_C, D)
+        gk = tl.dot(tl.permute(ds, (0, 2, 1)).to(q3.dtype), q3) * scale
+        if DEPTH_ADD:
+            gk += gk_added
+            gv += gv_added
         slot_offs = grad_offs + slot[None, :, None] * sgd[3]
         tl.store(DDKO + slot_offs, gk.to(DDKO.dtype.element_ty), mask=store_ok)
         tl.store(DDVO + slot_offs, gv.to(DDVO.dtype.element_ty), mask=store_ok)

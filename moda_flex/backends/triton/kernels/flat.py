@@ -13,7 +13,7 @@ float32, as Triton's own launch types them.
 import triton
 import triton.language as tl
 
-from ...slot_pointers import write_slot_table
+from ...slot_pointers import depth_tables
 from .dkdv import dkdv_kernel
 from .dq import dq_kernel
 from .forward import forward_kernel
@@ -42,22 +42,18 @@ def forward_flat(
 ):  # fmt: skip
     """:func:`.forward.forward_kernel`."""
     qk_scale, softcap = tl.cast(qk_scale, tl.float32), tl.cast(softcap, tl.float32)
-    if SLOTS == 3:  # the depth slots' pointers, the first SLOT_PTRS (None after them), into a table
-        dk = write_slot_table(TAB, (
-            DK0, DK1, DK2, DK3, DK4, DK5, DK6, DK7, DK8, DK9, DK10, DK11, DK12, DK13, DK14, DK15, DK16, DK17, DK18,
-            DK19, DK20, DK21, DK22, DK23, DK24, DK25, DK26, DK27, DK28, DK29, DK30, DK31, DK32, DK33, DK34, DK35,
-            DK36, DK37, DK38, DK39, DK40, DK41, DK42, DK43, DK44, DK45, DK46, DK47, DK48, DK49, DK50, DK51, DK52,
-            DK53, DK54, DK55, DK56, DK57, DK58, DK59, DK60, DK61, DK62, DK63,
-        )[:SLOT_PTRS])  # fmt: skip
-        dv = write_slot_table(TAB + SLOT_PTRS, (
-            DV0, DV1, DV2, DV3, DV4, DV5, DV6, DV7, DV8, DV9, DV10, DV11, DV12, DV13, DV14, DV15, DV16, DV17, DV18,
-            DV19, DV20, DV21, DV22, DV23, DV24, DV25, DV26, DV27, DV28, DV29, DV30, DV31, DV32, DV33, DV34, DV35,
-            DV36, DV37, DV38, DV39, DV40, DV41, DV42, DV43, DV44, DV45, DV46, DV47, DV48, DV49, DV50, DV51, DV52,
-            DV53, DV54, DV55, DV56, DV57, DV58, DV59, DV60, DV61, DV62, DV63,
-        )[:SLOT_PTRS])  # fmt: skip
-        tl.debug_barrier()
-    else:  # a table or a slab
-        dk, dv = DK0, DV0
+    # the first SLOT_PTRS pointers of a side (None after them), or its one table or slab
+    dk, dv = depth_tables(TAB, (
+        DK0, DK1, DK2, DK3, DK4, DK5, DK6, DK7, DK8, DK9, DK10, DK11, DK12, DK13, DK14, DK15, DK16, DK17, DK18,
+        DK19, DK20, DK21, DK22, DK23, DK24, DK25, DK26, DK27, DK28, DK29, DK30, DK31, DK32, DK33, DK34, DK35,
+        DK36, DK37, DK38, DK39, DK40, DK41, DK42, DK43, DK44, DK45, DK46, DK47, DK48, DK49, DK50, DK51, DK52,
+        DK53, DK54, DK55, DK56, DK57, DK58, DK59, DK60, DK61, DK62, DK63,
+    )[:SLOT_PTRS], (
+        DV0, DV1, DV2, DV3, DV4, DV5, DV6, DV7, DV8, DV9, DV10, DV11, DV12, DV13, DV14, DV15, DV16, DV17, DV18,
+        DV19, DV20, DV21, DV22, DV23, DV24, DV25, DV26, DV27, DV28, DV29, DV30, DV31, DV32, DV33, DV34, DV35,
+        DV36, DV37, DV38, DV39, DV40, DV41, DV42, DV43, DV44, DV45, DV46, DV47, DV48, DV49, DV50, DV51, DV52,
+        DV53, DV54, DV55, DV56, DV57, DV58, DV59, DV60, DV61, DV62, DV63,
+    )[:SLOT_PTRS], SLOTS=SLOTS)  # fmt: skip
     forward_kernel(
         Q, K, V, O, LSE, None, None, None, dk, dv, DOC_IDS, DOC_LO, DOC_HI, BIAS,
         (sq0, sq1, sq2, sq3), (sk0, sk1, sk2, sk3), (sv0, sv1, sv2, sv3), (so0, so1, so2, so3), (sl0, sl1, sl2),
@@ -96,22 +92,18 @@ def dq_flat(
     """:func:`.dq.dq_kernel`, without the dead-row flags (a Hopper path's)."""
     scale, qk_scale = tl.cast(scale, tl.float32), tl.cast(qk_scale, tl.float32)
     softcap = tl.cast(softcap, tl.float32)
-    if SLOTS == 3:  # the depth slots' pointers, the first SLOT_PTRS (None after them), into a table
-        dk = write_slot_table(TAB, (
-            DK0, DK1, DK2, DK3, DK4, DK5, DK6, DK7, DK8, DK9, DK10, DK11, DK12, DK13, DK14, DK15, DK16, DK17, DK18,
-            DK19, DK20, DK21, DK22, DK23, DK24, DK25, DK26, DK27, DK28, DK29, DK30, DK31, DK32, DK33, DK34, DK35,
-            DK36, DK37, DK38, DK39, DK40, DK41, DK42, DK43, DK44, DK45, DK46, DK47, DK48, DK49, DK50, DK51, DK52,
-            DK53, DK54, DK55, DK56, DK57, DK58, DK59, DK60, DK61, DK62, DK63,
-        )[:SLOT_PTRS])  # fmt: skip
-        dv = write_slot_table(TAB + SLOT_PTRS, (
-            DV0, DV1, DV2, DV3, DV4, DV5, DV6, DV7, DV8, DV9, DV10, DV11, DV12, DV13, DV14, DV15, DV16, DV17, DV18,
-            DV19, DV20, DV21, DV22, DV23, DV24, DV25, DV26, DV27, DV28, DV29, DV30, DV31, DV32, DV33, DV34, DV35,
-            DV36, DV37, DV38, DV39, DV40, DV41, DV42, DV43, DV44, DV45, DV46, DV47, DV48, DV49, DV50, DV51, DV52,
-            DV53, DV54, DV55, DV56, DV57, DV58, DV59, DV60, DV61, DV62, DV63,
-        )[:SLOT_PTRS])  # fmt: skip
-        tl.debug_barrier()
-    else:  # a table or a slab
-        dk, dv = DK0, DV0
+    # the first SLOT_PTRS pointers of a side (None after them), or its one table or slab
+    dk, dv = depth_tables(TAB, (
+        DK0, DK1, DK2, DK3, DK4, DK5, DK6, DK7, DK8, DK9, DK10, DK11, DK12, DK13, DK14, DK15, DK16, DK17, DK18,
+        DK19, DK20, DK21, DK22, DK23, DK24, DK25, DK26, DK27, DK28, DK29, DK30, DK31, DK32, DK33, DK34, DK35,
+        DK36, DK37, DK38, DK39, DK40, DK41, DK42, DK43, DK44, DK45, DK46, DK47, DK48, DK49, DK50, DK51, DK52,
+        DK53, DK54, DK55, DK56, DK57, DK58, DK59, DK60, DK61, DK62, DK63,
+    )[:SLOT_PTRS], (
+        DV0, DV1, DV2, DV3, DV4, DV5, DV6, DV7, DV8, DV9, DV10, DV11, DV12, DV13, DV14, DV15, DV16, DV17, DV18,
+        DV19, DV20, DV21, DV22, DV23, DV24, DV25, DV26, DV27, DV28, DV29, DV30, DV31, DV32, DV33, DV34, DV35,
+        DV36, DV37, DV38, DV39, DV40, DV41, DV42, DV43, DV44, DV45, DV46, DV47, DV48, DV49, DV50, DV51, DV52,
+        DV53, DV54, DV55, DV56, DV57, DV58, DV59, DV60, DV61, DV62, DV63,
+    )[:SLOT_PTRS], SLOTS=SLOTS)  # fmt: skip
     dq_kernel(
         Q, K, V, O, DO, LSE, GLSE, DELTA, DQO, DDKO, DDVO, ADK, ADV, GBIAS, None, None, None, dk, dv,
         DOC_IDS, DOC_LO, DOC_HI, BIAS,
