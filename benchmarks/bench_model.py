@@ -178,8 +178,8 @@ def summary(timings: list[dict]) -> dict:
             "tables": sum(chunk["tables"] for chunk in timings) / len(times)}  # fmt: skip
 
 
-def profile_steps(step: Callable[[], None], step_ms: float, kernels: bool, host: bool) -> None:
-    """Over 3 steps: with ``kernels`` the top kernels (torch.profiler), kernel launches per step and the step's
+def profile_steps(step: Callable[[], None], step_ms: float, kernels: bool, host: bool, rows: int = 25) -> None:
+    """Over 3 steps: with ``kernels`` the ``rows`` top kernels (torch.profiler), kernel launches per step and the step's
     time by kind (:func:`time_split`: the kinds of :data:`KERNEL_KINDS`, other, and the host gap); with
     ``host`` the top Python functions by own time and by cumulative time (cProfile)."""
     if kernels:
@@ -187,7 +187,7 @@ def profile_steps(step: Callable[[], None], step_ms: float, kernels: bool, host:
             for _ in range(3):
                 step()
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
         gpu_events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
         split = time_split({e.key: e.self_device_time_total for e in gpu_events}, 3, step_ms)
         launches = sum(e.count for e in gpu_events) / 3
@@ -236,7 +236,7 @@ def report(case: Case, timings: list[dict], step: Callable[[], None], args) -> N
     print(f"  {case.name:9s} {case.mode:9s} {row['ms']:8.1f} ms (host {row['host_ms']:.1f})  "
           f"{_shown(row['peak_mib'], '8.0f')} MiB  {row['tables']:.1f} slot tables made a step",
           flush=True)  # fmt: skip
-    profile_steps(step, row["ms"], args.profile, args.host_profile)
+    profile_steps(step, row["ms"], args.profile, args.host_profile, args.profile_rows)
 
 
 def main(argv=None) -> None:
@@ -247,6 +247,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=20, help="timed steps per row")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first, compilation included")
     p.add_argument("--profile", action="store_true", help="print each row's top kernels and its time by kind over 3 steps (torch.profiler)")
+    p.add_argument("--profile-rows", type=int, default=25, help="kernels listed by --profile, the longest first")
     p.add_argument("--host-profile", action="store_true", help="print each row's top Python functions (cProfile)")
     p.add_argument("--entry-gradients", default="auto",
                    help="comma-separated, from auto (the depth stream's default), buffer (each layer's kernel adds "

@@ -97,21 +97,23 @@ def _prepare(inputs: Inputs, opts: Options) -> None:
     if key in _PREPARED:
         return
     with torch.no_grad():
-        out, lse = split_ops._forward(*inputs, opts, contiguous_out=True)
-        grads = Grads(torch.zeros_like(out), None, out, lse)
-        split_ops.backward_in_op_layouts(grads, inputs, opts)
-        buffer = inputs.q.new_zeros(2, *grads_shape(inputs.q, inputs.k, inputs.depth_k))
-        for add in (False, True):  # a depth stream's gradient buffer (chain.py), written first, then added to
-            split_ops.backward_into(grads, inputs, opts, Into(buffer, add))
-        for addend in (None, buffer):  # the traced ops' form: a fresh buffer, plus the later readers' or not
-            split_ops.backward_add(grads, inputs, opts, Addend(addend))
+        # the ops' launches (CAPTURED), and an eager call's (EAGER), which a graph captured by hand may hold
+        for route in (split_ops.CAPTURED, split_ops.EAGER):
+            out, lse = split_ops._forward(*inputs, opts, contiguous_out=True, route=route)
+            grads = Grads(torch.zeros_like(out), None, out, lse)
+            split_ops.backward_in_op_layouts(grads, inputs, opts, route)
+            buffer = inputs.q.new_zeros(2, *grads_shape(inputs.q, inputs.k, inputs.depth_k))
+            for add in (False, True):  # a depth stream's gradient buffer (chain.py), written first, then added to
+                split_ops.backward_into(grads, inputs, opts, Into(buffer, add), route)
+            for addend in (None, buffer):  # the traced ops' form: a fresh buffer, plus the later readers' or not
+                split_ops.backward_add(grads, inputs, opts, Addend(addend), route)
     _PREPARED.add(key)
 
 
 def _forward(inputs: Inputs, opts: Options) -> tuple[Tensor, Tensor]:
     """out (B, Hq, Tq, D) contiguous and lse (B, Hq, Tq) float32, by the kernel of :func:`kernel_now`."""
     if kernel_now(inputs.q.device) == "split":
-        out, lse = split_ops._forward(*inputs, opts, contiguous_out=True)
+        out, lse = split_ops._forward(*inputs, opts, contiguous_out=True, route=split_ops.CAPTURED)
         return out, sequence.lse_view(lse)
     prepare_capture(inputs, opts)
     return fused_ops._run_forward(*fused_records(inputs, opts))
@@ -121,14 +123,14 @@ def _backward(grads: Grads, inputs: Inputs, opts: Options) -> tuple[Tensor, ...]
     """dq, dk, dv, contiguous, and the depth gradients, two (B, Hk, Tq, L, D) tensors, from the forward's out
     and its lse (B, Hq, Tq), by the kernel of :func:`kernel_now`."""
     if kernel_now(inputs.q.device) == "split":
-        return split_ops.backward_in_op_layouts(_split_grads(grads, opts), inputs, opts)
+        return split_ops.backward_in_op_layouts(_split_grads(grads, opts), inputs, opts, split_ops.CAPTURED)
     return _fused_backward(grads, inputs, opts)
 
 
 def _backward_into(grads: Grads, inputs: Inputs, opts: Options, into: Into) -> tuple[Tensor, ...]:
     """dq, dk, dv, contiguous, with the depth gradients put into ``into``, by the kernel of :func:`kernel_now`."""
     if kernel_now(inputs.q.device) == "split":
-        return split_ops.backward_into(_split_grads(grads, opts), inputs, opts, into)
+        return split_ops.backward_into(_split_grads(grads, opts), inputs, opts, into, split_ops.CAPTURED)
     return _fused_backward(grads, inputs, opts, into=into.depth_grads, add=into.add)[:3]
 
 
@@ -136,7 +138,7 @@ def _backward_add(grads: Grads, inputs: Inputs, opts: Options, addend: Addend) -
     """dq, dk, dv, contiguous, and a fresh buffer, the depth gradients plus ``addend``, by the kernel of
     :func:`kernel_now`."""
     if kernel_now(inputs.q.device) == "split":
-        return split_ops.backward_add(_split_grads(grads, opts), inputs, opts, addend)
+        return split_ops.backward_add(_split_grads(grads, opts), inputs, opts, addend, split_ops.CAPTURED)
     return _fused_backward_add(grads, inputs, opts, addend)
 
 

@@ -16,18 +16,19 @@ addresses made on the device would not keep the entries alive: inductor
 frees a buffer after the last kernel that takes it. So the entries are the
 kernel's own arguments, in one of two ways:
 
-- the fused kernels take each entry as a pointer argument of its own, up to
-  :data:`.slot_pointers.SLOT_ARGS` a side (:func:`pointer_depth`, ``SLOTS``
-  3), and write their addresses into a table each program reads: the
-  entries are read where they lie, no copy;
-- the split path's kernels, and depth beyond that, take one (B, Hk, Tq, L, D)
-  slab a side, read by slot stride (``SLOTS`` 2): a slab input as it lies,
-  entries stacked into one inside the op's body (:func:`slab_depth`, one
-  launch of :mod:`.stack_kernel` for both sides' first 32 entries). The copy
-  costs ``L`` entries of memory traffic a call. The stack lives only while
-  the op's kernels read it: the op keeps the entries for its backward, whose
-  body stacks them again (a model's layers would otherwise hold a stack
-  each, memory that grows as the square of the depth).
+- the kernels of both backends take each entry as a pointer argument of its
+  own, up to :data:`.slot_pointers.SLOT_ARGS` a side (:func:`pointer_depth`,
+  ``SLOTS`` 3), and write their addresses into a table each program reads:
+  the entries are read where they lie, no copy;
+- depth beyond that (more entries, or entries a kernel cannot load 16 bytes
+  at a time) comes as one (B, Hk, Tq, L, D) slab a side, read by slot stride
+  (``SLOTS`` 2): a slab input as it lies, entries stacked into one inside
+  the op's body (:func:`slab_depth`, one launch of :mod:`.stack_kernel` for
+  both sides' first 32 entries). The copy costs ``L`` entries of memory
+  traffic a call. The stack lives only while the op's kernels read it: the
+  op keeps the entries for its backward, whose body stacks them again (a
+  model's layers would otherwise hold a stack each, memory that grows as
+  the square of the depth).
 
 Neither holds a host address, which makes the ops safe to capture in CUDA graphs.
 """

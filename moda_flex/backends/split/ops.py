@@ -27,6 +27,7 @@ takes it as it is, the vendor's backward through two extra head lanes
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, NamedTuple, Optional
 
@@ -42,7 +43,7 @@ from ..grad_sides import side_arguments
 from ..launcher import launch
 from ..records import ATTENTION, Written, define, define_traced, define_traced_pair, restored, saved, unpack
 from ..slots import depth_args
-from ..traced import launch_flat, slab_depth, traceable
+from ..traced import launch_flat, pointer_depth, traceable
 from . import sequence
 
 _LOG2E = math.log2(math.e)
@@ -88,7 +89,8 @@ class Options(NamedTuple):
 
 
 class Route(NamedTuple):
-    """How a call reaches its kernels: what the eager ops do (:data:`EAGER`), or a traced op (:data:`TRACED`)."""
+    """How a call reaches its kernels: what the eager ops do (:data:`EAGER`), a traced op (:data:`TRACED`), or
+    an op that runs while a CUDA graph is captured (:data:`CAPTURED`)."""
 
     depth: Callable  # (depth_k, depth_v, L, device) -> (the kernels' depth arguments, the tensors to hold)
     launch: Callable  # (kernel, grid, device, **arguments) launches the kernel
@@ -348,9 +350,9 @@ def backward_in_op_layouts(grads: Grads, inputs: Inputs, opts: Options, route: R
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), ddk, ddv
 
 
-def backward_into(grads: Grads, inputs: Inputs, opts: Options, into: Into):
+def backward_into(grads: Grads, inputs: Inputs, opts: Options, into: Into, route: Route = EAGER):
     """dq, dk, dv, contiguous, with the depth gradients put into ``into``."""
-    dq, dk, dv, _, _ = _backward_without_dispatch(grads, inputs, opts, into)
+    dq, dk, dv, _, _ = _backward_without_dispatch(grads, inputs, opts, into, route)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
@@ -431,7 +433,14 @@ def _launch_traced(kernel, grid: tuple, device: torch.device, wrap=wrap_triton, 
     launch_flat(FLAT[kernel], grid, wrap, **arguments)
 
 
-TRACED = Route(slab_depth, _launch_traced)
+def _launched_by_triton(wrapper):
+    return wrapper
+
+
+TRACED = Route(pointer_depth, _launch_traced)
+# The same launches made by Triton, for the ops that run while a CUDA graph is captured (:mod:`..capture`):
+# no address table copied from the host, a copy the graph would replay at every step.
+CAPTURED = Route(pointer_depth, functools.partial(_launch_traced, wrap=_launched_by_triton))
 
 
 def _traced_forward_body(inputs: Inputs, opts: Options):
@@ -504,8 +513,8 @@ def split_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: T
         out (B, Hq, Tq, D) and lse (B, Hq, Tq) float32, natural log; both
         differentiable. The NaN rule of :mod:`moda_flex.nonfinite` holds.
         Under ``torch.compile`` on CUDA (static shapes) the compiled graph
-        launches the kernels itself, the entries stacked into one slab a
-        side inside the op (:mod:`moda_flex.backends.traced`).
+        launches the kernels itself, each entry one of the depth kernels'
+        own pointer arguments (:mod:`moda_flex.backends.traced`).
     """
     depth_k, depth_v = as_list(depth_k), as_list(depth_v)
     opts = call_options(q, k, slot_count(depth_k), variant, scale)
