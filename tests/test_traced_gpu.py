@@ -50,18 +50,18 @@ _CAPTURE = ("moda_flex.capture_forward.default", "moda_flex.capture_backward.def
 @pytest.mark.parametrize(
     "backend, mode, kernels, opaque",
     [
-        ("triton", "default", _FUSED,  # the entries passed to the kernels as they lie: no stack kernel
+        ("triton", "default", _FUSED,
          ("moda_flex.triton_forward.default", "moda_flex.triton_backward.default", "stack_kernel")),
         ("split", "default", ("sanitize_kv_flat", "depth_forward_token_flat", "prepare_backward_flat",
-                              "depth_backward_token_flat", "stack_kernel"),
-         ("moda_flex.split_forward.default", "moda_flex.split_backward.default")),
+                              "depth_backward_token_flat"),
+         ("moda_flex.split_forward.default", "moda_flex.split_backward.default", "stack_kernel")),
         ("auto", "default", _FUSED, (*_CAPTURE, "stack_kernel")),
         ("auto", "reduce-overhead", _CAPTURE, _FUSED),  # a CUDA graph: the ops that choose at capture
     ],
 )  # fmt: skip
 def test_a_compiled_call_launches_the_kernels_from_its_graph(backend, mode, kernels, opaque):
-    """The generated code launches the flat kernels itself and does not call the eager ops (the split path
-    stacks the entries, the fused kernels take them as they lie); ``auto`` does so unless the graph runs as a
+    """The generated code launches the flat kernels itself and does not call the eager ops (the kernels of
+    both backends take the entries as they lie: no stack kernel); ``auto`` does so unless the graph runs as a
     CUDA graph, where it calls its opaque ops."""
     from torch._inductor.utils import run_and_get_code
 
