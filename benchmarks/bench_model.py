@@ -28,6 +28,7 @@ Usage::
     python benchmarks/bench_model.py --shape table6 --modes compiled --arms none,attn+ffn
     python benchmarks/bench_model.py --shape table6 --arms attn+ffn --backend split   # MoDA's layers on one backend
     python benchmarks/bench_model.py --shape table6 --modes compiled --arms none,attn --backend auto,triton --rounds 3
+    python benchmarks/bench_model.py --shape table6 --modes compiled --arms none,attn+ffn --launchers triton,static --rounds 3
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ SHAPES = {
 }
 ARMS = ("none", "attn", "attn+ffn")
 MODES = ("eager", "compiled", "reduce-overhead")
+LAUNCHERS = ("triton", "static")
 
 
 # What a kernel's name says it computes, first match wins: the vendor's attention (the sequence part, and all
@@ -106,16 +108,20 @@ def depth_reads(config: GPTConfig) -> int:
 
 
 class Case(NamedTuple):
-    """One row: a model (``arm``: its depth_kv), how it runs, how its entries get their gradients, its backend."""
+    """One row: a model (``arm``: its depth_kv), how it runs, how its entries get their gradients, its backend,
+    and which launcher inductor's code launches our kernels through (``triton``'s own, or ``static``:
+    inductor's static launcher, which it uses for its own kernels)."""
 
     arm: str
     mode: str
     how: str
     backend: str
+    launcher: str = "triton"
 
     @property
     def name(self) -> str:
         extras = [x for x in (self.how, self.backend) if x != "auto"]
+        extras += ["static launcher"] if self.launcher == "static" else []
         return ", ".join([self.arm, *extras])
 
     def config(self, shape: dict) -> GPTConfig:
@@ -146,8 +152,10 @@ def prepare(case: Case, shape: dict, warmup: int) -> Callable[[], None]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    for _ in range(warmup):
-        step()
+    # compiled in the warm-up: the launcher is the setting inductor's code generation reads
+    with torch._inductor.config.patch(static_launch_user_defined_triton_kernels=case.launcher == "static"):
+        for _ in range(warmup):
+            step()
     torch.cuda.synchronize()
     return step
 
@@ -256,14 +264,21 @@ def main(argv=None) -> None:
     p.add_argument("--backend", default="auto",
                    help=f"comma-separated moda_attention backends for MoDA's layers, from {', '.join(BACKENDS)}: "
                         "a row of each")  # fmt: skip
+    p.add_argument("--launchers", default="triton",
+                   help="comma-separated, from triton (Triton's launcher for our kernels, inductor's default) and "
+                        "static (inductor's static launcher, as for its own kernels): a row of MoDA for each; "
+                        "with --rounds, one process times both")  # fmt: skip
     p.add_argument("--rounds", type=cli.at_least(1), default=1,
                    help="above 1: every row compiled first, then the rows timed in turn, a share of the steps a "
                         "round (drift of the host or the GPU then falls on every row alike)")  # fmt: skip
     args = p.parse_args(argv)
-    backends = args.backend.split(",")
+    backends, launchers = args.backend.split(","), args.launchers.split(",")
     for name in backends:
         if name not in BACKENDS:
             p.error(f"--backend {name!r}: expected one of {', '.join(BACKENDS)}")
+    for name in launchers:
+        if name not in LAUNCHERS:
+            p.error(f"--launchers {name!r}: expected one of {', '.join(LAUNCHERS)}")
     cli.require_cuda(p, "bench_model.py")
     shape = SHAPES[args.shape]
     arms, modes = args.arms.split(","), args.modes.split(",")
@@ -273,10 +288,11 @@ def main(argv=None) -> None:
           f"{shape['config']} B={B} T={T}, bf16, MoDA backend {args.backend}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")  # fmt: skip
 
     # the baseline keeps auto (SDPA), the attention a user compares against
-    cases = [Case(arm, mode, how, backend)
+    cases = [Case(arm, mode, how, backend, launcher)
              for arm in arms for mode in modes
              for how in (["auto"] if arm == "none" else args.entry_gradients.split(","))
-             for backend in (["auto"] if arm == "none" else backends)]  # fmt: skip
+             for backend in (["auto"] if arm == "none" else backends)
+             for launcher in (["triton"] if arm == "none" else launchers)]  # fmt: skip
     timings = {case: [] for case in cases}
     if args.rounds == 1:  # each case compiled, timed and freed in turn
         for case in cases:

@@ -52,3 +52,4 @@ def test_a_rows_chunks_make_one_summary():
 def test_a_rows_name_says_what_differs_from_the_defaults():
     assert Case("attn", "compiled", "auto", "auto").name == "attn"
     assert Case("attn+ffn", "compiled", "buffer", "triton").name == "attn+ffn, buffer, triton"
+    assert Case("attn", "compiled", "auto", "auto", "static").name == "attn, static launcher"
