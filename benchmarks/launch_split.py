@@ -49,7 +49,7 @@ from moda_flex.backends.blocks import cdiv
 from moda_flex.backends.slots import depth_args
 from moda_flex.backends.split import kernels, ops, sequence
 from moda_flex.backends.split.flat import FLAT
-from moda_flex.backends.traced import launch_flat
+from moda_flex.backends.traced import launch_flat, one_pointer_a_side
 
 from bench_call import wall_ms
 
@@ -92,17 +92,18 @@ def _launcher(q: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], causal: b
         lse = torch.empty(lse_s.shape, device=q.device, dtype=torch.float32)  # the vendor's layout
         ls, lo = sequence.lse_view(lse_s), sequence.lse_view(lse)
         arguments = dict(
-            Q=q, OS=out_s, LS=ls, FIRST=first, O=out, LO=lo, DK_TAB=table, DV_TAB=table[L:], **depth,
+            Q=q, OS=out_s, LS=ls, FIRST=first, O=out, LO=lo, **depth,
             sq=q.stride(), sos=out_s.stride(), sls=ls.stride(), so=out.stride(), slo=lo.stride(),
             Hk=Hk, Tq=T, Tk=T, L=L, depth_first=0, qk_scale=scale * ops._LOG2E,
             **options, HAS_SEQ=True, CAUSAL=causal,
         )  # fmt: skip
+        tables = dict(DK_TAB=table, DV_TAB=table[L:])
         if direct:
-            return _binary_launcher(kernel, grid, arguments), out
-        if flat:
-            launch_flat(FLAT[kernel], grid, run, **arguments)
+            return _binary_launcher(kernel, grid, {**arguments, **tables}), out
+        if flat:  # the wrapper takes each side's table as its first pointer argument
+            launch_flat(FLAT[kernel], grid, run, **one_pointer_a_side({**arguments, **tables}))
         else:
-            run(kernel)[grid](**arguments)
+            run(kernel)[grid](**arguments, **tables)
         return out, lse
 
     return launch, table, held

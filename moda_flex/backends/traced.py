@@ -145,8 +145,15 @@ def pointer_depth(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: 
         return dict(DK=_padded(depth_k, size), DV=_padded(depth_v, size), SLOT_PTRS=size, TAB=table,
                     sdk=(*depth_k[0].stride(), 0), sdv=(*depth_v[0].stride(), 0), SLOTS=3), []  # fmt: skip
     arguments, held = slab_depth(depth_k, depth_v, L, device)
+    return one_pointer_a_side(arguments), held
+
+
+def one_pointer_a_side(arguments: dict) -> dict:
+    """Depth arguments that give each side one table or slab (``DK_TAB``, ``DV_TAB``), as a kernel that takes
+    pointer arguments takes them: the first pointer of each side (``SLOT_PTRS`` 1; ``TAB`` unwritten)."""
+    arguments = dict(arguments)
     dk, dv = arguments.pop("DK_TAB"), arguments.pop("DV_TAB")
-    return dict(arguments, DK=_padded([dk], 1), DV=_padded([dv], 1), SLOT_PTRS=1, TAB=dk), held
+    return dict(arguments, DK=_padded([dk], 1), DV=_padded([dv], 1), SLOT_PTRS=1, TAB=dk)
 
 
 def _padded(pointers: list, size: int) -> tuple:
