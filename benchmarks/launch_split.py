@@ -101,7 +101,8 @@ def _launcher(q: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], causal: b
         if direct:
             return _binary_launcher(kernel, grid, {**arguments, **tables}), out
         if flat:  # the wrapper takes each side's table as its first pointer argument
-            launch_flat(FLAT[kernel], grid, run, **one_pointer_a_side({**arguments, **tables}))
+            wrapper, constants = FLAT[kernel]
+            launch_flat(wrapper, grid, run, **constants, **one_pointer_a_side({**arguments, **tables}))
         else:
             run(kernel)[grid](**arguments, **tables)
         return out, lse

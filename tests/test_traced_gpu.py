@@ -52,8 +52,8 @@ _CAPTURE = ("moda_flex.capture_forward.default", "moda_flex.capture_backward.def
     [
         ("triton", "default", _FUSED,
          ("moda_flex.triton_forward.default", "moda_flex.triton_backward.default", "stack_kernel")),
-        ("split", "default", ("sanitize_kv_flat", "depth_forward_token_flat", "prepare_backward_flat",
-                              "depth_backward_token_flat"),
+        ("split", "default", ("sanitize_kv_flat", "depth_forward_flat", "prepare_backward_flat",
+                              "depth_backward_flat"),
          ("moda_flex.split_forward.default", "moda_flex.split_backward.default", "stack_kernel")),
         ("auto", "default", _FUSED, (*_CAPTURE, "stack_kernel")),
         ("auto", "reduce-overhead", _CAPTURE, _FUSED),  # a CUDA graph: the ops that choose at capture
@@ -115,7 +115,7 @@ def test_a_checkpointed_model_compiles_and_matches_eager():
     _compiled_model_matches_eager(n_embd=128, n_head=4, n_layer=3, backend="triton", checkpoint=True)
 
 
-@pytest.mark.parametrize("backend, kernel", [("auto", "dq_flat"), ("split", "depth_backward_token_flat")])
+@pytest.mark.parametrize("backend, kernel", [("auto", "dq_flat"), ("split", "depth_backward_flat")])
 def test_a_compiled_model_sums_its_entries_gradients_in_one_buffer(backend, kernel, monkeypatch):
     """By default a compiled model's stream carries a gradient buffer (moda_flex.backends.chain) that the
     traced ops' gradients are added to, whose kernels the graph launches itself (no opaque op): eager's

@@ -430,7 +430,8 @@ def _launch_traced(kernel, grid: tuple, device: torch.device, wrap=wrap_triton, 
     """Launch ``kernel``'s flat wrapper (:mod:`.flat`) through ``wrap``."""
     from .flat import FLAT
 
-    launch_flat(FLAT[kernel], grid, wrap, **arguments)
+    wrapper, constants = FLAT[kernel]
+    launch_flat(wrapper, grid, wrap, **constants, **arguments)
 
 
 def _launched_by_triton(wrapper):
