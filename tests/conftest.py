@@ -1,5 +1,4 @@
-"""Test settings: hypothesis profiles, the Triton interpreter on CPU, the ``gpu`` marker, and work started at
-collection that runs beside the suite.
+"""Test settings: hypothesis profiles, the Triton interpreter on CPU, and the ``gpu`` marker.
 
 Profiles: ``ci`` (default) is derandomized so that a landing never flakes;
 ``dev`` explores more, with fresh random examples and ten times each test's
@@ -40,11 +39,3 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.path.name.endswith("_gpu.py"):
             item.add_marker(pytest.mark.gpu)
-
-
-def pytest_collection_finish(session):
-    """Start the work of collected modules that runs in processes of its own (``start_in_background``: the
-    sm_90 compiles of ``test_kernels_compile.py``), so that it overlaps the rest of the suite."""
-    for module in {item.module for item in session.items if getattr(item, "module", None) is not None}:
-        if hasattr(module, "start_in_background"):
-            module.start_in_background()

@@ -6,7 +6,6 @@ calls that reach each kernel's constexpr branches, both kernel backends and
 the triton backend's Hopper path.
 """
 
-import atexit
 import json
 import os
 import subprocess
@@ -22,27 +21,15 @@ pytest.importorskip("triton")
 PROCESSES = 2
 
 
-_RUNS: list[subprocess.Popen] = []
-
-
-def start_in_background() -> None:
-    """Start the compile processes, once. ``conftest.py`` calls this when the module's tests are collected, so
-    that the compiles run beside the tests before them, on the core the interpreter leaves."""
-    if _RUNS:
-        return
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("compile_sm90.py")
-    _RUNS.extend(subprocess.Popen([sys.executable, str(script), str(index), str(PROCESSES)], env=env, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for index in range(PROCESSES))  # fmt: skip
-    atexit.register(lambda: [run.kill() for run in _RUNS if run.poll() is None])  # a session stopped early
-
-
 @pytest.fixture(scope="module")
 def compiled() -> dict:
     """Each case's kernels, with their scalar 16-bit global loads, as ``tests/compile_sm90.py`` prints them."""
-    start_in_background()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("compile_sm90.py")
+    runs = [subprocess.Popen([sys.executable, str(script), str(index), str(PROCESSES)], env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for index in range(PROCESSES)]  # fmt: skip
     cases = {}
-    for run in _RUNS:
+    for run in runs:
         stdout, stderr = run.communicate(timeout=600)
         assert run.returncode == 0, stdout + stderr[-4000:]
         cases.update((case["case"], case["kernels"]) for case in map(json.loads, stdout.splitlines()))
