@@ -120,11 +120,20 @@ def _forward(inputs: Inputs, opts: Options) -> tuple[Tensor, Tensor]:
 
 
 def _backward(grads: Grads, inputs: Inputs, opts: Options) -> tuple[Tensor, ...]:
-    """dq, dk, dv, contiguous, and the depth gradients, two (B, Hk, Tq, L, D) tensors, from the forward's out
-    and its lse (B, Hq, Tq), by the kernel of :func:`kernel_now`."""
+    """dq in two parts (:func:`summed_dq` adds them), dk, dv, contiguous, and the depth gradients, two
+    (B, Hk, Tq, L, D) tensors, from the forward's out and its lse (B, Hq, Tq), by the kernel of
+    :func:`kernel_now`."""
     if kernel_now(inputs.q.device) == "split":
-        return split_ops.backward_in_op_layouts(_split_grads(grads, opts), inputs, opts, split_ops.CAPTURED)
-    return _fused_backward(grads, inputs, opts)
+        return split_ops.backward_in_op_layouts(_split_grads(grads, opts), inputs, opts, split_ops.CAPTURED,
+                                                dq_apart=True)  # fmt: skip
+    dq, *rest = _fused_backward(grads, inputs, opts)
+    return dq, torch.zeros_like(dq), *rest
+
+
+def summed_dq(results: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """A backward op's results with dq's two parts added: traced, the sum joins the graph's use of dq."""
+    dq, more, *rest = results
+    return dq + more, *rest
 
 
 def _backward_into(grads: Grads, inputs: Inputs, opts: Options, into: Into) -> tuple[Tensor, ...]:
@@ -135,11 +144,13 @@ def _backward_into(grads: Grads, inputs: Inputs, opts: Options, into: Into) -> t
 
 
 def _backward_add(grads: Grads, inputs: Inputs, opts: Options, addend: Addend) -> tuple[Tensor, ...]:
-    """dq, dk, dv, contiguous, and a fresh buffer, the depth gradients plus ``addend``, by the kernel of
-    :func:`kernel_now`."""
+    """dq in two parts (:func:`summed_dq`), dk, dv, contiguous, and a fresh buffer, the depth gradients plus
+    ``addend``, by the kernel of :func:`kernel_now`."""
     if kernel_now(inputs.q.device) == "split":
-        return split_ops.backward_add(_split_grads(grads, opts), inputs, opts, addend, split_ops.CAPTURED)
-    return _fused_backward_add(grads, inputs, opts, addend)
+        return split_ops.backward_add(_split_grads(grads, opts), inputs, opts, addend, split_ops.CAPTURED,
+                                      dq_apart=True)  # fmt: skip
+    dq, *rest = _fused_backward_add(grads, inputs, opts, addend)
+    return dq, torch.zeros_like(dq), *rest
 
 
 def _split_grads(grads: Grads, opts: Options) -> Grads:
@@ -177,16 +188,17 @@ def _outputs(inputs: Inputs, opts: Options) -> tuple[Tensor, Tensor]:
 
 
 define("capture_forward", Inputs, Options, returns=2, run=_forward, fake=_outputs)
-define("capture_backward", Grads, Inputs, Options, returns=5, run=_backward, fake=split_ops.gradients_unwritten)
+define("capture_backward", Grads, Inputs, Options, returns=6, run=_backward,
+       fake=functools.partial(split_ops.gradients_unwritten, dq_apart=True))  # fmt: skip
 define("capture_backward_into", Grads, Inputs, Options, Into, returns=3, run=_backward_into,
        fake=lambda grads, inputs, opts, into: split_ops.gradients_unwritten(grads, inputs, opts)[:3])  # fmt: skip
-define("capture_backward_add", Grads, Inputs, Options, Addend, returns=4, run=_backward_add,
-       fake=lambda grads, inputs, opts, addend: (*split_ops.gradients_unwritten(grads, inputs, opts)[:3],
+define("capture_backward_add", Grads, Inputs, Options, Addend, returns=5, run=_backward_add,
+       fake=lambda grads, inputs, opts, addend: (*split_ops.gradients_unwritten(grads, inputs, opts, True)[:4],
                                                  split_ops.fresh_buffer(inputs, addend)))  # fmt: skip
 
 
 def _backward_by_op(grads: Grads, inputs: Inputs, opts: Options):
-    return torch.ops.moda_flex.capture_backward(*grads, *inputs, *opts)
+    return summed_dq(torch.ops.moda_flex.capture_backward(*grads, *inputs, *opts))
 
 
 def _setup_context(ctx, inputs, output):
@@ -220,7 +232,7 @@ def _traced_forward_body(inputs: Inputs, opts: Options):
 
 def _traced_backward_body(grads: Grads, inputs: Inputs, opts: Options):
     if graphs_captured():
-        return torch.ops.moda_flex.capture_backward(*grads, *inputs, *opts)
+        return summed_dq(torch.ops.moda_flex.capture_backward(*grads, *inputs, *opts))
     return _fused_backward(grads, inputs, opts, run_backward=functools.partial(fused_launch.backward,
                                                                                route=fused_traced.TRACED))
 
@@ -234,7 +246,7 @@ traced_forward, traced_backward = define_traced_pair(
 
 def _traced_backward_add_body(grads: Grads, inputs: Inputs, opts: Options, addend: Addend):
     if graphs_captured():
-        return torch.ops.moda_flex.capture_backward_add(*grads, *inputs, *opts, *addend)
+        return summed_dq(torch.ops.moda_flex.capture_backward_add(*grads, *inputs, *opts, *addend))
     return _fused_backward_add(grads, inputs, opts, addend, run_backward=functools.partial(
         fused_launch.backward, route=fused_traced.TRACED))  # fmt: skip
 

@@ -27,8 +27,11 @@ values with non-finite vectors zeroed (:func:`_sanitize_kv_kernel`, which
 also records the first such token of each KV head), and the depth kernel
 marks the rows that *see* one: their output and lse are NaN. In the
 backward such a dead row gets ``q = o = dO = 0`` and ``lse = +inf``
-(:func:`_prepare_backward_kernel`), so its p is zero and it sends no
-gradient, in the vendor's backward as in the depth kernel's.
+(:func:`_silenced`), so its p is zero and it sends no gradient, in the
+vendor's backward as in the depth kernel's. The depth backward runs first:
+it reads q, o, dO and the lse anyway, so it writes the silenced copies (and
+the keys and values, sanitized) that the vendor's backward then reads, and
+its dq goes apart, for the caller to add to the vendor's.
 
 Strides arrive as one tuple per tensor, in its axis order: ``sq`` is
 ``q.stride()``, ``sgk`` a depth gradient's (b, h, t, l, d). The depth slots
@@ -222,37 +225,27 @@ def _depth_forward_kernel(
 
 
 @triton.jit
-def _prepare_backward_kernel(
-    Q, O, DO, LSE, QC, OC, DOC, LSEC, K, V, KO, VO,
-    sq, so, sdo, sl, sqc, soc, sdoc, slc, sk, sv, sko,
-    Hq, Tq, Hk, Tk, row_heads,
-    D: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    DP: tl.constexpr,
-    SANITIZE_KV: tl.constexpr,
-):  # fmt: skip
-    """The backward's inputs with dead rows (lse = NaN) silenced: q with non-finite entries zeroed, a dead
-    row's o and dO zeroed and its lse +inf, so that its p is zero and every product it enters is exact; and
-    with ``SANITIZE_KV``, the keys and values the vendor's backward reads, as :func:`_sanitize_kv_kernel`
-    gives them (one launch for both: grid axis 1 is the ``row_heads = B * Hq`` query heads, then the
-    B * Hk KV heads)."""
-    bh = tl.program_id(1)
-    if bh < row_heads:
-        b, h, t, d, t_ok, live = _token_block(bh, Hq, Tq, BLOCK_T, D, DP)
-        lse = tl.load(LSE + b * sl[0] + h * sl[1] + t * sl[2], mask=t_ok, other=0.0)
-        dead = lse != lse
-        q = tl.load(Q + b * sq[0] + h * sq[1] + t[:, None] * sq[2] + d[None, :], mask=live, other=0.0)
-        o = tl.load(O + b * so[0] + h * so[1] + t[:, None] * so[2] + d[None, :], mask=live, other=0.0)
-        do = tl.load(DO + b * sdo[0] + h * sdo[1] + t[:, None] * sdo[2] + d[None, :], mask=live, other=0.0)
-        tl.store(QC + b * sqc[0] + h * sqc[1] + t[:, None] * sqc[2] + d[None, :], tl.where(_finite(q), q, 0.0),
-                 mask=live)  # fmt: skip
-        tl.store(OC + b * soc[0] + h * soc[1] + t[:, None] * soc[2] + d[None, :], tl.where(dead[:, None], 0.0, o),
-                 mask=live)  # fmt: skip
-        tl.store(DOC + b * sdoc[0] + h * sdoc[1] + t[:, None] * sdoc[2] + d[None, :],
-                 tl.where(dead[:, None], 0.0, do), mask=live)  # fmt: skip
-        tl.store(LSEC + b * slc[0] + h * slc[1] + t * slc[2], tl.where(dead, float("inf"), lse), mask=t_ok)
-    elif SANITIZE_KV:
-        _sanitize_block(K, V, KO, VO, None, sk, sv, sko, bh - row_heads, Hk, Tk, D, BLOCK_T, DP, False)
+def _silenced(q, o, do, lse, dead_entries):
+    """A backward program's rows under the NaN rule, as both backwards read them: q with non-finite entries
+    zeroed, and a dead row's (lse NaN) o and dO zeroed and its lse +inf. ``dead_entries``: the lse's NaN
+    broadcast to the entries' shape (the caller's, by its layout)."""
+    q = tl.where(_finite(q), q, 0.0)
+    o = tl.where(dead_entries, 0.0, o)
+    do = tl.where(dead_entries, 0.0, do)
+    return q, o, do, tl.where(lse != lse, float("inf"), lse)
+
+
+@triton.jit
+def _copies(q, o, do, lse, QC, OC, DOC, LSEC, K, V, KO, VO, sk, sv, sko, bhk, Hk, Tk, qc_at, oc_at, lsec_at,
+            entries, rows, D: tl.constexpr, BLOCK_T: tl.constexpr, DP: tl.constexpr):  # fmt: skip
+    """What the vendor's backward reads, written by a depth backward program: its rows' silenced q, o, dO
+    and lse (``*_at``: their offsets in the copies; ``OC`` and ``DOC`` share a layout), and the keys and
+    values of its BLOCK_T tokens, sanitized as :func:`_sanitize_kv_kernel` gives them."""
+    tl.store(QC + qc_at, q.to(QC.dtype.element_ty), mask=entries)
+    tl.store(OC + oc_at, o.to(OC.dtype.element_ty), mask=entries)
+    tl.store(DOC + oc_at, do.to(DOC.dtype.element_ty), mask=entries)
+    tl.store(LSEC + lsec_at, lse, mask=rows)
+    _sanitize_block(K, V, KO, VO, None, sk, sv, sko, bhk, Hk, Tk, D, BLOCK_T, DP, False)
 
 
 @triton.jit
@@ -267,28 +260,28 @@ def _store_gradient(ptr, addend, value, mask, ADD: tl.constexpr):
 
 @triton.jit
 def _depth_backward_kernel(
-    Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV, ADK, ADV,
-    sq, sdk, sdv, so, sdo, sl, sgl, sdq, sgk, sgv, sga,
-    Hk, Tq, L, depth_first, scale, qk_scale, DDV_AT, ADV_AT,
+    Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV, ADK, ADV, QC, OC, DOC, LSEC, K, V, KO, VO,
+    sq, sdk, sdv, so, sdo, sl, sgl, sdq, sgk, sgv, sga, sqc, soc, slc, sk, sv, sko,
+    Hk, Tq, Tk, L, depth_first, scale, qk_scale, DDV_AT, ADV_AT,
     G: tl.constexpr,
     GP: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     D: tl.constexpr,
     DP: tl.constexpr,
-    DQ_ADD: tl.constexpr,
     HAS_GLSE: tl.constexpr,
     SLOTS: tl.constexpr,
     DEPTH_ADD: tl.constexpr,
+    COPIES: tl.constexpr,
 ):  # fmt: skip
-    """The depth part's gradients from the merged out and lse of the silenced inputs.
+    """The depth part's gradients from the merged out and lse, the inputs silenced here (:func:`_silenced`).
 
     ``P = exp(scale q . kd - lse)``, ``delta = rowsum(dO * O) - dLSE``,
     ``dS = P (dO . vd - delta)``: writes dK_d, dV_d of every slot (zero for
-    slots before ``depth_first``) and dQ, added in place to the sequence
-    part's ``DQ`` with ``DQ_ADD``. dK_d, dV_d go to ``DDK``, ``DDV`` (strides ``sgk``, ``sgv``; ``DDV`` None:
-    ``DDV_AT`` elements past ``DDK``, one buffer); with ``DEPTH_ADD`` plus what ``ADK``, ``ADV`` hold (strides
-    ``sga``; ``ADV`` None: ``ADV_AT`` past ``ADK``), which may be ``DDK``, ``DDV`` themselves.
+    slots before ``depth_first``) and the depth part's dQ into ``DQ``. dK_d, dV_d go to ``DDK``, ``DDV``
+    (strides ``sgk``, ``sgv``; ``DDV`` None: ``DDV_AT`` elements past ``DDK``, one buffer); with ``DEPTH_ADD``
+    plus what ``ADK``, ``ADV`` hold (strides ``sga``; ``ADV`` None: ``ADV_AT`` past ``ADK``), which may be
+    ``DDK``, ``DDV`` themselves. With ``COPIES`` it writes what the vendor's backward reads (:func:`_copies`).
     """
     R: tl.constexpr = BLOCK_T * GP
     b, hk, bhk, t0, rt, tok, h, row_ok, d, d_ok = _program_rows(Hk, Tq, G, GP, BLOCK_T, D, DP)
@@ -297,10 +290,17 @@ def _depth_backward_kernel(
     q = tl.load(Q + b * sq[0] + h[:, None] * sq[1] + tok[:, None] * sq[2] + d[None, :], mask=rows2, other=0.0)
     do = tl.load(DO + b * sdo[0] + h[:, None] * sdo[1] + tok[:, None] * sdo[2] + d[None, :], mask=rows2, other=0.0)
     o = tl.load(O + b * so[0] + h[:, None] * so[1] + tok[:, None] * so[2] + d[None, :], mask=rows2, other=0.0)
+    lse = tl.load(LSE + b * sl[0] + h * sl[1] + tok * sl[2], mask=row_ok, other=float("inf"))
+    q, o, do, lse = _silenced(q, o, do, lse, (lse != lse)[:, None])
+    if COPIES:
+        _copies(q, o, do, lse, QC, OC, DOC, LSEC, K, V, KO, VO, sk, sv, sko, bhk, Hk, Tk,
+                b * sqc[0] + h[:, None] * sqc[1] + tok[:, None] * sqc[2] + d[None, :],
+                b * soc[0] + h[:, None] * soc[1] + tok[:, None] * soc[2] + d[None, :],
+                b * slc[0] + h * slc[1] + tok * slc[2], rows2, row_ok, D, BLOCK_T, DP)  # fmt: skip
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     if HAS_GLSE:  # d lse / d s = p: the lse's gradient enters as delta does, with the opposite sign
         delta -= tl.load(GLSE + b * sgl[0] + h * sgl[1] + tok * sgl[2], mask=row_ok, other=0.0)
-    lse = tl.load(LSE + b * sl[0] + h * sl[1] + tok * sl[2], mask=row_ok, other=float("inf")) * _LOG2E
+    lse = lse * _LOG2E
     dq = tl.zeros((R, DP), tl.float32)
 
     DDV, ADV = second_side(DDK, DDV, DDV_AT), second_side(ADK, ADV, ADV_AT)
@@ -335,10 +335,8 @@ def _depth_backward_kernel(
                         out, DEPTH_ADD)  # fmt: skip
 
     dq = dq * scale
-    dq_ptr = DQ + b * sdq[0] + h[:, None] * sdq[1] + tok[:, None] * sdq[2] + d[None, :]
-    if DQ_ADD:
-        dq += tl.load(dq_ptr, mask=rows2, other=0.0).to(tl.float32)
-    tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), mask=rows2)
+    tl.store(DQ + b * sdq[0] + h[:, None] * sdq[1] + tok[:, None] * sdq[2] + d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=rows2)  # fmt: skip
 
 
 # ---- Per-token products: the depth part on the CUDA cores, for small G --------------------------------------
@@ -463,18 +461,18 @@ def _depth_forward_token_kernel(
 
 @triton.jit
 def _depth_backward_token_kernel(
-    Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV, ADK, ADV,
-    sq, sdk, sdv, so, sdo, sl, sgl, sdq, sgk, sgv, sga,
-    Hk, Tq, L, depth_first, scale, qk_scale, DDV_AT, ADV_AT,
+    Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV, ADK, ADV, QC, OC, DOC, LSEC, K, V, KO, VO,
+    sq, sdk, sdv, so, sdo, sl, sgl, sdq, sgk, sgv, sga, sqc, soc, slc, sk, sv, sko,
+    Hk, Tq, Tk, L, depth_first, scale, qk_scale, DDV_AT, ADV_AT,
     G: tl.constexpr,
     GP: tl.constexpr,
     BLOCK_T: tl.constexpr,
     D: tl.constexpr,
     DP: tl.constexpr,
-    DQ_ADD: tl.constexpr,
     HAS_GLSE: tl.constexpr,
     SLOTS: tl.constexpr,
     DEPTH_ADD: tl.constexpr,
+    COPIES: tl.constexpr,
 ):  # fmt: skip
     """:func:`_depth_backward_kernel`'s gradients, a token's rows against its own slots on the CUDA cores.
 
@@ -483,12 +481,21 @@ def _depth_backward_token_kernel(
     """
     b, hk, bhk, t, h, d, rows, rows3, slot_live = _token_rows(Hk, Tq, G, GP, BLOCK_T, D, DP)
 
-    q = tl.load(_rows_at(Q, sq, b, h, t, d), mask=rows3, other=0.0).to(tl.float32)
-    do = tl.load(_rows_at(DO, sdo, b, h, t, d), mask=rows3, other=0.0).to(tl.float32)
-    delta = tl.sum(do * tl.load(_rows_at(O, so, b, h, t, d), mask=rows3, other=0.0).to(tl.float32), 2)
+    q = tl.load(_rows_at(Q, sq, b, h, t, d), mask=rows3, other=0.0)
+    do = tl.load(_rows_at(DO, sdo, b, h, t, d), mask=rows3, other=0.0)
+    o = tl.load(_rows_at(O, so, b, h, t, d), mask=rows3, other=0.0)
+    lse = tl.load(LSE + b * sl[0] + h[None, :] * sl[1] + t[:, None] * sl[2], mask=rows, other=float("inf"))
+    q, o, do, lse = _silenced(q, o, do, lse, (lse != lse)[:, :, None])
+    if COPIES:
+        _copies(q, o, do, lse, QC, OC, DOC, LSEC, K, V, KO, VO, sk, sv, sko, bhk, Hk, Tk,
+                b * sqc[0] + h[None, :, None] * sqc[1] + t[:, None, None] * sqc[2] + d[None, None, :],
+                b * soc[0] + h[None, :, None] * soc[1] + t[:, None, None] * soc[2] + d[None, None, :],
+                b * slc[0] + h[None, :] * slc[1] + t[:, None] * slc[2], rows3, rows, D, BLOCK_T, DP)  # fmt: skip
+    q, do = q.to(tl.float32), do.to(tl.float32)
+    delta = tl.sum(do * o.to(tl.float32), 2)
     if HAS_GLSE:  # d lse / d s = p: the lse's gradient enters as delta does, with the opposite sign
         delta -= tl.load(GLSE + b * sgl[0] + h[None, :] * sgl[1] + t[:, None] * sgl[2], mask=rows, other=0.0)
-    lse = tl.load(LSE + b * sl[0] + h[None, :] * sl[1] + t[:, None] * sl[2], mask=rows, other=float("inf")) * _LOG2E
+    lse = lse * _LOG2E
     live = lse < float("inf")
     dq = tl.zeros((BLOCK_T, GP, DP), tl.float32)
 
@@ -519,10 +526,7 @@ def _depth_backward_token_kernel(
         _store_gradient(gv + slot * sgv[3], av + slot * sga[3], tl.sum(p[:, :, None] * do, 1), slot_live, DEPTH_ADD)
 
     dq = tl.where(live[:, :, None], dq * scale, 0.0)  # a dead row's products met its non-finite slots
-    dq_ptr = _rows_at(DQ, sdq, b, h, t, d)
-    if DQ_ADD:
-        dq += tl.load(dq_ptr, mask=rows3, other=0.0).to(tl.float32)
-    tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), mask=rows3)
+    tl.store(_rows_at(DQ, sdq, b, h, t, d), dq.to(DQ.dtype.element_ty), mask=rows3)
 
 
 # The depth kernels of each design, by the name ``ops._layout`` gives it.

@@ -78,6 +78,21 @@ class Addend(NamedTuple):
     depth_grads: Optional[Tensor]  # (2, B, Hk, Tq, L, D), any strides, keys' then values'; None: nothing
 
 
+class DqParts(NamedTuple):
+    """dq (B, Hq, Tq, D) of a backward in two parts, the vendor's and the depth kernel's, or one."""
+
+    dq: Tensor
+    more: Optional[Tensor]  # added to dq; None: dq is whole
+
+    def summed(self) -> Tensor:
+        return self.dq if self.more is None else self.dq.add_(self.more)
+
+    def apart(self) -> tuple[Tensor, Tensor]:
+        """The two parts, contiguous, as an op that leaves their sum to its caller returns them (zeros for a
+        missing second)."""
+        return self.dq.contiguous(), torch.zeros_like(self.dq) if self.more is None else self.more.contiguous()
+
+
 class Options(NamedTuple):
     """A call's non-tensor arguments, in the order the ops take them."""
 
@@ -216,35 +231,24 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
     return out, lse
 
 
-def _prepared(q: Tensor, out: Tensor, grad_out: Tensor, lse: Tensor, k: Tensor, v: Tensor, sanitize_kv: bool,
-              route: Route):  # fmt: skip
-    """The backward's inputs under the NaN rule, in one launch: q, out, grad_out, lse (the lse in the vendor's
-    layout) with dead rows silenced, and with ``sanitize_kv`` k, v with non-finite vectors zeroed (else None,
-    None)."""
-    from . import kernels
+class Silenced(NamedTuple):
+    """The backward's inputs under the NaN rule, as the vendor's backward reads them (written by the depth
+    backward kernel): dead rows' q, o, dO zeroed and their lse +inf, q's non-finite entries zeroed, and k, v
+    with non-finite vectors zeroed."""
 
-    B, Hq, Tq, D = q.shape
-    Hk, Tk = k.shape[1], k.shape[2]
-    q_c = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    out_c, grad_c, lse_c = torch.empty_like(out), torch.empty_like(out), torch.empty_like(lse)
-    lv, lcv = sequence.lse_view(lse), sequence.lse_view(lse_c)
-    if sanitize_kv:
-        k0 = torch.empty(k.shape, device=k.device, dtype=k.dtype)
-        v0 = torch.empty_like(k0)
-        kv_heads, kv_tokens, sko = B * Hk, Tk, k0.stride()
-    else:  # no key/value programs: the kernel's branch for them is neither launched nor compiled
-        k0 = v0 = None
-        kv_heads, kv_tokens, sko = 0, 0, k.stride()  # sko unread
-    grid = (cdiv(max(Tq, kv_tokens), _BLOCK_T_ELEMENTWISE), B * Hq + kv_heads)
-    route.launch(kernels._prepare_backward_kernel, grid, q.device,
-        Q=q, O=out, DO=grad_out, LSE=lv, QC=q_c, OC=out_c, DOC=grad_c, LSEC=lcv, K=k, V=v, KO=k0, VO=v0,
-        sq=q.stride(), so=out.stride(), sdo=grad_out.stride(), sl=lv.stride(),
-        sqc=q_c.stride(), soc=out_c.stride(), sdoc=grad_c.stride(), slc=lcv.stride(),
-        sk=k.stride(), sv=v.stride(), sko=sko,
-        Hq=Hq, Tq=Tq, Hk=Hk, Tk=Tk, row_heads=B * Hq,
-        D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, next_pow2(D)), SANITIZE_KV=sanitize_kv,
-    )  # fmt: skip
-    return q_c, out_c, grad_c, lse_c, k0, v0
+    q: Tensor
+    out: Tensor
+    grad_out: Tensor
+    lse: Tensor  # the vendor's layout
+    k: Tensor
+    v: Tensor
+
+
+def _silenced_unwritten(q: Tensor, out: Tensor, lse: Tensor, k: Tensor) -> Silenced:
+    """:class:`Silenced`, unwritten: q and k, v contiguous, o and dO in out's layout."""
+    k0 = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+    return Silenced(torch.empty(q.shape, device=q.device, dtype=q.dtype), torch.empty_like(out),
+                    torch.empty_like(out), torch.empty_like(lse), k0, torch.empty_like(k0))  # fmt: skip
 
 
 def _sequence_backward_with_lse(q, k, v, out, grad_out, lse, grad_lse, opts: Options):
@@ -275,12 +279,17 @@ def _sequence_backward_with_lse(q, k, v, out, grad_out, lse, grad_lse, opts: Opt
 def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Options,
               into: Optional[Tensor] = None, add: bool = False, addend: Optional[Tensor] = None,
               route: Route = EAGER):  # fmt: skip
-    """dq (B, Hq, Tq, D), dk, dv (B, Hk, Tk, D), and the depth gradients, two (B, Hk, Tq, L, D) tensors.
+    """dq (B, Hq, Tq, D) as :class:`DqParts`, dk, dv (B, Hk, Tk, D), and the depth gradients, two
+    (B, Hk, Tq, L, D) tensors.
 
-    ``grad_out`` or ``grad_lse`` may be None (no gradient reached that output). dq, dk, dv are in the
-    vendor's layouts (the op makes them contiguous, as its fake says). ``into``: a (2, B, Hk, Tq, L, D)
+    ``grad_out`` or ``grad_lse`` may be None (no gradient reached that output). dq's parts, dk, dv are in
+    the vendor's layouts (the op makes them contiguous, as its fake says). ``into``: a (2, B, Hk, Tq, L, D)
     buffer, any strides, that gets the depth gradients (returned as its halves), plus what it holds with
     ``add``, or plus what ``addend``, a buffer of its shape, holds.
+
+    The depth kernel runs first and writes the silenced inputs the vendor's backward reads
+    (:class:`Silenced`); its dq cannot be added into the vendor's, which comes later and fresh, so the two
+    parts are returned apart: a compiled graph adds them where it reads dq anyway.
     """
     from . import kernels
 
@@ -297,37 +306,38 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
         elif not add:
             ddk.zero_()
             ddv.zero_()
-        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), ddk, ddv
+        return DqParts(q.new_zeros(q.shape), None), k.new_zeros(k.shape), v.new_zeros(v.shape), ddk, ddv
     has_sequence = _has_sequence(k, opts)
-    # the lse says which rows are dead: the keys and values need no first bad token, only zeroing
-    q_c, out_c, grad_c, lse_c, k0, v0 = _prepared(q, out, grad_out, lse, k, v, has_sequence, route)
-    if has_sequence:
-        if grad_lse is None:
-            dq, dk, dv = sequence.backward(opts.kernel, grad_c, q_c, k0, v0, out_c, lse_c, opts.causal, opts.scale)
-        else:
-            dq, dk, dv = _sequence_backward_with_lse(q_c, k0, v0, out_c, grad_c, lse_c, grad_lse, opts)
-        if L == 0:
-            return dq, dk, dv, ddk, ddv
-    else:
-        dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-        dk, dv = k.new_zeros(k.shape), v.new_zeros(v.shape)
-    lv = sequence.lse_view(lse_c)
+    # without a sequence part nothing is written for a vendor: the originals stand in, unread
+    c = _silenced_unwritten(q, out, lse, k) if has_sequence else Silenced(q, out, grad_out, lse, k, v)
+    lv, lcv = sequence.lse_view(lse), sequence.lse_view(c.lse)
     glse = lv if grad_lse is None else sequence.lse_view(grad_lse).float()
+    dq_depth = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     kernel, layout = _depth_kernel(kernels.BACKWARD, _layout(q, Hk, L, True))
-    grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
+    # the programs also cover the keys' tokens past the queries' (a full mask's longer keys), to sanitize them
+    Tk = k.shape[2]
+    grid = (cdiv(max(Tq, Tk if has_sequence else 0), layout["BLOCK_T"]), B * Hk)
     depth, _held = route.depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
     gk, gv, gv_at, sgk, sgv = side_arguments(sides)
     added = _unit_last(addend) if addend is not None else sides  # what the kernel adds to the gradients
     ak, av, av_at, sga, _ = side_arguments(added)
     route.launch(kernel, grid, q.device,
-        Q=q_c, O=out_c, DO=grad_c, LSE=lv, GLSE=glse, DQ=dq, DDK=gk, DDV=gv, ADK=ak, ADV=av, **depth,
-        sq=q_c.stride(), so=out_c.stride(), sdo=grad_c.stride(),
-        sl=lv.stride(), sgl=glse.stride(), sdq=dq.stride(), sgk=sgk, sgv=sgv, sga=sga,
-        Hk=Hk, Tq=Tq, L=L, depth_first=opts.depth_first, scale=opts.scale, qk_scale=opts.scale * _LOG2E,
-        DDV_AT=gv_at, ADV_AT=av_at, **layout, DQ_ADD=has_sequence, HAS_GLSE=grad_lse is not None,
-        DEPTH_ADD=add or addend is not None,
+        Q=q, O=out, DO=grad_out, LSE=lv, GLSE=glse, DQ=dq_depth, DDK=gk, DDV=gv, ADK=ak, ADV=av,
+        QC=c.q, OC=c.out, DOC=c.grad_out, LSEC=lcv, K=k, V=v, KO=c.k, VO=c.v, **depth,
+        sq=q.stride(), so=out.stride(), sdo=grad_out.stride(),
+        sl=lv.stride(), sgl=glse.stride(), sdq=dq_depth.stride(), sgk=sgk, sgv=sgv, sga=sga,
+        sqc=c.q.stride(), soc=c.out.stride(), slc=lcv.stride(), sk=k.stride(), sv=v.stride(), sko=c.k.stride(),
+        Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, scale=opts.scale, qk_scale=opts.scale * _LOG2E,
+        DDV_AT=gv_at, ADV_AT=av_at, **layout, HAS_GLSE=grad_lse is not None, DEPTH_ADD=add or addend is not None,
+        COPIES=has_sequence,
     )  # fmt: skip
-    return dq, dk, dv, ddk, ddv
+    if not has_sequence:
+        return DqParts(dq_depth, None), k.new_zeros(k.shape), v.new_zeros(v.shape), ddk, ddv
+    if grad_lse is None:
+        dq, dk, dv = sequence.backward(opts.kernel, c.grad_out, c.q, c.k, c.v, c.out, c.lse, opts.causal, opts.scale)
+    else:
+        dq, dk, dv = _sequence_backward_with_lse(c.q, c.k, c.v, c.out, c.grad_out, c.lse, grad_lse, opts)
+    return DqParts(dq, dq_depth), dk, dv, ddk, ddv
 
 
 # ---- torch.library ops -------------------------------------------------------------------------
@@ -341,27 +351,36 @@ def _backward_without_dispatch(grads: Grads, inputs: Inputs, opts: Options, into
     return _backward(grads.grad_out, grads.grad_lse, *inputs, grads.out, grads.lse, opts, **depth, route=route)
 
 
-def backward_in_op_layouts(grads: Grads, inputs: Inputs, opts: Options, route: Route = EAGER):
-    """What the backward op returns: dq, dk, dv, contiguous, and the depth gradients as two (B, Hk, Tq, L, D)
-    tensors."""
-    dq, dk, dv, ddk, ddv = _backward_without_dispatch(grads, inputs, opts, route=route)
+def _dq_returned(dq: DqParts, apart: bool) -> tuple[Tensor, ...]:
+    """dq as an op returns it: whole and contiguous, or with ``apart`` its two parts (:meth:`DqParts.apart`),
+    which a compiled caller adds where it reads dq anyway."""
     # the fake's layouts, which inductor checks: a copy only where the vendor's op chose another (the CPU op's
     # gradients are (B, T, H, D) in memory; the lse's gradient slices padded head dims)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous(), ddk, ddv
+    return dq.apart() if apart else (dq.summed().contiguous(),)
+
+
+def backward_in_op_layouts(grads: Grads, inputs: Inputs, opts: Options, route: Route = EAGER,
+                           dq_apart: bool = False):  # fmt: skip
+    """What the backward op returns: dq (two tensors with ``dq_apart``), dk, dv, contiguous, and the depth
+    gradients as two (B, Hk, Tq, L, D) tensors."""
+    dq, dk, dv, ddk, ddv = _backward_without_dispatch(grads, inputs, opts, route=route)
+    return *_dq_returned(dq, dq_apart), dk.contiguous(), dv.contiguous(), ddk, ddv
 
 
 def backward_into(grads: Grads, inputs: Inputs, opts: Options, into: Into, route: Route = EAGER):
     """dq, dk, dv, contiguous, with the depth gradients put into ``into``."""
     dq, dk, dv, _, _ = _backward_without_dispatch(grads, inputs, opts, into, route)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    return dq.summed().contiguous(), dk.contiguous(), dv.contiguous()
 
 
-def backward_add(grads: Grads, inputs: Inputs, opts: Options, addend: Addend, route: Route = EAGER):
-    """dq, dk, dv, contiguous, and a fresh (2, B, Hk, Tq, L, D) buffer: the depth gradients plus ``addend``."""
+def backward_add(grads: Grads, inputs: Inputs, opts: Options, addend: Addend, route: Route = EAGER,
+                 dq_apart: bool = False):  # fmt: skip
+    """dq (two tensors with ``dq_apart``), dk, dv, contiguous, and a fresh (2, B, Hk, Tq, L, D) buffer: the
+    depth gradients plus ``addend``."""
     buffer = fresh_buffer(inputs, addend)
     dq, dk, dv, _, _ = _backward(grads.grad_out, grads.grad_lse, *inputs, grads.out, grads.lse, opts, into=buffer,
                                  addend=addend.depth_grads, route=route)  # fmt: skip
-    return dq.contiguous(), dk.contiguous(), dv.contiguous(), buffer
+    return *_dq_returned(dq, dq_apart), dk.contiguous(), dv.contiguous(), buffer
 
 
 def fresh_buffer(inputs: Inputs, addend: Addend) -> Tensor:
@@ -371,10 +390,11 @@ def fresh_buffer(inputs: Inputs, addend: Addend) -> Tensor:
     return like.new_empty((2, *grads_shape(inputs.q, inputs.k, inputs.depth_k)))
 
 
-def gradients_unwritten(grads: Grads, inputs: Inputs, opts: Options):
+def gradients_unwritten(grads: Grads, inputs: Inputs, opts: Options, dq_apart: bool = False):
     """The backward op's results, unwritten (its fake): :func:`backward_in_op_layouts`'s shapes and layouts."""
     q, k, v, depth_k, _ = inputs
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), *empty_grads(q, k, depth_k))
+    dq = [q.new_empty(q.shape) for _ in range(2 if dq_apart else 1)]  # no two outputs alias
+    return (*dq, k.new_empty(k.shape), v.new_empty(v.shape), *empty_grads(q, k, depth_k))
 
 
 # out (B, Hq, Tq, D) in q's layout and the lse in the vendor's shape (:func:`_forward`)
@@ -467,6 +487,11 @@ def _traced_backward_add_body(grads: Grads, inputs: Inputs, opts: Options, adden
 define_traced("split_traced_backward_add", Grads, Inputs, Options, Addend, returns=4, body=_traced_backward_add_body)
 
 
+def _eager_backward(grads: Grads, inputs: Inputs, opts: Options):
+    dq, *rest = _backward_without_dispatch(grads, inputs, opts)
+    return dq.summed(), *rest
+
+
 class _EagerSplit(torch.autograd.Function):
     """The eager path: the ops' work and autograd's bookkeeping, without the dispatcher's round trips and the
     registered autograd's flattening of 2L depth entries (the call is host-bound at short lengths).
@@ -483,7 +508,7 @@ class _EagerSplit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        grads = _gradients(ctx, grad_out, grad_lse, _backward_without_dispatch)
+        grads = _gradients(ctx, grad_out, grad_lse, _eager_backward)
         if grads is None:
             return (None,) * (5 + sum(ctx.depth_lengths))
         dq, dk, dv, ddk, ddv = grads
