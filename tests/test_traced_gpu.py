@@ -52,7 +52,7 @@ _CAPTURE = ("moda_flex.capture_forward.default", "moda_flex.capture_backward.def
     [
         ("triton", "default", _FUSED,
          ("moda_flex.triton_forward.default", "moda_flex.triton_backward.default", "stack_kernel")),
-        ("split", "default", ("sanitize_kv_flat", "depth_forward_flat", "prepare_backward_flat",
+        ("split", "default", ("sanitize_kv_flat", "depth_forward_flat",
                               "depth_backward_flat"),
          ("moda_flex.split_forward.default", "moda_flex.split_backward.default", "stack_kernel")),
         ("auto", "default", _FUSED, (*_CAPTURE, "stack_kernel")),
