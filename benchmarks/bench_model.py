@@ -71,7 +71,7 @@ LAUNCHERS = ("triton", "static")
 KERNEL_KINDS = (
     ("vendor attention", ("flash", "fmha", "cudnn", "attention")),  # first: FlashAttention has a "convert_dq_kernel"
     ("split depth + merge", ("depth_forward", "depth_backward")),  # the kernels, or their flat wrappers
-    ("split NaN passes", ("sanitize_kv", "prepare_backward")),
+    ("split NaN passes", ("sanitize_kv",)),
     ("fused moda", ("forward_kernel", "dq_kernel", "dkdv_kernel", "forward_flat", "dq_flat", "dkdv_flat")),
     ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "ampere", "sm90")),
     ("inductor", ("triton_poi_", "triton_red_", "triton_per_", "triton_tem_")),

@@ -58,7 +58,7 @@ def launches_stubbed():
     from moda_flex.backends.split import kernels
     from moda_flex.backends.triton import kernels as fused_kernels
 
-    modules = {kernels: ("_sanitize_kv_kernel", "_prepare_backward_kernel"),
+    modules = {kernels: ("_sanitize_kv_kernel",),
                fused_kernels: ("forward_kernel", "dq_kernel", "dkdv_kernel")}  # fmt: skip
     saved = {(module, name): getattr(module, name) for module, names in modules.items() for name in names}
     designs_saved = [dict(kernels.FORWARD), dict(kernels.BACKWARD)]

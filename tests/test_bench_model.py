@@ -17,7 +17,6 @@ from bench_model import Case, kernel_kind, summary, time_split
         ("_depth_backward_kernel", "split depth + merge"),
         ("_depth_forward_token_kernel", "split depth + merge"),
         ("_sanitize_kv_kernel", "split NaN passes"),
-        ("_prepare_backward_kernel", "split NaN passes"),
         ("depth_backward_flat", "split depth + merge"),  # the split path's flat wrappers (split/flat.py)
         ("depth_forward_flat_1", "split depth + merge"),
         ("sanitize_kv_flat", "split NaN passes"),

@@ -140,7 +140,7 @@ def test_host_split_times_both_ways_and_restores_the_kernels(monkeypatch, capsys
     from moda_flex.backends.triton import kernels as fused
 
     def kernels_now():
-        return (kernels._sanitize_kv_kernel, kernels._prepare_backward_kernel, dict(kernels.FORWARD),
+        return (kernels._sanitize_kv_kernel, dict(kernels.FORWARD),
                 dict(kernels.BACKWARD), fused.forward_kernel, fused.dq_kernel, fused.dkdv_kernel)  # fmt: skip
 
     before = kernels_now()

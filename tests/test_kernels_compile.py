@@ -40,7 +40,7 @@ def test_every_kernel_compiles_for_sm90(compiled):
     for case, kernels in compiled.items():
         backend = case.split()[0]
         expected = {"triton": {"forward_kernel", "dq_kernel"}, "hopper": {"forward_kernel", "dq_kernel", "dkdv_kernel"},
-                    "split": {"_prepare_backward_kernel"}}[backend]  # fmt: skip
+                    "split": {"_sanitize_kv_kernel"}}[backend]  # fmt: skip
         assert expected <= set(kernels), (case, kernels)
     every = {kernel for kernels in compiled.values() for kernel in kernels}
     assert {"dkdv_kernel", *DEPTH_READERS} <= every, every

@@ -57,7 +57,9 @@ def _run(inputs, backend, variant, grad_out):
     return out.detach(), lse.detach(), grads
 
 
-def _assert_reaches_only_its_rows(backend, shape, variant, name, index, value, device="cpu", dtype=torch.float32):
+def _assert_reaches_only_its_rows(backend, shape, variant, name, index, value, device="cpu", dtype=torch.float32,
+                                  dead_gradient=0.0):  # fmt: skip
+    """``dead_gradient``: the gradient the rows that see the entry are given (compared with zero's)."""
     inputs = make_inputs(shape, requires_grad=False, seed=1, device=device, dtype=dtype)
     clean = {n: t.clone() for n, t in inputs.items()}
     clean[name][index + (0,)] = 0.0
@@ -67,7 +69,7 @@ def _assert_reaches_only_its_rows(backend, shape, variant, name, index, value, d
     seen = _rows_that_see(name, index, shape, variant).to(device)  # (B, Hq, Tq)
     grad_out = torch.randn(shape.batch, shape.q_heads, shape.q_len, shape.head_dim, device=device, dtype=dtype)
     grad_out[seen] = 0.0  # a NaN row sends no gradient: compare what the others send
-    out, lse, grads = _run(poisoned, backend, variant, grad_out)
+    out, lse, grads = _run(poisoned, backend, variant, grad_out.masked_fill(seen[..., None], dead_gradient))
     ref_out, ref_lse, ref_grads = _run(clean, backend, variant, grad_out)
 
     where = f"{backend}, {variant.name}, {value} at {name}{list(index)}, {shape}"
@@ -156,6 +158,31 @@ def test_triton_named_entries(case):
     pytest.importorskip("triton")
     variant, name, index = MASKED[case] if case in MASKED else (v.full(), "v", (0, 0, 3))
     _assert_reaches_only_its_rows("triton", SHAPE, variant, name, index, float("nan"), device=TRITON_DEVICE)
+
+
+# Entries that kill some rows, at a square shape (the split path's causal mask needs Tq == Tk).
+SQUARE = MoDAShape(batch=1, q_heads=4, kv_heads=2, q_len=7, kv_len=7, slots=3, head_dim=16)
+KILLING = {
+    "k under causal": (v.causal(), "k", (0, 1, 5)),
+    "a token's depth_v": (v.causal(), "depth_v", (0, 0, 2, 1)),
+    "v under full": (v.full(), "v", (0, 0, 3)),
+}
+
+
+@NUMPY_NAN_WARNINGS
+@pytest.mark.parametrize("backend", ["reference", "flex", "triton", "split"])
+@pytest.mark.parametrize("case", sorted(KILLING))
+def test_a_dead_row_given_a_nan_gradient_sends_none(backend, case):
+    """Downstream of a NaN output its gradient is NaN too: the row still sends nothing (the kernels silence it
+    before any product that would spread it)."""
+    variant, name, index = KILLING[case]
+    kernel = backend in ("triton", "split")
+    if kernel:
+        pytest.importorskip("triton")
+    device = TRITON_DEVICE if kernel else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    _assert_reaches_only_its_rows(backend, SQUARE, variant, name, index, float("nan"), device=device, dtype=dtype,
+                                  dead_gradient=float("nan"))  # fmt: skip
 
 
 # Visible entries: in a block the kernels mask (Tk < BLOCK_N), and in one they read unmasked (Tk > BLOCK_N = 16 on CPU).

@@ -296,7 +296,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     q, k, v = (_unit_last(t) for t in (q, k, v))
     B, Hq, Tq, D = q.shape
     Hk, L = k.shape[1], slot_count(depth_k)
-    # dO in any layout: the silencing pass below copies it into out's, which the vendor's backward reads
+    # dO in any layout: the depth kernel copies it, silenced, into out's, which the vendor's backward reads
     grad_out = torch.zeros_like(out) if grad_out is None else _unit_last(grad_out)
     sides = empty_grads(q, k, depth_k) if into is None else into
     ddk, ddv = sides  # a buffer's halves
