@@ -6,8 +6,9 @@ depth part on ours::
 
     forward   (o_s, lse_s) = vendor attention over the sequence        (sequence.py)
               out, lse     = the depth slots folded into (o_s, lse_s)  (one depth kernel: the merge is fused)
-    backward  dq, dk, dv   = the vendor's backward, given the MERGED out and lse
-              dq += depth part's dq (in place); dK_d, dV_d          (one depth kernel)
+    backward  dq_d, dK_d, dV_d, and the inputs silenced under the NaN rule  (one depth kernel, first)
+              dq, dk, dv   = the vendor's backward, given them and the MERGED out and lse
+              dq + dq_d    (by the caller: a compiled graph adds where it reads dq)
 
 The vendor's backward, handed the merged lse, computes ``P = exp(s - lse)``,
 the sequence columns of the one softmax, and ``delta = rowsum(dO * O)`` of
