@@ -277,6 +277,21 @@ def test_an_infinite_depth_slot_kills_the_rows_that_see_it(name, value):
                                       dtype=DTYPES[0])  # fmt: skip
 
 
+@NUMPY_NAN_WARNINGS
+@pytest.mark.parametrize("bad", [64 * 63 + 3, 64 * 64 + 4])
+def test_the_first_bad_key_is_found_past_many_blocks(bad):
+    """The sanitizing pass records each 64-token block's first non-finite key; the depth forward takes the
+    least of the records, 64 a load: a key in the last block of the first load, and one past it."""
+    T = 64 * 64 + 5
+    q, k, v_ = (torch.randn(1, 1, T, 8, device=DEVICE, dtype=DTYPES[0]) for _ in range(3))
+    depth = torch.randn(1, 1, T, 1, 8, device=DEVICE, dtype=DTYPES[0])
+    k[0, 0, bad, 0] = float("nan")
+    with torch.no_grad():
+        out = moda_attention(q, k, v_, depth, depth, variant="causal", backend="split")
+    dead = torch.isnan(out[0, 0]).any(-1)
+    assert dead[bad:].all() and not dead[:bad].any()
+
+
 # ---- auto's choice --------------------------------------------------------------------------------------------
 
 

@@ -43,7 +43,7 @@ def depth_forward_flat(
     DV56, DV57, DV58, DV59, DV60, DV61, DV62, DV63,
     sq0, sq1, sq2, sq3, sdk0, sdk1, sdk2, sdk3, sdk4, sdv0, sdv1, sdv2, sdv3, sdv4, sos0, sos1, sos2, sos3,
     sls0, sls1, sls2, so0, so1, so2, so3, slo0, slo1, slo2,
-    Hk, Tq, Tk, L, depth_first, qk_scale,
+    Hk, Tq, Tk, L, depth_first, qk_scale, first_blocks,
     G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, D: tl.constexpr,
     DP: tl.constexpr, HAS_SEQ: tl.constexpr, CAUSAL: tl.constexpr, SLOTS: tl.constexpr, SLOT_PTRS: tl.constexpr,
     TOKENS: tl.constexpr,
@@ -66,14 +66,14 @@ def depth_forward_flat(
         _depth_forward_token_kernel(
             Q, dk, dv, OS, LS, FIRST, O, LO, (sq0, sq1, sq2, sq3), (sdk0, sdk1, sdk2, sdk3, sdk4),
             (sdv0, sdv1, sdv2, sdv3, sdv4), (sos0, sos1, sos2, sos3), (sls0, sls1, sls2), (so0, so1, so2, so3),
-            (slo0, slo1, slo2), Hk, Tq, Tk, L, depth_first, tl.cast(qk_scale, tl.float32),
+            (slo0, slo1, slo2), Hk, Tq, Tk, L, depth_first, tl.cast(qk_scale, tl.float32), first_blocks,
             G=G, GP=GP, BLOCK_T=BLOCK_T, D=D, DP=DP, HAS_SEQ=HAS_SEQ, CAUSAL=CAUSAL, SLOTS=SLOTS,
         )  # fmt: skip
     else:
         _depth_forward_kernel(
             Q, dk, dv, OS, LS, FIRST, O, LO, (sq0, sq1, sq2, sq3), (sdk0, sdk1, sdk2, sdk3, sdk4),
             (sdv0, sdv1, sdv2, sdv3, sdv4), (sos0, sos1, sos2, sos3), (sls0, sls1, sls2), (so0, so1, so2, so3),
-            (slo0, slo1, slo2), Hk, Tq, Tk, L, depth_first, tl.cast(qk_scale, tl.float32),
+            (slo0, slo1, slo2), Hk, Tq, Tk, L, depth_first, tl.cast(qk_scale, tl.float32), first_blocks,
             G=G, GP=GP, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, D=D, DP=DP, HAS_SEQ=HAS_SEQ, CAUSAL=CAUSAL, SLOTS=SLOTS,
         )  # fmt: skip
 

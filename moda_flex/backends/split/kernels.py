@@ -92,8 +92,9 @@ def _sanitize_kv_kernel(
     BLOCK_T: tl.constexpr,
     DP: tl.constexpr,
 ):  # fmt: skip
-    """k, v (B, Hk, Tk, D) with non-finite vectors zeroed into ``KO``, ``VO`` (contiguous), and ``FIRST[b, hk]``
-    lowered to the first token whose key or value holds a NaN or Inf."""
+    """k, v (B, Hk, Tk, D) with non-finite vectors zeroed into ``KO``, ``VO`` (contiguous), and
+    ``FIRST[b * Hk + hk, block]``, one a program, the first token of its block whose key or value holds a NaN
+    or Inf (Tk: none)."""
     _sanitize_block(K, V, KO, VO, FIRST, sk, sv, so, tl.program_id(1), Hk, Tk, D, BLOCK_T, DP, True)
 
 
@@ -107,7 +108,7 @@ def _sanitize_block(
     DP: tl.constexpr,
     FIND_FIRST: tl.constexpr,
 ):  # fmt: skip
-    """:func:`_sanitize_kv_kernel`'s work for batch and KV head ``bh`` (b * Hk + hk); ``FIRST`` is lowered only
+    """:func:`_sanitize_kv_kernel`'s work for batch and KV head ``bh`` (b * Hk + hk); ``FIRST`` is written only
     with ``FIND_FIRST``."""
     b, hk, t, d, _, live = _token_block(bh, Hk, Tk, BLOCK_T, D, DP)
     k = tl.load(K + b * sk[0] + hk * sk[1] + t[:, None] * sk[2] + d[None, :], mask=live, other=0.0)
@@ -119,7 +120,18 @@ def _sanitize_block(
     tl.store(VO + out, tl.where(v_ok, v, 0.0), mask=live)
     if FIND_FIRST:
         bad = tl.sum((~k_ok | ~v_ok).to(tl.int32), 1) > 0
-        tl.atomic_min(FIRST + bh, tl.min(tl.where(bad, t, Tk), 0))
+        tl.store(FIRST + bh * tl.num_programs(0) + tl.program_id(0), tl.min(tl.where(bad, t, Tk), 0))
+
+
+@triton.jit
+def _first_bad(FIRST, bhk, blocks, Tk):
+    """The first token of KV head ``bhk`` whose key or value holds a NaN or Inf (Tk: none), from the
+    sanitizing pass's ``blocks`` records (:func:`_sanitize_kv_kernel`)."""
+    first = tl.zeros((), tl.int32) + Tk  # a tensor whatever Tk's specialization: the loop carries it
+    for b0 in range(0, blocks, 64):
+        i = b0 + tl.arange(0, 64)
+        first = tl.minimum(first, tl.min(tl.load(FIRST + bhk * blocks + i, mask=i < blocks, other=Tk), 0))
+    return first
 
 
 @triton.jit
@@ -151,7 +163,7 @@ def _slot_tiles(DK_TAB, DV_TAB, slot, L, b, hk, tok, sdk, sdv, d, tile, ELEM: tl
 def _depth_forward_kernel(
     Q, DK_TAB, DV_TAB, OS, LS, FIRST, O, LO,
     sq, sdk, sdv, sos, sls, so, slo,
-    Hk, Tq, Tk, L, depth_first, qk_scale,
+    Hk, Tq, Tk, L, depth_first, qk_scale, first_blocks,
     G: tl.constexpr,
     GP: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -181,7 +193,7 @@ def _depth_forward_kernel(
         acc = tl.load(OS + b * sos[0] + h[:, None] * sos[1] + tok[:, None] * sos[2] + d[None, :], mask=rows2,
                       other=0.0).to(tl.float32)  # fmt: skip
         l_sum = tl.where(m == ninf, 0.0, 1.0)
-        first_bad = tl.load(FIRST + bhk)
+        first_bad = _first_bad(FIRST, bhk, first_blocks, Tk)
         if CAUSAL:  # query i sits at position Tk - Tq + i
             dead |= first_bad <= Tk - Tq + tok
         else:
@@ -389,7 +401,7 @@ def _token_slot(DK_TAB, DV_TAB, slot, L, b, hk, t, d, sdk, sdv, live, ELEM: tl.c
 def _depth_forward_token_kernel(
     Q, DK_TAB, DV_TAB, OS, LS, FIRST, O, LO,
     sq, sdk, sdv, sos, sls, so, slo,
-    Hk, Tq, Tk, L, depth_first, qk_scale,
+    Hk, Tq, Tk, L, depth_first, qk_scale, first_blocks,
     G: tl.constexpr,
     GP: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -412,7 +424,7 @@ def _depth_forward_token_kernel(
         m = tl.load(LS + b * sls[0] + h[None, :] * sls[1] + t[:, None] * sls[2], mask=rows, other=ninf) * _LOG2E
         acc = tl.load(_rows_at(OS, sos, b, h, t, d), mask=rows3, other=0.0).to(tl.float32)
         l_sum = tl.where(m == ninf, 0.0, 1.0)
-        first_bad = tl.load(FIRST + bhk)
+        first_bad = _first_bad(FIRST, bhk, first_blocks, Tk)
         if CAUSAL:  # query i sits at position Tk - Tq + i
             dead |= (first_bad <= Tk - Tq + t)[:, None]
         else:

@@ -171,15 +171,16 @@ def _has_sequence(k: Tensor, opts: Options) -> bool:
 
 
 def _sanitized_kv(k: Tensor, v: Tensor, route: Route) -> tuple[Tensor, Tensor, Tensor]:
-    """k, v (B, Hk, Tk, D) with non-finite vectors zeroed, and the first token holding one, (B, Hk) int32 (Tk:
-    none)."""
+    """k, v (B, Hk, Tk, D) with non-finite vectors zeroed, and the first token holding one in each block of
+    :data:`_BLOCK_T_ELEMENTWISE` tokens, (B * Hk, blocks) int32 (Tk: none), each block's written by its own
+    program: no fill before, no atomics."""
     from . import kernels
 
     B, Hk, Tk, D = k.shape
     k0 = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     v0 = torch.empty_like(k0)
-    first = torch.full((B, Hk), Tk, device=k.device, dtype=torch.int32)
     grid = (cdiv(Tk, _BLOCK_T_ELEMENTWISE), B * Hk)
+    first = torch.empty((B * Hk, grid[0]), device=k.device, dtype=torch.int32)
     route.launch(kernels._sanitize_kv_kernel, grid, k.device,
         K=k, V=v, KO=k0, VO=v0, FIRST=first,
         sk=k.stride(), sv=v.stride(), so=k0.stride(),
@@ -216,7 +217,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
         k0, v0, first = _sanitized_kv(k, v, route)
         out_s, lse_s = sequence.forward(opts.kernel, q, k0, v0, opts.causal, opts.scale)
     else:  # nothing of the sequence is read
-        out_s, lse_s, first = out, lse, lse
+        out_s, lse_s, first = out, lse, lse  # first: unread
     if out.numel() == 0:
         return out, lse
     ls, lo = sequence.lse_view(lse_s), sequence.lse_view(lse)
@@ -224,7 +225,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
     grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
     depth, _held = route.depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
     route.launch(kernel, grid, q.device,
-        Q=q, OS=out_s, LS=ls, FIRST=first, O=out, LO=lo, **depth,
+        Q=q, OS=out_s, LS=ls, FIRST=first, O=out, LO=lo, **depth, first_blocks=first.shape[-1],
         sq=q.stride(), sos=out_s.stride(), sls=ls.stride(), so=out.stride(), slo=lo.stride(),
         Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, qk_scale=opts.scale * _LOG2E,
         **layout, HAS_SEQ=has_sequence, CAUSAL=opts.causal,
