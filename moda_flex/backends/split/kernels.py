@@ -24,7 +24,7 @@ softmax over ``[sequence | depth]``.
 NaN and Inf (the rule of :mod:`moda_flex.nonfinite`): the vendor's kernels
 give a masked key a zero weight, and ``0 * NaN = NaN``, so they get keys and
 values with non-finite vectors zeroed (:func:`_sanitize_kv_kernel`, which
-also records the first such token of each KV head), and the depth kernel
+also records the first such token of each block of a KV head's tokens), and the depth kernel
 marks the rows that *see* one: their output and lse are NaN. In the
 backward such a dead row gets ``q = o = dO = 0`` and ``lse = +inf``
 (:func:`_silenced`), so its p is zero and it sends no gradient, in the
