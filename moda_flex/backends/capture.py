@@ -127,7 +127,7 @@ def _backward(grads: Grads, inputs: Inputs, opts: Options) -> tuple[Tensor, ...]
         return split_ops.backward_in_op_layouts(_split_grads(grads, opts), inputs, opts, split_ops.CAPTURED,
                                                 dq_apart=True)  # fmt: skip
     dq, *rest = _fused_backward(grads, inputs, opts)
-    return dq, torch.zeros_like(dq), *rest
+    return *split_ops.DqParts(dq, None).apart(), *rest
 
 
 def summed_dq(results: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
@@ -150,7 +150,7 @@ def _backward_add(grads: Grads, inputs: Inputs, opts: Options, addend: Addend) -
         return split_ops.backward_add(_split_grads(grads, opts), inputs, opts, addend, split_ops.CAPTURED,
                                       dq_apart=True)  # fmt: skip
     dq, *rest = _fused_backward_add(grads, inputs, opts, addend)
-    return dq, torch.zeros_like(dq), *rest
+    return *split_ops.DqParts(dq, None).apart(), *rest
 
 
 def _split_grads(grads: Grads, opts: Options) -> Grads:
