@@ -398,6 +398,14 @@ def _token_slot(DK_TAB, DV_TAB, slot, L, b, hk, t, d, sdk, sdv, live, ELEM: tl.c
 
 
 @triton.jit
+def _token_addend(ak, av, slot, L, sga, t, live):
+    """What a depth gradient buffer holds at slot ``slot`` of each token (``ak``, ``av``: its slot 0 of the
+    program's (token, lane) entries, ``sga`` its strides), (BLOCK_T, DP) a side; zeros past the last slot."""
+    there = live & ((t * 0 + slot) < L)[:, None]
+    return tl.load(ak + slot * sga[3], mask=there, other=0.0), tl.load(av + slot * sga[3], mask=there, other=0.0)
+
+
+@triton.jit
 def _depth_forward_token_kernel(
     Q, DK_TAB, DV_TAB, OS, LS, FIRST, O, LO,
     sq, sdk, sdv, sos, sls, so, slo,
@@ -521,21 +529,31 @@ def _depth_backward_token_kernel(
         none_seen = tl.zeros((BLOCK_T, DP), tl.float32)
         _store_gradient(gk + slot * sgk[3], ak + slot * sga[3], none_seen, slot_live, DEPTH_ADD)
         _store_gradient(gv + slot * sgv[3], av + slot * sga[3], none_seen, slot_live, DEPTH_ADD)
+    # the next slot's entries (and addend) loaded before this one's products, as in the forward: the addend
+    # loaded beside its store left each step waiting on it (H100, the Table 6 call at L=24: 279 -> 256 us)
     kd_next, vd_next = _token_slot(DK_TAB, DV_TAB, depth_first, L, b, hk, t, d, sdk, sdv, slot_live,
                                    ELEM=Q.dtype.element_ty, SLOTS=SLOTS)  # fmt: skip
-    # the next slot's entries loaded before this one's products, as in the forward
+    if DEPTH_ADD:
+        ak_next, av_next = _token_addend(ak, av, depth_first, L, sga, t, slot_live)
     for slot in range(depth_first, L):
         kd, vd = kd_next.to(tl.float32), vd_next.to(tl.float32)
         kd_next, vd_next = _token_slot(DK_TAB, DV_TAB, slot + 1, L, b, hk, t, d, sdk, sdv, slot_live,
                                        ELEM=Q.dtype.element_ty, SLOTS=SLOTS)  # fmt: skip
+        if DEPTH_ADD:
+            ak_slot, av_slot = ak_next, av_next
+            ak_next, av_next = _token_addend(ak, av, slot + 1, L, sga, t, slot_live)
         s = tl.sum(q * kd[:, None, :], 2) * qk_scale
         p = tl.where(live, tl.math.exp2(s - lse), 0.0)
         dp = tl.sum(do * vd[:, None, :], 2)
         ds = tl.where(live, p * (dp - delta), 0.0)
         dq += ds[:, :, None] * kd[:, None, :]
-        _store_gradient(gk + slot * sgk[3], ak + slot * sga[3], tl.sum(ds[:, :, None] * q, 1) * scale, slot_live,
-                        DEPTH_ADD)  # fmt: skip
-        _store_gradient(gv + slot * sgv[3], av + slot * sga[3], tl.sum(p[:, :, None] * do, 1), slot_live, DEPTH_ADD)
+        ddk = tl.sum(ds[:, :, None] * q, 1) * scale
+        ddv = tl.sum(p[:, :, None] * do, 1)
+        if DEPTH_ADD:  # in float32 before the one rounding, as _store_gradient adds
+            ddk += ak_slot.to(tl.float32)
+            ddv += av_slot.to(tl.float32)
+        tl.store(gk + slot * sgk[3], ddk.to(gk.dtype.element_ty), mask=slot_live)
+        tl.store(gv + slot * sgv[3], ddv.to(gv.dtype.element_ty), mask=slot_live)
 
     dq = tl.where(live[:, :, None], dq * scale, 0.0)  # a dead row's products met its non-finite slots
     tl.store(_rows_at(DQ, sdq, b, h, t, d), dq.to(DQ.dtype.element_ty), mask=rows3)
