@@ -119,8 +119,11 @@ def _per_token_kernels(monkeypatch):
     monkeypatch.setattr(split.ops, "_layout", lambda *args: dict(chosen(*args, design="tokens"), BLOCK_T=4))
 
 
-@pytest.mark.parametrize("slots", [1, 2, 5, 6])
-@pytest.mark.parametrize("variant", [v.causal(), v.depth_window(3), v.depth_only()], ids=lambda x: x.name)
+# a window of 3 slots is the whole depth at 1 or 2 slots: it starts on slot 2 at 5 slots, on slot 3 at 6
+@pytest.mark.parametrize("slots, variant", [
+    *((slots, variant) for slots in (1, 2, 5, 6) for variant in (v.causal(), v.depth_only())),
+    (5, v.depth_window(3)), (6, v.depth_window(3)),
+], ids=lambda x: getattr(x, "name", str(x)))
 def test_two_slots_a_step(slots, variant, monkeypatch):
     """The per-token forward's steps of two slots: odd and even slot counts (an odd count's last step has one
     slot), a depth window that starts on an odd slot, no sequence part; G=3, a ragged last block of tokens."""
