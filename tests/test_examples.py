@@ -178,14 +178,15 @@ SCRIPTS = [
     "benchmarks/bench_hopper.py", "benchmarks/count_kernels.py", "benchmarks/tune_split.py",
     "benchmarks/bench_split.py", "benchmarks/bench_flex.py", "benchmarks/bench_score.py", "benchmarks/host_split.py",
     "benchmarks/launch_split.py", "benchmarks/host_step.py", "benchmarks/kernel_registers.py",
-    "moda_flex.visualize",
+    "benchmarks/bench_depth_kernels.py", "moda_flex.visualize",
 ]  # fmt: skip
 WITH_DEVICE = ["examples/gpt.py", "examples/train_gpt.py", "examples/compare_models.py", "benchmarks/ablation.py",
                "benchmarks/bench_context_parallel.py", "benchmarks/flex_block_mask.py",
                "benchmarks/bench_hopper.py", "benchmarks/count_kernels.py", "benchmarks/host_split.py"]  # fmt: skip
 CUDA_ONLY = ["benchmarks/bench_call.py", "benchmarks/bench_model.py",
              "benchmarks/bench_moda.py", "benchmarks/tune_moda.py", "benchmarks/bench_data_parallel.py",
-             "benchmarks/tune_split.py", "benchmarks/bench_split.py", "benchmarks/launch_split.py"]  # fmt: skip
+             "benchmarks/tune_split.py", "benchmarks/bench_split.py", "benchmarks/launch_split.py",
+             "benchmarks/bench_depth_kernels.py"]  # fmt: skip
 
 
 def _run_cli(script: str, args: list[str], monkeypatch) -> int:

@@ -1,0 +1,106 @@
+"""The split path's depth kernels alone, as a model's layer calls them: each kernel's own GPU time.
+
+One call of the split path's forward and backward (``moda_flex.backends.split.ops``; bf16, causal, random
+inputs) with the depth as L entries of their own, as a model's stream holds them, and the depth gradients
+added in place into a (2, B, Hk, T, L, D) gradient buffer, as a stream's readers add them
+(:mod:`moda_flex.backends.chain`). Per row: the depth forward's and the depth backward's own GPU time
+(``torch.profiler``, the mean over 10 calls after one), the backward call's time replayed from a CUDA graph
+(the vendor's backward with it), the same call writing the buffer without adding (what the addend costs),
+and the bytes the depth backward moves a call over its time.
+
+Usage::
+
+    python benchmarks/bench_depth_kernels.py                         # the Table 6 call at L = 24 and 47
+    python benchmarks/bench_depth_kernels.py --shapes table6,16k --slots 12,24
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from moda_flex.backends.split import ops, sequence
+
+from bench_split import SHAPES
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import cli  # noqa: E402
+
+
+def kernel_us(call, name: str, calls: int = 10) -> float:
+    """The mean GPU time (us) a call of ``call`` spends in kernels whose name holds ``name``, after one call."""
+    call()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    return sum(e.device_time_total for e in prof.key_averages() if name in e.key) / calls
+
+
+def graph_us(call) -> float:
+    """The median time (us) of ``call`` replayed from a CUDA graph."""
+    import triton.testing
+
+    call()  # compiles the kernels before the capture
+    return triton.testing.do_bench_cudagraph(call, rep=200, return_mode="median") * 1e3
+
+
+def backward_bytes(B: int, Hq: int, Hk: int, T: int, D: int, L: int) -> int:
+    """What the depth backward moves a call in bf16: the entries read, the buffer read and written, q, o and
+    dO read and written again for the vendor's backward, k and v read and written sanitized, dq written."""
+    entries = 2 * B * Hk * T * L * D
+    rows = B * Hq * T * D
+    return 2 * (3 * entries + 6 * rows + 4 * B * Hk * T * D + rows)
+
+
+def measure(shape: tuple) -> dict:
+    B, Hq, Hk, T, D, L = shape
+    torch.manual_seed(0)
+
+    def randn(*size):
+        return torch.randn(*size, device="cuda", dtype=torch.bfloat16)
+
+    q, k, v, grad = randn(B, Hq, T, D), randn(B, Hk, T, D), randn(B, Hk, T, D), randn(B, Hq, T, D)
+    depth_k, depth_v = [randn(B, Hk, T, D) for _ in range(L)], [randn(B, Hk, T, D) for _ in range(L)]
+    opts = ops.Options(D**-0.5, True, True, 0, sequence.kernel_for(q.device, D, True))
+    buffer = randn(2, B, Hk, T, L, D)
+
+    def forward():
+        return ops._forward(q, k, v, depth_k, depth_v, opts)
+
+    out, lse = forward()
+
+    def backward(add=True):
+        return lambda: ops._backward(grad, None, q, k, v, depth_k, depth_v, out, lse, opts, into=buffer, add=add)
+
+    backward_kernel = kernel_us(backward(), "depth_backward")
+    return {
+        "forward us": kernel_us(forward, "depth_forward"),
+        "backward us": backward_kernel,
+        "backward call us": graph_us(backward()),
+        "written call us": graph_us(backward(add=False)),
+        "backward TB/s": backward_bytes(B, Hq, Hk, T, D, L) / backward_kernel / 1e6,
+    }
+
+
+def main(argv=None) -> None:
+    p = cli.parser(__doc__)
+    p.add_argument("--shapes", default="table6", help=f"comma-separated, from {', '.join(SHAPES)}")
+    p.add_argument("--slots", type=cli.int_list, default="24,47", help="L of each shape's calls")
+    args = p.parse_args(argv)
+    cli.require_cuda(p, "bench_depth_kernels.py")
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; bf16, causal, the buffer added in place")
+    columns = ("forward us", "backward us", "backward call us", "written call us", "backward TB/s")
+    print("| shape | L | " + " | ".join(columns) + " |")
+    print("|---|---|" + "---|" * len(columns))
+    for name in args.shapes.split(","):
+        for L in args.slots:
+            row = measure((*SHAPES[name][:-1], L))
+            print(f"| {name} | {L} | " + " | ".join(f"{row[c]:.1f}" if "us" in c else f"{row[c]:.2f}" for c in columns)
+                  + " |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
