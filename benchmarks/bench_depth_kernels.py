@@ -23,7 +23,7 @@ import torch
 
 from moda_flex.backends.split import ops, sequence
 
-from bench_split import SHAPES
+from bench_split import SHAPES, _bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import cli  # noqa: E402
@@ -37,14 +37,6 @@ def kernel_us(call, name: str, calls: int = 10) -> float:
             call()
         torch.cuda.synchronize()
     return sum(e.device_time_total for e in prof.key_averages() if name in e.key) / calls
-
-
-def graph_us(call) -> float:
-    """The median time (us) of ``call`` replayed from a CUDA graph."""
-    import triton.testing
-
-    call()  # compiles the kernels before the capture
-    return triton.testing.do_bench_cudagraph(call, rep=200, return_mode="median") * 1e3
 
 
 def backward_bytes(B: int, Hq: int, Hk: int, T: int, D: int, L: int) -> int:
@@ -79,8 +71,8 @@ def measure(shape: tuple) -> dict:
     return {
         "forward us": kernel_us(forward, "depth_forward"),
         "backward us": backward_kernel,
-        "backward call us": graph_us(backward()),
-        "written call us": graph_us(backward(add=False)),
+        "backward call us": _bench(backward(), graph=True) * 1e3,
+        "written call us": _bench(backward(add=False), graph=True) * 1e3,
         "backward TB/s": backward_bytes(B, Hq, Hk, T, D, L) / backward_kernel / 1e6,
     }
 
