@@ -42,15 +42,17 @@ TOLERANCE = dict(atol=2e-2, rtol=2e-2) if DTYPE == torch.bfloat16 else dict(atol
 
 class IntoSpy:
     """Counts the split path's eager backward passes that put the depth gradients into a stream's buffer (not
-    a traced op's fresh one), and those given an lse gradient."""
+    a traced op's fresh one), those of them that write it rather than add to it, and those given an lse
+    gradient."""
 
     def __init__(self, monkeypatch):
-        self.calls, self.lse_grads, backward = 0, 0, split_ops._backward
+        self.calls, self.writes, self.lse_grads, backward = 0, 0, 0, split_ops._backward
 
-        def spied(grad_out, grad_lse, *args, into=None, route=split_ops.EAGER, **kwargs):
+        def spied(grad_out, grad_lse, *args, into=None, add=False, route=split_ops.EAGER, **kwargs):
             self.calls += into is not None and route is split_ops.EAGER
+            self.writes += into is not None and route is split_ops.EAGER and not add
             self.lse_grads += grad_lse is not None
-            return backward(grad_out, grad_lse, *args, into=into, route=route, **kwargs)
+            return backward(grad_out, grad_lse, *args, into=into, add=add, route=route, **kwargs)
 
         monkeypatch.setattr(split_ops, "_backward", spied)
 
@@ -66,10 +68,10 @@ def _blocks(depth_kv="attn+ffn", n_layer=3, backend="split", n_head=4):
     return torch.nn.ModuleList(Block(config, ffn_depth=i < n_layer - 1) for i in range(n_layer)).to(DEVICE, DTYPE)
 
 
-def _loss(blocks, x, readout, checkpointed=False, gradient_buffer=True):
+def _loss(blocks, x, readout, checkpointed=False, gradient_buffer=True, readers=None):
     """A loss every output element weighs into differently (with post-norm blocks, ``x.square().mean()`` would
     be 1 whatever the weights, and every gradient about zero)."""
-    depth = DepthStream(gradient_buffer=gradient_buffer)
+    depth = DepthStream(gradient_buffer=gradient_buffer, readers=readers)
     for block in blocks:
         x, depth = checkpoint(block, x, depth, use_reentrant=False) if checkpointed else block(x, depth)
     return (x * readout).sum()
@@ -112,7 +114,8 @@ def _input(T=5):
     return torch.randn(2, T, 32, device=DEVICE, dtype=DTYPE, generator=torch.Generator(DEVICE).manual_seed(1))
 
 
-# compiled, FFN entries too: they include the attention's entries, and each compile costs seconds on CPU
+# compiled, FFN entries too: they include the attention's entries, and each compile costs seconds on CPU; the
+# compiled stream is told its readers, as a model's is (compiled without, test_the_capture_kernels_add_into_the_buffer)
 @pytest.mark.parametrize("depth_kv, compiled", [("attn", False), ("attn+ffn", False), ("attn+ffn", True)],
                          ids=["attn-eager", "attn+ffn-eager", "attn+ffn-aot_eager"])
 def test_a_model_gets_the_gradients_of_its_entries_summed_one_by_one(depth_kv, compiled, monkeypatch):
@@ -120,8 +123,11 @@ def test_a_model_gets_the_gradients_of_its_entries_summed_one_by_one(depth_kv, c
     run = torch.compile(_loss, backend="aot_eager", fullgraph=True) if compiled else _loss
     torch._dynamo.reset()
     added = IntoSpy(monkeypatch)
-    got = _gradients(blocks, x, run)
+    got = _gradients(blocks, x, run, readers=len(blocks) if compiled else None)
     assert added.calls == len(blocks) - 1  # every attention after the first reads the stream through its buffer
+    # the last reader writes the buffer: eagerly no gradient reaches its path; compiled it hands on no path, whose
+    # gradient would be zeros to add
+    assert added.writes == 1
     assert added.lse_grads == 0  # no lse was asked for: no zero gradient of it (compiled) costs an extra pass
     _plain(monkeypatch)  # eagerly: the plain path compiled is test_compile.py's
     _assert_same(got, _gradients(blocks, x), _truth(blocks, x))
@@ -325,5 +331,5 @@ def test_a_stream_read_without_gradients_passes_its_path_through():
     stream = DepthStream().append(k.requires_grad_(), v)
     with torch.no_grad():
         out, same = stream.attend(q, k, v, backend="split")
-    assert same is stream
+    assert same.gradients is stream.gradients and same.keys == stream.keys and same.reads == 1
     torch.testing.assert_close(out, moda_attention(q, k, v, *stream.read(), backend="split"))

@@ -78,7 +78,7 @@ class _ReadStream(torch.autograd.Function):
     """A kernel call over a stream's entries that passes the stream's gradient path on (see the module)."""
 
     @staticmethod
-    def forward(ctx, path, kernel, opts, return_lse, n_depth, q, k, v, *depth):
+    def forward(ctx, path, kernel, opts, return_lse, hand_on, n_depth, q, k, v, *depth):
         inputs = Inputs(q, k, v, list(depth[:n_depth]), list(depth[n_depth:]))
         traced = _traced(q, k, v, *depth)
         forward_op, _ = _ops(kernel, traced)
@@ -87,21 +87,23 @@ class _ReadStream(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an output no loss reached: None, not zeros (eagerly)
         ctx.kernel, ctx.traced, ctx.options, ctx.n_depth = kernel, traced, opts, n_depth
         ctx.path = (path.shape, path.dtype)
-        ctx.return_lse = return_lse
-        path = path.new_empty(()).expand(path.shape)
-        # The lse only when asked for: compiled, an output's gradient is zeros rather than None, and a zero
-        # gradient of the lse would cost the backward its extra pass.
-        return (out, lse, path) if return_lse else (out, path)
+        ctx.return_lse, ctx.hand_on = return_lse, hand_on
+        # The lse and the path only when asked for: compiled, an output's gradient is zeros rather than None, and
+        # a zero gradient of the lse would cost the backward its extra pass, of the path a buffer filled and added.
+        path = (path.new_empty(()).expand(path.shape),) if hand_on else ()
+        return (out, lse, *path) if return_lse else (out, *path)
 
     @staticmethod
     def backward(ctx, grad_out, *grads):
-        grad_lse, grad_path = grads if ctx.return_lse else (None, *grads)
+        grads = list(grads)
+        grad_lse = grads.pop(0) if ctx.return_lse else None
+        grad_path = grads.pop(0) if ctx.hand_on else None
         refuse_create_graph("auto")
         out, lse, q, k, v, *depth = ctx.saved_tensors
         inputs = Inputs(q, k, v, depth[: ctx.n_depth], depth[ctx.n_depth :])
         no_depth = (None,) * len(depth)
         if grad_out is None and grad_lse is None:
-            return grad_path, None, None, None, None, None, None, None, *no_depth
+            return grad_path, None, None, None, None, None, None, None, None, *no_depth
         grads = Grads(grad_out, grad_lse, out, lse)
         _, backward_op = _ops(ctx.kernel, ctx.traced)
         if ctx.traced:  # the sum out of place: the kernel reads the later readers' buffer, writes a fresh one
@@ -111,11 +113,12 @@ class _ReadStream(torch.autograd.Function):
             add = grad_path is not None
             buffer = grad_path if add else out.new_empty(shape, dtype=dtype)  # the last reader writes it first
             dq, dk, dv = backward_op(*grads, *inputs, *ctx.options, *Into(buffer, add))
-        return buffer, None, None, None, None, dq, dk, dv, *no_depth
+        return buffer, None, None, None, None, None, dq, dk, dv, *no_depth
 
 
 def read_stream(kernel: str, path: Tensor, q: Tensor, k: Tensor, v: Tensor, depth_k: DepthKV, depth_v: DepthKV,
-                variant, scale: float, return_lse: bool) -> tuple[Tensor, Optional[Tensor], Tensor]:  # fmt: skip
+                variant, scale: float, return_lse: bool,
+                hand_on: bool = True) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:  # fmt: skip
     """MoDA over a stream's entries by ``kernel`` (one of :data:`KERNELS`), their gradients added into the
     gradient buffer that ``path`` carries.
 
@@ -125,14 +128,16 @@ def read_stream(kernel: str, path: Tensor, q: Tensor, k: Tensor, v: Tensor, dept
         q, k, v, variant, scale: as the kernel's function takes them.
         depth_k, depth_v: the stream's L entries, each (B, Hk, Tq, D).
         return_lse: whether the caller takes the lse.
+        hand_on: whether a later layer reads the stream: else no path goes on, and the backward writes the
+            buffer rather than adding to one.
 
     Returns:
-        out (B, Hq, Tq, D), lse (B, Hq, Tq) float32 (None unless ``return_lse``), and the path to pass on.
+        out (B, Hq, Tq, D), lse (B, Hq, Tq) float32 (None unless ``return_lse``), and the path to pass on
+        (None without ``hand_on``).
     """
     depth_k, depth_v = as_list(depth_k), as_list(depth_v)
     opts = split_ops.call_options(q, k, len(depth_k), variant, scale)
-    outputs = _ReadStream.apply(path, kernel, opts, return_lse, len(depth_k), q, k, v, *depth_k, *depth_v)
-    if not return_lse:
-        return outputs[0], None, outputs[1]
-    out, lse, path = outputs
-    return out, sequence.lse_view(lse), path
+    out, *rest = _ReadStream.apply(path, kernel, opts, return_lse, hand_on, len(depth_k), q, k, v, *depth_k,
+                                   *depth_v)  # fmt: skip
+    lse = sequence.lse_view(rest.pop(0)) if return_lse else None
+    return out, lse, rest[0] if hand_on else None
