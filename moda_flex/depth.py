@@ -148,6 +148,11 @@ def _path_after(stream: "DepthStream", k: Tensor, v: Tensor) -> Optional[Tensor]
     return _Append.apply(path, k, v)
 
 
+def _is_count(value) -> bool:
+    """Whether ``value`` is an int >= 0 (a bool is not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 @dataclasses.dataclass(frozen=True)
 class DepthStream:
     """The depth K/V written so far in one forward pass: an immutable sequence of entries.
@@ -186,15 +191,11 @@ class DepthStream:
     reads: int = 0
 
     def __post_init__(self):
-        if self.capacity is not None and (
-            isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity < 0
-        ):
-            raise ValueError(f"capacity must be an int >= 0 or None, got {self.capacity!r}")
-        if self.readers is not None and (
-            isinstance(self.readers, bool) or not isinstance(self.readers, int) or self.readers < 0
-        ):
-            raise ValueError(f"readers must be an int >= 0 or None, got {self.readers!r}")
-        if isinstance(self.reads, bool) or not isinstance(self.reads, int) or self.reads < 0:
+        for name in ("capacity", "readers"):
+            limit = getattr(self, name)
+            if limit is not None and not _is_count(limit):
+                raise ValueError(f"{name} must be an int >= 0 or None, got {limit!r}")
+        if not _is_count(self.reads):
             raise ValueError(f"reads must be an int >= 0, got {self.reads!r}")
         if self.gradient_buffer not in (None, True, False):
             raise ValueError(f"gradient_buffer must be True, False or None, got {self.gradient_buffer!r}")

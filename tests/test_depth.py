@@ -51,6 +51,12 @@ def test_bad_readers(readers):
         DepthStream(readers=readers)
 
 
+@pytest.mark.parametrize("reads", [-1, 1.5, True])
+def test_bad_reads(reads):
+    with pytest.raises(ValueError, match="reads must be an int"):
+        DepthStream(reads=reads)
+
+
 def test_the_last_reader_hands_on_no_gradient_path():
     """A stream read by all its ``readers`` carries no gradient path on (nothing reads the entries after), and
     refuses another read."""
