@@ -39,7 +39,8 @@ def _split_variants(shape: MoDAShape):
     return (any_length | causal) if shape.q_len == shape.kv_len else any_length
 
 
-@settings(max_examples=examples(25))
+# 20 keeps the suite within its 10 minutes on 2 cores (HYPOTHESIS_PROFILE=dev draws ten times as many)
+@settings(max_examples=examples(20))
 @given(
     shape=moda_shapes(max_kv_len=40, max_slots=9, max_kv_heads=2, head_dims=HEAD_DIMS),
     dtype=st.sampled_from(DTYPES),
