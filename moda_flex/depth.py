@@ -275,7 +275,7 @@ class DepthStream:
         """
         if count is None:
             count = len(self)
-        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= len(self):
+        if not (_is_count(count) and count <= len(self)):
             raise ValueError(f"count must be an int in 0..{len(self)} (the entries written), got {count!r}")
         if count == 0:
             return None, None
