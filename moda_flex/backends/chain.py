@@ -94,10 +94,10 @@ class _ReadStream(torch.autograd.Function):
         return (out, lse, *path) if return_lse else (out, *path)
 
     @staticmethod
-    def backward(ctx, grad_out, *grads):
-        grads = list(grads)
-        grad_lse = grads.pop(0) if ctx.return_lse else None
-        grad_path = grads.pop(0) if ctx.hand_on else None
+    def backward(ctx, grad_out, *more):
+        more = list(more)  # the gradients of the outputs forward returned after out
+        grad_lse = more.pop(0) if ctx.return_lse else None
+        grad_path = more.pop(0) if ctx.hand_on else None
         refuse_create_graph("auto")
         out, lse, q, k, v, *depth = ctx.saved_tensors
         inputs = Inputs(q, k, v, depth[: ctx.n_depth], depth[ctx.n_depth :])
