@@ -99,13 +99,16 @@ def test_a_captured_call_copies_no_address_table_from_the_host(monkeypatch):
     assert tables == []
 
 
+# each entry once, the two mixed pairings in turn
 @NUMPY_NAN_WARNINGS
-@pytest.mark.parametrize("states", PAIRINGS[2:], ids=PAIRING_IDS[2:])
 @pytest.mark.parametrize(
-    "case",
-    [(v.causal(), "depth_v", (0, 1, 4, 2), float("nan")), (v.causal(), "k", (0, 0, 2), float("inf")),
-     (v.full(), "q", (0, 3, 4), float("nan")), (v.depth_window(1), "depth_k", (0, 1, 4, 0), float("-inf"))],
-    ids=["depth-value", "key", "query", "outside-the-window"],
+    "case, states",
+    [((v.causal(), "depth_v", (0, 1, 4, 2), float("nan")), PAIRINGS[2]),
+     ((v.causal(), "k", (0, 0, 2), float("inf")), PAIRINGS[3]),
+     ((v.full(), "q", (0, 3, 4), float("nan")), PAIRINGS[2]),
+     ((v.depth_window(1), "depth_k", (0, 1, 4, 0), float("-inf")), PAIRINGS[3])],
+    ids=["depth-value-fused-then-split", "key-split-then-fused", "query-fused-then-split",
+         "outside-the-window-split-then-fused"],
 )  # fmt: skip
 def test_a_mixed_pairing_keeps_the_nan_rule(case, states, monkeypatch):
     """A non-finite entry reaches only the rows that see it, bit for bit, when the backward reads the other
