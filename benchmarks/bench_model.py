@@ -304,7 +304,12 @@ def main(argv=None) -> None:
     else:  # every case compiled first, then timed in turn, a share of its steps a round; the peaks would
         # count every resident model's memory: not reported
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(cases))
-        steps = {case: prepare(case, shape, args.warmup) for case in cases}
+        steps = {}
+        for case in cases:  # each said as it is ready: a run cut off while compiling shows how far it got
+            start = time.perf_counter()
+            steps[case] = prepare(case, shape, args.warmup)
+            print(f"  {case.name:9s} {case.mode:9s} compiled and warmed up in {time.perf_counter() - start:.0f} s",
+                  flush=True)  # fmt: skip
         for _ in range(args.rounds):
             for case in cases:
                 timings[case].append(time_steps(steps[case], max(1, args.steps // args.rounds)))
