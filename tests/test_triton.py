@@ -38,7 +38,7 @@ def _inputs(shape, dtype=torch.float32, strided_depth=False, seed=0, depth_entri
     )
 
 
-# 24 keeps the suite within its 10 minutes on 2 cores (HYPOTHESIS_PROFILE=dev draws ten times as many)
+# 20 keeps the suite within its 10 minutes on 2 cores (HYPOTHESIS_PROFILE=dev draws ten times as many)
 @settings(max_examples=examples(20))
 @given(
     shape=moda_shapes(max_kv_len=40, max_slots=9, max_kv_heads=2, head_dims=(16, 32)),
