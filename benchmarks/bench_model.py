@@ -129,6 +129,21 @@ class Case(NamedTuple):
         return GPTConfig(**shape["config"], depth_kv=self.arm, block_size=shape["seq"], backend=self.backend)
 
 
+def compiled(model: torch.nn.Module, case: Case) -> Callable:
+    """``model`` as ``case.mode`` runs it: itself (eager), or compiled with ``fullgraph=True`` in that mode with
+    the case's launcher.
+
+    The launcher is an option of the compile, not a patch of inductor's config around it: dynamo keys its
+    cache by the compile's options, so under a patch a second model of the same structure would run the
+    first's compiled step.
+    """
+    if case.mode == "eager":
+        return model
+    options = torch._inductor.list_mode_options("default" if case.mode == "compiled" else case.mode)
+    options["static_launch_user_defined_triton_kernels"] = case.launcher == "static"
+    return torch.compile(model, fullgraph=True, options=options)
+
+
 def prepare(case: Case, shape: dict, warmup: int) -> Callable[[], None]:
     """The case's training step (forward, backward, fused AdamW, bf16 autocast, random tokens), compiled as its
     mode says and run ``warmup`` times (compilation included); the returned step holds the model."""
@@ -137,10 +152,7 @@ def prepare(case: Case, shape: dict, warmup: int) -> Callable[[], None]:
     torch.manual_seed(0)
     model = GPT(config).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    if case.mode == "eager":
-        run = model
-    else:
-        run = torch.compile(model, fullgraph=True, mode=None if case.mode == "compiled" else case.mode)
+    run = compiled(model, case)
     idx = torch.randint(0, config.vocab_size, (B, T), device="cuda")
 
     def step():
@@ -152,10 +164,8 @@ def prepare(case: Case, shape: dict, warmup: int) -> Callable[[], None]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    # compiled in the warm-up: the launcher is the setting inductor's code generation reads
-    with torch._inductor.config.patch(static_launch_user_defined_triton_kernels=case.launcher == "static"):
-        for _ in range(warmup):
-            step()
+    for _ in range(warmup):
+        step()
     torch.cuda.synchronize()
     return step
 

@@ -1,8 +1,10 @@
 """benchmarks/bench_model.py's time split: which part of a step each GPU kernel's time goes to."""
 
 import pytest
+import torch
+from torch._dynamo.utils import counters
 
-from bench_model import Case, kernel_kind, summary, time_split
+from bench_model import Case, compiled, kernel_kind, summary, time_split
 
 
 @pytest.mark.parametrize(
@@ -52,3 +54,16 @@ def test_a_rows_name_says_what_differs_from_the_defaults():
     assert Case("attn", "compiled", "auto", "auto").name == "attn"
     assert Case("attn+ffn", "compiled", "buffer", "triton").name == "attn+ffn, buffer, triton"
     assert Case("attn", "compiled", "auto", "auto", "static").name == "attn, static launcher"
+
+
+def test_rows_that_differ_by_launcher_each_compile_their_own_step():
+    """Two models of one structure in one process (``--rounds``): the static launcher's row must not run the
+    compiled step of the row before it."""
+    torch._dynamo.reset()
+    x = torch.randn(2, 4)
+    before = counters["stats"]["unique_graphs"]
+    for launcher in ("triton", "static"):
+        torch.manual_seed(0)
+        compiled(torch.nn.Linear(4, 4), Case("attn", "compiled", "auto", "auto", launcher))(x)
+    assert counters["stats"]["unique_graphs"] - before == 2
+    torch._dynamo.reset()
