@@ -1,0 +1,105 @@
+"""The Python a compiled training step runs, counted: the baseline against MoDA, function by function.
+
+A compiled step in the default mode is bound by the host on the GPU
+machines, and their hosts' speed moves by 10-30% from run to run
+(BENCHMARKS.md), more than one change to MoDA's launches is worth. A call
+count does not move: this profiles (cProfile) the example GPT's compiled
+step (forward, backward, fused AdamW, bf16 autocast; ``bench_model.py``'s
+step) at a model's width and depth but a short sequence, and prints the
+functions whose calls a step grows most from the baseline to MoDA, with
+each one's calls a MoDA layer and its own time a call under the profiler
+(which inflates every call alike: read the times as ranks, the counts as
+they are).
+
+Usage::
+
+    python benchmarks/host_calls.py --shape gpt2s
+    python benchmarks/host_calls.py --shape table6 --layers 4 --arms none,attn --rows 40
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import cli  # noqa: E402
+
+from bench_model import ARMS, SHAPES, Case, prepare  # noqa: E402
+
+
+def calls_a_step(step, steps: int) -> dict[tuple, tuple[float, float]]:
+    """Each function's (calls, own seconds) a step over ``steps`` profiled steps, keyed by (file, line, name)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # {function: (primitive calls, calls, own time, cumulative, callers)}
+    return {function: (row[1] / steps, row[2] / steps) for function, row in stats.items()}
+
+
+def growth(base: dict, moda: dict, layers: int) -> list[tuple]:
+    """(function, extra calls a layer, own us a call in MoDA's step, extra own us a layer) for every function
+    MoDA's step calls more often than the baseline's, the most extra time first."""
+    rows = []
+    for function, (calls, seconds) in moda.items():
+        extra = calls - base.get(function, (0.0, 0.0))[0]
+        if extra > 0:
+            per_call = 1e6 * seconds / calls
+            rows.append((function, extra / layers, per_call, extra * per_call / layers))
+    return sorted(rows, key=lambda row: -row[3])
+
+
+def named(function: tuple) -> str:
+    """A profiled function as ``file:line(name)``, the file's last two parts."""
+    file, line, name = function
+    return f"{'/'.join(Path(file).parts[-2:])}:{line}({name})" if file != "~" else name
+
+
+def main(argv=None) -> None:
+    p = cli.parser(__doc__)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="gpt2s", help="the model's width, heads and norm")
+    p.add_argument("--layers", type=cli.at_least(2), default=4, help="transformer blocks (compile time grows with it)")
+    p.add_argument("--seq", type=cli.at_least(1), default=64, help="tokens a sequence (short: the GPU waits)")
+    p.add_argument("--arms", default="none,attn+ffn", help=f"comma-separated depth_kv values, from {ARMS}; the first is the base")
+    p.add_argument("--backend", default="auto", help="MoDA's backend")
+    p.add_argument("--steps", type=cli.at_least(1), default=5, help="profiled steps")
+    p.add_argument("--rows", type=cli.at_least(1), default=30, help="functions listed")
+    args = p.parse_args(argv)
+    cli.require_cuda(p, "host_calls.py")
+    arms = args.arms.split(",")
+    for arm in arms:
+        if arm not in ARMS:
+            p.error(f"--arms {arm!r}: expected one of {', '.join(ARMS)}")
+    base_shape = SHAPES[args.shape]
+    shape = dict(config=dict(base_shape["config"], n_layer=args.layers), batch=1, seq=args.seq)
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {shape}, compiled (default mode)")
+
+    profiles = {}
+    for arm in arms:
+        step = prepare(Case(arm, "compiled", "auto", "auto" if arm == "none" else args.backend), shape, warmup=3)
+        profiles[arm] = calls_a_step(step, args.steps)
+        calls = sum(c for c, _ in profiles[arm].values())
+        seconds = sum(s for _, s in profiles[arm].values())
+        print(f"  {arm:9s} {calls:9.0f} Python calls a step, {1e3 * seconds:7.1f} ms own time under cProfile")
+
+    base = profiles[arms[0]]
+    for arm in arms[1:]:
+        rows = growth(base, profiles[arm], args.layers)
+        extra = sum(row[1] for row in rows)
+        print(f"\n{arm} over {arms[0]}: {extra:.0f} more calls a layer ({args.layers} layers), "
+              f"{sum(row[3] for row in rows):.0f} us more own time a layer under cProfile")  # fmt: skip
+        print("| function | calls a layer | us a call | us a layer |")
+        print("|---|---|---|---|")
+        for function, calls, per_call, total in rows[: args.rows]:
+            print(f"| `{named(function)}` | {calls:.1f} | {per_call:.1f} | {total:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
