@@ -2,7 +2,7 @@
 
 import pytest
 
-from host_calls import growth, named
+from host_calls import GENERATED, growth, named
 
 
 def test_growth_counts_extra_calls_a_layer_and_ranks_them_by_extra_time():
@@ -12,9 +12,18 @@ def test_growth_counts_extra_calls_a_layer_and_ranks_them_by_extra_time():
     # h: 2 new calls at 50 us = 50 us a layer; f: 4 more at 2 us = 4 us a layer; g: no more calls, not listed
     assert [row[0][2] for row in rows] == ["h", "f"]
     assert rows[0][1:] == pytest.approx((1.0, 50.0, 50.0))
-    assert rows[1][1:] == pytest.approx((2.0, 2.0, 4.0))
+    assert rows[1][1:] == pytest.approx((2.0, 2.0, 9.0))  # own time: 28 us a step against 10
+
+
+def test_growth_lists_generated_code_that_takes_longer_with_as_many_calls():
+    """A graph's wrapper (``call``) runs once a step in both models: its own time is what grew."""
+    base = {(GENERATED, 0, "call"): (2.0, 3e-4)}
+    moda = {(GENERATED, 0, "call"): (2.0, 5e-4), ("a.py", 1, "f"): (1.0, 1e-6)}
+    rows = growth(base, moda, layers=4)
+    assert rows[0][0] == (GENERATED, 0, "call") and rows[0][1:] == pytest.approx((0.0, 250.0, 50.0))
 
 
 def test_named_gives_a_builtin_as_it_is_and_a_function_by_its_file():
     assert named(("~", 0, "<method 'data_ptr' of 'torch._C.TensorBase' objects>")).startswith("<method")
     assert named(("/x/torch/_inductor/runtime/triton_heuristics.py", 9, "run")) == "runtime/triton_heuristics.py:9(run)"
+    assert named((GENERATED, 0, "call")) == f"{GENERATED}: call"
