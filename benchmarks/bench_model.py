@@ -196,6 +196,12 @@ def summary(timings: list[dict]) -> dict:
             "tables": sum(chunk["tables"] for chunk in timings) / len(times)}  # fmt: skip
 
 
+def round_ratios(chunks: list[dict], base_chunks: list[dict]) -> list[float]:
+    """Each round's median step over the base row's median step in the same round: with ``--rounds`` the rows
+    take turns, so a round's ratio is timed under one state of the host, and their spread is the run's."""
+    return [statistics.median(c["times"]) / statistics.median(b["times"]) for c, b in zip(chunks, base_chunks)]
+
+
 def profile_steps(step: Callable[[], None], step_ms: float, kernels: bool, host: bool, rows: int = 25) -> None:
     """Over 3 steps: with ``kernels`` the ``rows`` top kernels (torch.profiler), kernel launches per step and the step's
     time by kind (:func:`time_split`: the kinds of :data:`KERNEL_KINDS`, other, and the host gap); with
@@ -339,6 +345,7 @@ def main(argv=None) -> None:
                      **summary(timings[case])})  # fmt: skip
 
     bases = {r["mode"]: r for r in rows if r["arm"] == "none"}
+    base_cases = {case.mode: case for case in cases if case.arm == "none"}
     print()
     print("| model | mode | step (ms) | host (ms) | tokens/s | peak (MiB) | step / base | mem / base "
           "| floor (ms) | base+floor (ms) | step / (base+floor) |")  # fmt: skip
@@ -351,6 +358,12 @@ def main(argv=None) -> None:
               f"{r['ms'] / base['ms']:.2f}x | {_shown(r['peak_mib'] / base['peak_mib'], '.2f', 'x')} | "
               f"{r['floor_ms']:.2f} | "
               f"{target:.1f} | {r['ms'] / target:.2f}x |")  # fmt: skip
+    if args.rounds > 1:
+        print()
+        for case in cases:
+            if case.arm != "none" and case.mode in base_cases:
+                ratios = round_ratios(timings[case], timings[base_cases[case.mode]])
+                print(f"  {case.name} {case.mode}, step / base by round: " + " ".join(f"{x:.2f}" for x in ratios))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from bench_model import Case, compiled, kernel_kind, summary, time_split
+from bench_model import Case, compiled, kernel_kind, round_ratios, summary, time_split
 
 
 @pytest.mark.parametrize(
@@ -48,6 +48,12 @@ def test_a_rows_chunks_make_one_summary():
     chunks = [dict(times=[0.010, 0.030], issued=[0.001, 0.003], peak_mib=5.0, tables=2),
               dict(times=[0.020], issued=[0.002], peak_mib=7.0, tables=1)]  # fmt: skip
     assert summary(chunks) == pytest.approx(dict(ms=20.0, host_ms=2.0, peak_mib=7.0, tables=1.0))
+
+
+def test_round_ratios_pair_each_round_with_the_bases_same_round():
+    base = [dict(times=[0.010, 0.012, 0.011]), dict(times=[0.020, 0.020])]
+    row = [dict(times=[0.013, 0.014, 0.012]), dict(times=[0.024, 0.026])]
+    assert round_ratios(row, base) == pytest.approx([13 / 11, 25 / 20])
 
 
 def test_a_rows_name_says_what_differs_from_the_defaults():
