@@ -74,10 +74,12 @@ def growth(base: dict, moda: dict, layers: int) -> list[tuple]:
 
 
 def named(function: tuple) -> str:
-    """A profiled function as ``file:line(name)``, the file's last two parts."""
+    """A profiled function as ``file:line(name)``, the file's last two parts; a builtin by its name."""
     file, line, name = function
-    if file in ("~", GENERATED):
-        return name if file == "~" else f"{file}: {name}"
+    if file == "~":  # a builtin
+        return name
+    if file == GENERATED:
+        return f"{file}: {name}"
     return f"{'/'.join(Path(file).parts[-2:])}:{line}({name})"
 
 

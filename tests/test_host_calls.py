@@ -9,10 +9,11 @@ def test_growth_counts_extra_calls_a_layer_and_ranks_them_by_extra_time():
     base = {("a.py", 1, "f"): (10.0, 1e-5), ("b.py", 2, "g"): (4.0, 4e-6)}
     moda = {("a.py", 1, "f"): (14.0, 2.8e-5), ("b.py", 2, "g"): (4.0, 4e-6), ("c.py", 3, "h"): (2.0, 1e-4)}
     rows = growth(base, moda, layers=2)
-    # h: 2 new calls at 50 us = 50 us a layer; f: 4 more at 2 us = 4 us a layer; g: no more calls, not listed
+    # h: 2 new calls of 50 us, 50 us a layer; f: 4 more calls, its own time 28 us a step against 10, 9 us a layer;
+    # g: no more calls, not listed
     assert [row[0][2] for row in rows] == ["h", "f"]
     assert rows[0][1:] == pytest.approx((1.0, 50.0, 50.0))
-    assert rows[1][1:] == pytest.approx((2.0, 2.0, 9.0))  # own time: 28 us a step against 10
+    assert rows[1][1:] == pytest.approx((2.0, 2.0, 9.0))
 
 
 def test_growth_lists_generated_code_that_takes_longer_with_as_many_calls():
