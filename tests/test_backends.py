@@ -144,6 +144,11 @@ def test_the_kernel_backends_read_depth_entries():
     assert all(backends.reads_depth_entries(run) for run in kernels)
     assert not any(backends.reads_depth_entries(run) for run in (reference_attention, backends.sdpa_attention))
 
+    def split_attention(*args):  # a kernel's name, in a module that is not the kernel's
+        raise AssertionError("not called")
+
+    assert backends.kernel_name(split_attention) is None
+
 
 @needs_triton
 @pytest.mark.parametrize(

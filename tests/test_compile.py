@@ -5,6 +5,10 @@ autograd that inductor also sees, without its slow codegen); one runs inductor.
 """
 
 import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -168,3 +172,37 @@ def test_flex_call_with_a_score_traces_with_fullgraph():
         out = torch.compile(call, fullgraph=True, backend="eager")(*inputs.values())
         want, _ = reference_attention(*inputs.values(), variant, 8**-0.5)
     torch.testing.assert_close(out, want)
+
+
+@needs_interpreter
+def test_a_split_model_compiles_in_a_process_that_never_imported_the_fused_kernels():
+    """``backend="split"`` alone: the first read of a stream asks which kernel a backend is, and reading the
+    stream into its gradient buffer then imports the fused kernels' module. Asking by which modules were
+    loaded made dynamo guard on that one's absence, which failed in the same frame ("Guard failed on the same
+    frame it was created")."""
+    code = """
+import sys
+import torch
+from moda_flex import DepthStream
+from moda_flex.nn import Block, BlockConfig
+
+torch.manual_seed(0)
+config = BlockConfig(n_embd=32, n_head=4, n_kv_head=2, depth_kv="attn+ffn", backend="split")
+blocks = torch.nn.ModuleList(Block(config) for _ in range(2))
+x = torch.randn(1, 3, 32)
+
+def run(x):
+    depth = DepthStream(gradient_buffer=True)
+    for block in blocks:
+        x, depth = block(x, depth)
+    return x
+
+assert "moda_flex.backends.triton" not in sys.modules
+compiled = torch.compile(run, fullgraph=True, backend="aot_eager")(x)
+torch.testing.assert_close(compiled, run(x))
+"""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]

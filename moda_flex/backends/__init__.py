@@ -37,7 +37,6 @@ Whatever the name, a call with no output element (B, Hq or Tq is 0) runs on
 from __future__ import annotations
 
 import functools
-import sys
 from typing import Callable, Optional
 
 import torch.nn.functional as F
@@ -150,11 +149,17 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, depth_k, depth_v, variant: V
 
 
 def kernel_name(run: Backend) -> Optional[str]:
-    """Which of :data:`KERNELS` ``run`` is, or None; imports none of them (a kernel's function exists once its
-    module has been imported)."""
-    for name, function in KERNELS.items():
-        module = sys.modules.get(f"{__name__}.{name}")
-        if module is not None and run is getattr(module, function):
+    """Which of :data:`KERNELS` ``run`` is, or None, read from the function's own name and module.
+
+    It neither imports a kernel's module nor asks which are imported: traced,
+    such a question becomes one of dynamo's guards, and a kernel backend
+    imported later in the same frame (the split path's stream reader imports
+    the fused kernels) fails it there.
+    """
+    module, function = getattr(run, "__module__", None) or "", getattr(run, "__name__", None)
+    for name, kernel_function in KERNELS.items():
+        package = f"{__name__}.{name}"
+        if function == kernel_function and (module == package or module.startswith(package + ".")):
             return name
     return None
 
