@@ -202,6 +202,17 @@ def round_ratios(chunks: list[dict], base_chunks: list[dict]) -> list[float]:
     return [statistics.median(c["times"]) / statistics.median(b["times"]) for c, b in zip(chunks, base_chunks)]
 
 
+def host_profile(step: Callable[[], None], steps: int) -> pstats.Stats:
+    """The Python of ``steps`` steps (cProfile), the last step's GPU work waited for."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    return pstats.Stats(profiler)
+
+
 def profile_steps(step: Callable[[], None], step_ms: float, kernels: bool, host: bool, rows: int = 25) -> None:
     """Over 3 steps: with ``kernels`` the ``rows`` top kernels (torch.profiler), kernel launches per step and the step's
     time by kind (:func:`time_split`: the kinds of :data:`KERNEL_KINDS`, other, and the host gap); with
@@ -218,14 +229,9 @@ def profile_steps(step: Callable[[], None], step_ms: float, kernels: bool, host:
         print(f"  per step: {launches:.0f} kernels; " + ", ".join(f"{kind} {t:.2f} ms" for kind, t in split.items()),
               flush=True)
     if host:
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        profiler.disable()
+        stats = host_profile(step, 3)
         for order in ("tottime", "cumulative"):  # where the host's time goes, then which calls hold it
-            pstats.Stats(profiler).sort_stats(order).print_stats(30)
+            stats.sort_stats(order).print_stats(30)
 
 
 def release() -> None:
@@ -336,22 +342,21 @@ def main(argv=None) -> None:
         del steps
         release()
 
-    rows = []
+    rows = {}
     for case in cases:
         config = case.config(shape)
         Hk, D = config.n_kv_head, config.n_embd // config.n_head
         floor_bytes = 6 * depth_reads(config) * B * Hk * T * D * 2
-        rows.append({"arm": case.name, "mode": case.mode, "floor_ms": floor_bytes / bandwidth * 1e3,
-                     **summary(timings[case])})  # fmt: skip
+        rows[case] = {"arm": case.name, "mode": case.mode, "floor_ms": floor_bytes / bandwidth * 1e3,
+                      **summary(timings[case])}  # fmt: skip
 
-    bases = {r["mode"]: r for r in rows if r["arm"] == "none"}
     base_cases = {case.mode: case for case in cases if case.arm == "none"}
     print()
     print("| model | mode | step (ms) | host (ms) | tokens/s | peak (MiB) | step / base | mem / base "
           "| floor (ms) | base+floor (ms) | step / (base+floor) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        base = bases.get(r["mode"], rows[0])
+    for case, r in rows.items():
+        base = rows[base_cases.get(case.mode, cases[0])]
         target = base["ms"] + r["floor_ms"]
         print(f"| {r['arm']} | {r['mode']} | {r['ms']:.1f} | {r['host_ms']:.1f} | {B * T / r['ms'] * 1e3:,.0f} | "
               f"{_shown(r['peak_mib'], '.0f')} | "

@@ -19,8 +19,6 @@ Usage::
 
 from __future__ import annotations
 
-import cProfile
-import pstats
 import sys
 from pathlib import Path
 
@@ -30,7 +28,7 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import cli  # noqa: E402
 
-from bench_model import ARMS, SHAPES, Case, prepare  # noqa: E402
+from bench_model import ARMS, SHAPES, Case, host_profile, prepare  # noqa: E402
 
 
 # The file a function of inductor's generated code is keyed by: each model's graphs are modules of their own
@@ -42,16 +40,10 @@ GENERATED = "<inductor's generated code>"
 def calls_a_step(step, steps: int) -> dict[tuple, tuple[float, float]]:
     """Each function's (calls, own seconds) a step over ``steps`` profiled steps, keyed by (file, line, name);
     the functions of inductor's generated code by (:data:`GENERATED`, 0, name)."""
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    profiler.disable()
     generated = cache_dir()
     rows = {}
     # pstats: {function: (primitive calls, calls, own time, cumulative, callers)}
-    for (file, line, name), row in pstats.Stats(profiler).stats.items():
+    for (file, line, name), row in host_profile(step, steps).stats.items():
         key = (GENERATED, 0, name) if file.startswith(generated) else (file, line, name)
         calls, seconds = rows.get(key, (0.0, 0.0))
         rows[key] = (calls + row[1] / steps, seconds + row[2] / steps)
