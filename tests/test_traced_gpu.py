@@ -83,6 +83,32 @@ def test_a_compiled_call_launches_the_kernels_from_its_graph(backend, mode, kern
     assert not any(op in code for op in opaque)
 
 
+def test_a_compiled_split_call_adds_only_its_own_three_kernels_to_sdpas():
+    """Compiled, a split call (forward and backward) launches what the same step on SDPA launches plus its three
+    kernels: the NaN rule's pass over k and v and the depth kernels. Nothing copies the lse a kernel writes
+    into and back (a view of it, written by a traced kernel, would be), nothing fills an unread seed."""
+    from torch._inductor.utils import run_and_get_code
+
+    shape = MoDAShape(2, 6, 2, 64, 64, 4, 64)
+    inputs = make_inputs(shape, dtype=torch.bfloat16, device="cuda", depth_entries=False)
+    q, k, v, depth_k, depth_v = (inputs[n] for n in ("q", "k", "v", "depth_k", "depth_v"))
+
+    def launches(loss, *leaves) -> int:
+        torch._dynamo.reset()
+        compiled = torch.compile(loss, fullgraph=True)
+        _, code = run_and_get_code(lambda: torch.autograd.grad(compiled(*leaves), leaves))
+        return "\n".join(code).count(".run(")
+
+    def sdpa(q, k, v):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.float().square().sum()
+
+    def split(q, k, v, depth_k, depth_v):
+        return moda_attention(q, k, v, depth_k, depth_v, backend="split").float().square().sum()
+
+    assert launches(split, q, k, v, depth_k, depth_v) == launches(sdpa, q, k, v) + 3
+
+
 def _compiled_model_matches_eager(**config) -> str:
     """A small GPT (``config`` on top of a 64-token, bf16-autocast one) compiled with ``fullgraph=True``: its
     loss and every gradient against eager's; returns the generated code."""

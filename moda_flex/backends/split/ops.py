@@ -220,13 +220,13 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
         out_s, lse_s, first = out, lse, lse  # first: unread
     if out.numel() == 0:
         return out, lse
-    ls, lo = sequence.lse_view(lse_s), sequence.lse_view(lse)
+    (ls, sls), (lo, slo) = sequence.lse_argument(lse_s), sequence.lse_argument(lse)
     kernel, layout = _depth_kernel(kernels.FORWARD, _layout(q, Hk, L))
     grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
     depth, _held = route.depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
     route.launch(kernel, grid, q.device,
         Q=q, OS=out_s, LS=ls, FIRST=first, O=out, LO=lo, **depth, first_blocks=first.shape[-1],
-        sq=q.stride(), sos=out_s.stride(), sls=ls.stride(), so=out.stride(), slo=lo.stride(),
+        sq=q.stride(), sos=out_s.stride(), sls=sls, so=out.stride(), slo=slo,
         Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, qk_scale=opts.scale * _LOG2E,
         **layout, HAS_SEQ=has_sequence, CAUSAL=opts.causal,
     )  # fmt: skip
@@ -312,8 +312,8 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     has_sequence = _has_sequence(k, opts)
     # without a sequence part nothing is written for a vendor: the originals stand in, unread
     c = _silenced_unwritten(q, out, lse, k) if has_sequence else Silenced(q, out, grad_out, lse, k, v)
-    lv, lcv = sequence.lse_view(lse), sequence.lse_view(c.lse)
-    glse = lv if grad_lse is None else sequence.lse_view(grad_lse).float()
+    (lv, sl), (lcv, slc) = sequence.lse_argument(lse), sequence.lse_argument(c.lse)
+    glse, sgl = (lv, sl) if grad_lse is None else sequence.lse_argument(grad_lse.float())
     dq_depth = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     kernel, layout = _depth_kernel(kernels.BACKWARD, _layout(q, Hk, L, True))
     # the programs also cover the keys' tokens past the queries' (a full mask's longer keys), to sanitize them
@@ -327,8 +327,8 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
         Q=q, O=out, DO=grad_out, LSE=lv, GLSE=glse, DQ=dq_depth, DDK=gk, DDV=gv, ADK=ak, ADV=av,
         QC=c.q, OC=c.out, DOC=c.grad_out, LSEC=lcv, K=k, V=v, KO=c.k, VO=c.v, **depth,
         sq=q.stride(), so=out.stride(), sdo=grad_out.stride(),
-        sl=lv.stride(), sgl=glse.stride(), sdq=dq_depth.stride(), sgk=sgk, sgv=sgv, sga=sga,
-        sqc=c.q.stride(), soc=c.out.stride(), slc=lcv.stride(), sk=k.stride(), sv=v.stride(), sko=c.k.stride(),
+        sl=sl, sgl=sgl, sdq=dq_depth.stride(), sgk=sgk, sgv=sgv, sga=sga,
+        sqc=c.q.stride(), soc=c.out.stride(), slc=slc, sk=k.stride(), sv=v.stride(), sko=c.k.stride(),
         Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, scale=opts.scale, qk_scale=opts.scale * _LOG2E,
         DDV_AT=gv_at, ADV_AT=av_at, **layout, HAS_GLSE=grad_lse is not None, DEPTH_ADD=add or addend is not None,
         COPIES=has_sequence,

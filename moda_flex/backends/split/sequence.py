@@ -7,7 +7,7 @@ GQA (``Hq = G * Hk``) without expanding k and v. On CPU (the tests, under
 Triton's interpreter) the same role is played by SDPA's CPU flash op.
 
 An op's lse comes in its own layout (cuDNN: (B, H, T, 1)); :func:`lse_view`
-gives the (B, H, T) view the depth kernels read and write.
+gives it as (B, H, T), :func:`lse_argument` as the depth kernels take it.
 """
 
 from __future__ import annotations
@@ -65,6 +65,16 @@ def lse_view(lse: Tensor) -> Tensor:
     return lse[..., 0] if lse.dim() == 4 else lse
 
 
+def lse_argument(lse: Tensor) -> tuple[Tensor, tuple[int, int, int]]:
+    """An op's lse as the depth kernels take it: the tensor itself, whose address is its (B, H, T) view's, and
+    that view's strides.
+
+    Not the view: a traced op whose kernel writes a view makes the compiled graph copy the view to a buffer of
+    its own before the launch and back after it, two kernels a call.
+    """
+    return lse, lse.stride()[:3]
+
+
 def lse_layout(kernel: str, lse: Tensor) -> Tensor:
     """A (B, H, T) lse, or one in another op's layout, in ``kernel``'s layout (cuDNN: (B, H, T, 1))."""
     lse = lse_view(lse)
@@ -87,6 +97,12 @@ def forward(kernel: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: f
     return out, lse
 
 
+def _unread_scalar(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An unwritten 0-dim tensor: a view of a one-element one, as inductor fills a 0-dim ``empty`` with a kernel
+    of its own."""
+    return torch.empty(1, dtype=dtype, device=device)[0]
+
+
 def backward(kernel: str, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
              causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """dq (B, Hq, Tq, D), dk, dv (B, Hk, Tk, D) of the attention whose softmax gave ``out`` and ``lse``.
@@ -96,13 +112,13 @@ def backward(kernel: str, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out
     """
     Tq, Tk = q.shape[2], k.shape[2]
     if kernel == "cudnn":
-        seed = torch.empty((), dtype=torch.int64, device=q.device)
+        seed = _unread_scalar(torch.int64, q.device)
         return aten._scaled_dot_product_cudnn_attention_backward(
             grad_out, q, k, v, out, lse, seed, seed, None, None, None, Tq, Tk, 0.0, causal, scale=scale
         )
     if kernel == "flash":
         seed = torch.empty(2, dtype=torch.uint64, device=q.device)
-        offset = torch.empty((), dtype=torch.uint64, device=q.device)
+        offset = _unread_scalar(torch.uint64, q.device)
         return aten._scaled_dot_product_flash_attention_backward(
             grad_out, q, k, v, out, lse, None, None, Tq, Tk, 0.0, causal, seed, offset, scale=scale
         )
