@@ -84,16 +84,20 @@ def test_a_compiled_call_launches_the_kernels_from_its_graph(backend, mode, kern
 
 
 def test_a_compiled_split_call_adds_only_its_own_kernels_to_sdpas():
-    """Compiled, a split call (forward and backward) launches what the same step on SDPA launches plus its three
-    kernels (the NaN rule's pass over k and v, the depth kernels) and the sum of dq's two parts, the vendor's
-    and the depth kernel's (in a model it fuses into the rotation's backward; here the graph returns dq).
-    Nothing copies the lse a kernel writes to and back (a view of it, written by a traced kernel, would be),
-    nothing fills an unread seed."""
+    """Compiled, a split call (forward and backward), alone or as a model's layer reads its depth stream,
+    launches what the same step on SDPA launches plus its three kernels (the NaN rule's pass over k and v, the
+    depth kernels) and the sum of dq's two parts, the vendor's and the depth kernel's (in a model it fuses
+    into the rotation's backward; here the graph returns dq). Nothing copies the lse a kernel writes to and
+    back (a view of it, written by a traced kernel, was: a stream's read launched 12 kernels, not 7), nothing
+    fills an unread seed."""
     from torch._inductor.utils import run_and_get_code
 
+    from moda_flex import DepthStream
+
     shape = MoDAShape(2, 6, 2, 64, 64, 4, 64)
-    inputs = make_inputs(shape, dtype=torch.bfloat16, device="cuda", depth_entries=False)
-    q, k, v, depth_k, depth_v = (inputs[n] for n in ("q", "k", "v", "depth_k", "depth_v"))
+    inputs = make_inputs(shape, dtype=torch.bfloat16, device="cuda", depth_entries=True)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    entries = [t for pair in zip(inputs["depth_k"], inputs["depth_v"]) for t in pair]
 
     def launches(loss, *leaves) -> int:
         torch._dynamo.reset()
@@ -105,10 +109,19 @@ def test_a_compiled_split_call_adds_only_its_own_kernels_to_sdpas():
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return out.float().square().sum()
 
-    def split(q, k, v, depth_k, depth_v):
-        return moda_attention(q, k, v, depth_k, depth_v, backend="split").float().square().sum()
+    def alone(q, k, v, *entries):
+        return moda_attention(q, k, v, list(entries[::2]), list(entries[1::2]), backend="split").float().square().sum()
 
-    assert launches(split, q, k, v, depth_k, depth_v) == launches(sdpa, q, k, v) + 4
+    def streamed(q, k, v, *entries):
+        stream = DepthStream(readers=1, gradient_buffer=True)
+        for key, value in zip(entries[::2], entries[1::2]):
+            stream = stream.append(key, value)
+        out, _ = stream.attend(q, k, v, backend="split")
+        return out.float().square().sum()
+
+    expected = launches(sdpa, q, k, v) + 4
+    assert launches(alone, q, k, v, *entries) == expected
+    assert launches(streamed, q, k, v, *entries) == expected
 
 
 def _compiled_model_matches_eager(**config) -> str:
