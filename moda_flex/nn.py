@@ -83,7 +83,9 @@ def apply_rope(x: Tensor, start: int, base: float = 10000.0) -> Tensor:
     angles = torch.outer(pos, inv_freq)  # (T, D/2)
     cos, sin = angles.cos(), angles.sin()
     x1, x2 = x.float().chunk(2, dim=-1)  # (B, H, T, D/2) each
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+    # each half cast before the concatenation: compiled, the kernel that rotates writes x's dtype, where a
+    # cast after it is a kernel of its own
+    return torch.cat([(x1 * cos - x2 * sin).to(x.dtype), (x1 * sin + x2 * cos).to(x.dtype)], dim=-1)
 
 
 def _keys_and_values(
@@ -302,8 +304,12 @@ class DepthKVProjection(nn.Module):
 
     def forward(self, x: Tensor, depth: DepthStream, start: int = 0) -> DepthStream:
         """``depth`` with the K/V of (B, T, C) ``x`` appended, its tokens at positions ``start ..``."""
+        return self.append(self.kv_proj(x), depth, start)
+
+    def append(self, kv: Tensor, depth: DepthStream, start: int = 0) -> DepthStream:
+        """``depth`` with the K/V of a projection ``kv`` = ``kv_proj(x)``, (B, T, 2 * Hk * D), appended."""
         rope_base = self.rope_base if self.rope else None
-        k, v = _keys_and_values(self.kv_proj(x), self.k_norm, self.n_kv_head, self.head_dim, rope_base, start)
+        k, v = _keys_and_values(kv, self.k_norm, self.n_kv_head, self.head_dim, rope_base, start)
         return depth.append(k, v)
 
 
@@ -316,8 +322,24 @@ class SwiGLU(nn.Module):
         self.proj = nn.Linear(hidden, n_embd, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        a, b = self.fc(x).chunk(2, dim=-1)  # (B, T, hidden) each
+        return self.finish(self.fc(x))
+
+    def finish(self, ab: Tensor) -> Tensor:
+        """The FFN of ``x`` from its projection ``ab`` = ``fc(x)``, (B, T, 2 * hidden)."""
+        a, b = ab.chunk(2, dim=-1)  # (B, T, hidden) each
         return self.proj(F.silu(a) * b)
+
+
+def _shared_input(x: Tensor, *layers: nn.Linear) -> tuple[Tensor, ...]:
+    """Each of ``layers`` applied to ``x``, as one product over their weights concatenated.
+
+    The same values as the layers' own calls, in fewer launches: one matrix
+    product and (under autocast) one weight cast forward, one product a side
+    backward, where each layer launches its own.
+    """
+    weight = torch.cat([layer.weight for layer in layers])
+    bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
+    return F.linear(x, weight, bias).split([layer.out_features for layer in layers], dim=-1)
 
 
 class Block(nn.Module):
@@ -389,8 +411,11 @@ class Block(nn.Module):
         else:
             y, stream = self.attn(x, stream, cache)
             x = h = self.norm_1(x + y)
-        if self.ffn_kv is not None:
-            stream = self.ffn_kv(h, stream, start)
-        x = x + self.mlp(h)
+        if self.ffn_kv is None:
+            x = x + self.mlp(h)
+        else:  # the FFN's projection and its depth entry's read the same h: one product
+            ab, kv = _shared_input(h, self.mlp.fc, self.ffn_kv.kv_proj)
+            stream = self.ffn_kv.append(kv, stream, start)
+            x = x + self.mlp.finish(ab)
         x = x if self.config.norm == "pre" else self.norm_2(x)
         return x, (depth if stream is None else stream)
