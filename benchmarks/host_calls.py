@@ -9,7 +9,9 @@ step) at a model's width and depth but a short sequence, and prints the
 functions whose calls a step grows most from the baseline to MoDA, with
 each one's calls a MoDA layer and its own time a call under the profiler
 (which inflates every call alike: read the times as ranks, the counts as
-they are).
+they are). Beside them, the GPU kernels a step launches (torch.profiler),
+each arm's total and the kernels whose launches a layer changed most, by
+name: a launch is host time in a step the GPU waits for.
 
 Usage::
 
@@ -19,6 +21,7 @@ Usage::
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -48,6 +51,34 @@ def calls_a_step(step, steps: int) -> dict[tuple, tuple[float, float]]:
         calls, seconds = rows.get(key, (0.0, 0.0))
         rows[key] = (calls + row[1] / steps, seconds + row[2] / steps)
     return rows
+
+
+def launches_a_step(step, steps: int) -> dict[str, float]:
+    """Each GPU kernel's launches a step over ``steps`` profiled steps (torch.profiler), keyed by
+    :func:`kernel_family`."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    launches = {}
+    for event in profile.key_averages():
+        if event.self_device_time_total > 0:
+            family = kernel_family(event.key)
+            launches[family] = launches.get(family, 0.0) + event.count / steps
+    return launches
+
+
+def kernel_family(name: str) -> str:
+    """A kernel's name less the number inductor appends to its generated kernels (``triton_poi_fused_add_12``:
+    ``triton_poi_fused_add``), which differs between two models' graphs for the same fused work."""
+    return re.sub(r"_\d+$", "", name) if name.startswith("triton_") else name
+
+
+def launch_growth(base: dict[str, float], moda: dict[str, float], layers: int) -> list[tuple[str, float]]:
+    """(kernel, launches a layer that MoDA's step makes more than the baseline's, negative for fewer) for every
+    kernel whose count differs, the largest change first."""
+    rows = [(name, (moda.get(name, 0.0) - base.get(name, 0.0)) / layers) for name in {*base, *moda}]
+    return sorted((row for row in rows if row[1]), key=lambda row: (-abs(row[1]), row[0]))
 
 
 def growth(base: dict, moda: dict, layers: int) -> list[tuple]:
@@ -94,13 +125,15 @@ def main(argv=None) -> None:
     shape = dict(config=dict(base_shape["config"], n_layer=args.layers), batch=1, seq=args.seq)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {shape}, compiled (default mode)")
 
-    profiles = {}
+    profiles, launches = {}, {}
     for arm in arms:
         step = prepare(Case(arm, "compiled", "auto", "auto" if arm == "none" else args.backend), shape, warmup=3)
         profiles[arm] = calls_a_step(step, args.steps)
+        launches[arm] = launches_a_step(step, args.steps)
         calls = sum(c for c, _ in profiles[arm].values())
         seconds = sum(s for _, s in profiles[arm].values())
-        print(f"  {arm:9s} {calls:9.0f} Python calls a step, {1e3 * seconds:7.1f} ms own time under cProfile")
+        print(f"  {arm:9s} {calls:9.0f} Python calls a step, {1e3 * seconds:7.1f} ms own time under cProfile, "
+              f"{sum(launches[arm].values()):5.0f} GPU kernels a step")  # fmt: skip
 
     base = profiles[arms[0]]
     for arm in arms[1:]:
@@ -112,6 +145,11 @@ def main(argv=None) -> None:
         print("|---|---|---|---|")
         for function, calls, per_call, total in rows[: args.rows]:
             print(f"| `{named(function)}` | {calls:.1f} | {per_call:.1f} | {total:.0f} |")
+        kernels = launch_growth(launches[arms[0]], launches[arm], args.layers)
+        print(f"\n{arm} over {arms[0]}: {sum(n for _, n in kernels):.2f} more GPU kernels a layer")
+        print("| kernel | launches a layer |\n|---|---|")
+        for name, extra in kernels[: args.rows]:
+            print(f"| `{name[:100]}` | {extra:+.2f} |")
 
 
 if __name__ == "__main__":

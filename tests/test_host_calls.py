@@ -1,8 +1,9 @@
-"""benchmarks/host_calls.py's comparison of two profiles: which functions MoDA's step calls more, per layer."""
+"""benchmarks/host_calls.py's comparison of two profiles: which functions MoDA's step calls more, and which
+kernels it launches more or fewer of, per layer."""
 
 import pytest
 
-from host_calls import GENERATED, growth, named
+from host_calls import GENERATED, growth, kernel_family, launch_growth, named
 
 
 def test_growth_counts_extra_calls_a_layer_and_ranks_them_by_extra_time():
@@ -28,3 +29,19 @@ def test_named_gives_a_builtin_as_it_is_and_a_function_by_its_file():
     assert named(("~", 0, "<method 'data_ptr' of 'torch._C.TensorBase' objects>")).startswith("<method")
     assert named(("/x/torch/_inductor/runtime/triton_heuristics.py", 9, "run")) == "runtime/triton_heuristics.py:9(run)"
     assert named((GENERATED, 0, "call")) == f"{GENERATED}: call"
+
+
+def test_kernel_family_drops_the_number_inductor_gives_a_generated_kernel_only():
+    assert kernel_family("triton_poi_fused__to_copy_12") == "triton_poi_fused__to_copy"
+    assert kernel_family("triton_per_fused__fused_rms_norm_3") == "triton_per_fused__fused_rms_norm"
+    assert kernel_family("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_kernel0_0") == (
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_kernel0_0")  # fmt: skip
+    assert kernel_family("depth_forward_flat") == "depth_forward_flat"
+
+
+def test_launch_growth_gives_each_changed_kernel_a_layer_the_largest_change_first():
+    base = {"cudnn_fprop": 4.0, "mm": 20.0, "memset": 8.0}
+    moda = {"mm": 28.0, "memset": 8.0, "forward_flat": 3.0, "cudnn_fprop": 1.0}
+    rows = launch_growth(base, moda, layers=4)
+    # mm +8 over 4 layers, cudnn -3, forward_flat +3 (ties by name), memset unchanged: not listed
+    assert rows == [("mm", 2.0), ("cudnn_fprop", -0.75), ("forward_flat", 0.75)]
