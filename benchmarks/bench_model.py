@@ -29,6 +29,7 @@ Usage::
     python benchmarks/bench_model.py --shape table6 --arms attn+ffn --backend split   # MoDA's layers on one backend
     python benchmarks/bench_model.py --shape table6 --modes compiled --arms none,attn --backend auto,triton --rounds 3
     python benchmarks/bench_model.py --shape table6 --modes compiled --arms none,attn+ffn --launchers triton,static --rounds 3
+    python benchmarks/bench_model.py --shape gpt2s --layers 4 --batch 1 --seq 64 --modes compiled --backend auto,split --rounds 7
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -59,6 +60,15 @@ SHAPES = {
     "table6": dict(config=dict(n_layer=24, n_embd=384, n_head=6, n_kv_head=2, norm="post"), batch=32, seq=512),
     "gpt2s": dict(config=dict(n_layer=12, n_embd=768, n_head=12, n_kv_head=4, norm="pre"), batch=8, seq=1024),
 }
+
+
+def resized(shape: dict, layers: Optional[int] = None, batch: Optional[int] = None, seq: Optional[int] = None) -> dict:
+    """``shape`` (one of :data:`SHAPES`) with its depth, batch or sequence length replaced where given: a model's
+    width and heads at a size where the GPU waits for the host (few layers, short sequences)."""
+    config = shape["config"] if layers is None else dict(shape["config"], n_layer=layers)
+    return dict(config=config, batch=shape["batch"] if batch is None else batch, seq=shape["seq"] if seq is None else seq)
+
+
 ARMS = ("none", "attn", "attn+ffn")
 MODES = ("eager", "compiled", "reduce-overhead")
 LAUNCHERS = ("triton", "static")
@@ -274,6 +284,9 @@ def main(argv=None) -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="table6", help="model and batch shape")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated depth_kv values, from {ARMS}")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {MODES}")
+    p.add_argument("--layers", type=cli.at_least(1), help="transformer blocks, in place of the shape's")
+    p.add_argument("--batch", type=cli.at_least(1), help="sequences a step, in place of the shape's")
+    p.add_argument("--seq", type=cli.at_least(1), help="tokens a sequence, in place of the shape's")
     p.add_argument("--steps", type=int, default=20, help="timed steps per row")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first, compilation included")
     p.add_argument("--profile", action="store_true", help="print each row's top kernels and its time by kind over 3 steps (torch.profiler)")
@@ -302,7 +315,7 @@ def main(argv=None) -> None:
         if name not in LAUNCHERS:
             p.error(f"--launchers {name!r}: expected one of {', '.join(LAUNCHERS)}")
     cli.require_cuda(p, "bench_model.py")
-    shape = SHAPES[args.shape]
+    shape = resized(SHAPES[args.shape], args.layers, args.batch, args.seq)
     arms, modes = args.arms.split(","), args.modes.split(",")
     bandwidth = copy_bandwidth()
     B, T = shape["batch"], shape["seq"]

@@ -31,7 +31,7 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import cli  # noqa: E402
 
-from bench_model import ARMS, SHAPES, Case, host_profile, prepare  # noqa: E402
+from bench_model import ARMS, SHAPES, Case, host_profile, prepare, resized  # noqa: E402
 
 
 # The file a function of inductor's generated code is keyed by: each model's graphs are modules of their own
@@ -121,8 +121,7 @@ def main(argv=None) -> None:
     for arm in arms:
         if arm not in ARMS:
             p.error(f"--arms {arm!r}: expected one of {', '.join(ARMS)}")
-    base_shape = SHAPES[args.shape]
-    shape = dict(config=dict(base_shape["config"], n_layer=args.layers), batch=1, seq=args.seq)
+    shape = resized(SHAPES[args.shape], args.layers, batch=1, seq=args.seq)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {shape}, compiled (default mode)")
 
     profiles, launches = {}, {}

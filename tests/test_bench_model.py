@@ -1,11 +1,11 @@
 """benchmarks/bench_model.py's pieces: which part of a step each GPU kernel's time goes to, a row's summary and
-its ratios by round, its name, and its compile."""
+its ratios by round, its name, its compile, and a shape resized."""
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from bench_model import Case, compiled, kernel_kind, round_ratios, summary, time_split
+from bench_model import SHAPES, Case, compiled, kernel_kind, resized, round_ratios, summary, time_split
 
 
 @pytest.mark.parametrize(
@@ -73,3 +73,11 @@ def test_rows_that_differ_by_launcher_each_compile_their_own_step():
         compiled(torch.nn.Linear(4, 4), Case("attn", "compiled", "auto", "auto", launcher))(x)
     assert counters["stats"]["unique_graphs"] - before == 2
     torch._dynamo.reset()
+
+
+def test_resized_replaces_only_what_it_is_given_and_leaves_the_shape_as_it_was():
+    gpt2s = SHAPES["gpt2s"]
+    small = resized(gpt2s, layers=4, batch=1, seq=64)
+    assert small == dict(config=dict(gpt2s["config"], n_layer=4), batch=1, seq=64)
+    assert resized(gpt2s, seq=256) == dict(gpt2s, seq=256)
+    assert resized(gpt2s) == gpt2s and gpt2s["config"]["n_layer"] == 12
