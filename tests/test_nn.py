@@ -187,8 +187,10 @@ def test_a_block_with_ffn_entries_computes_its_projections_as_the_layers_do(bias
     torch.testing.assert_close(out, expected_out, rtol=1e-12, atol=1e-12)
     for got, want in zip(stream.read(), expected.read()):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+    def loss(out, stream):
+        return out.sin().sum() + sum(entry.cos().sum() for side in stream.read() for entry in side)
+
     leaves = [x, *block.parameters()]
-    loss = lambda o, s: o.sin().sum() + sum(e.cos().sum() for side in s.read() for e in side)  # noqa: E731
     grads = torch.autograd.grad(loss(out, stream), leaves)
     for got, want in zip(grads, torch.autograd.grad(loss(expected_out, expected), leaves)):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

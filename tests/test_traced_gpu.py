@@ -88,8 +88,8 @@ def test_a_compiled_split_call_adds_only_its_own_kernels_to_sdpas():
     launches what the same step on SDPA launches plus its three kernels (the NaN rule's pass over k and v, the
     depth kernels) and the sum of dq's two parts, the vendor's and the depth kernel's (in a model it fuses
     into the rotation's backward; here the graph returns dq). Nothing copies the lse a kernel writes to and
-    back (a view of it, written by a traced kernel, was: a stream's read launched 12 kernels, not 7), nothing
-    fills an unread seed."""
+    back (inductor does so for a view that a traced kernel writes), nothing fills an unread seed (inductor
+    lowers a 0-dim ``empty`` as a fill)."""
     from torch._inductor.utils import run_and_get_code
 
     from moda_flex import DepthStream
