@@ -31,6 +31,11 @@ kernel's own arguments, in one of two ways:
   the square of the depth).
 
 Neither holds a host address, which makes the ops safe to capture in CUDA graphs.
+
+A tensor a traced kernel writes is passed as itself, with the strides of the
+view the kernel addresses, never as a view: inductor copies a written view
+to a buffer of its own before the launch and back after it, two kernels
+(:func:`.split.sequence.lse_argument`, the lse of the vendor's layout).
 """
 
 from __future__ import annotations

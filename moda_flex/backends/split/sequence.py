@@ -67,11 +67,7 @@ def lse_view(lse: Tensor) -> Tensor:
 
 def lse_argument(lse: Tensor) -> tuple[Tensor, tuple[int, int, int]]:
     """An op's lse as the depth kernels take it: the tensor itself, whose address is its (B, H, T) view's, and
-    that view's strides.
-
-    Not the view: a traced op whose kernel writes a view makes the compiled graph copy the view to a buffer of
-    its own before the launch and back after it, two kernels a call.
-    """
+    that view's strides (not the view, which a traced kernel must not write: :mod:`..traced`)."""
     return lse, lse.stride()[:3]
 
 
