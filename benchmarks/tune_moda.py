@@ -3,10 +3,11 @@
 Each candidate replaces one kernel's configuration through the ``config=``
 hook of ``moda_flex.backends.triton.triton_attention``; the others keep their
 defaults. Prints forward and backward medians (ms) for L = 0 and
-L = ``--slots`` at one (T, G), and the spread of timing the default twice.
+L = ``--slots`` at one (B, Hk, T, G).
 Usage::
 
     python benchmarks/tune_moda.py --seq 16384 --groups 8 --slots 64
+    python benchmarks/tune_moda.py --batch 8 --kv-heads 4 --seq 1024 --groups 3 --slots 22 --kernels fwd,dq,dkdv   # a GPT-2-small layer
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ CANDIDATES = {
         dict(BLOCK_M=128, BLOCK_N=64, BLOCK_C=32, num_warps=8, num_stages=3),
         dict(BLOCK_M=64, BLOCK_N=64, BLOCK_C=64, num_warps=4, num_stages=3),
     ],
+    "dkdv": [
+        dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+        dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
+        dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    ],
 }
 
 
@@ -45,15 +52,15 @@ def _timed(fn) -> float:
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
-def _times(T, G, L, config):
+def _times(B, Hk, T, G, L, config):
     """Forward and backward medians (ms) of one call under the launch hook ``config``."""
     torch.manual_seed(0)
-    Hk, D, dev, dt = 8, 64, "cuda", torch.bfloat16
-    q = torch.randn(1, Hk * G, T, D, device=dev, dtype=dt, requires_grad=True)
-    k = torch.randn(1, Hk, T, D, device=dev, dtype=dt, requires_grad=True)
-    v = torch.randn(1, Hk, T, D, device=dev, dtype=dt, requires_grad=True)
-    dk = torch.randn(1, Hk, T, L + 16, D, device=dev, dtype=dt)[:, :, :, :L].requires_grad_()
-    dv = torch.randn(1, Hk, T, L + 16, D, device=dev, dtype=dt)[:, :, :, :L].requires_grad_()
+    D, dev, dt = 64, "cuda", torch.bfloat16
+    q = torch.randn(B, Hk * G, T, D, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(B, Hk, T, D, device=dev, dtype=dt, requires_grad=True)
+    v = torch.randn(B, Hk, T, D, device=dev, dtype=dt, requires_grad=True)
+    dk = torch.randn(B, Hk, T, L + 16, D, device=dev, dtype=dt)[:, :, :, :L].requires_grad_()
+    dv = torch.randn(B, Hk, T, L + 16, D, device=dev, dtype=dt)[:, :, :, :L].requires_grad_()
     leaves = (q, k, v, dk, dv)
 
     def forward():
@@ -80,19 +87,28 @@ def _replacing(which: str, candidate: dict, G: int):
 
 def main(argv=None) -> None:
     parser = cli.parser(__doc__)
+    parser.add_argument("--batch", type=cli.at_least(1), default=1, help="B")
+    parser.add_argument("--kv-heads", type=cli.at_least(1), default=8, help="Hk")
     parser.add_argument("--seq", type=int, default=16384, help="T")
     parser.add_argument("--groups", type=int, default=8, help="G = Hq / Hk")
     parser.add_argument("--slots", type=int, default=64, help="L depth entries per token")
+    parser.add_argument("--kernels", default="fwd,dq", help=f"comma-separated, from {', '.join(CANDIDATES)}")
     args = parser.parse_args(argv)
+    kernels = args.kernels.split(",")
+    for which in kernels:
+        if which not in CANDIDATES:
+            parser.error(f"--kernels {which!r}: expected one of {', '.join(CANDIDATES)}")
     cli.require_cuda(parser, "tune_moda.py")
-    print(f"{torch.cuda.get_device_name()}  T={args.seq} G={args.groups} L=0/{args.slots}; ms")
+    shape = (args.batch, args.kv_heads, args.seq, args.groups)
+    print(f"{torch.cuda.get_device_name()}  B={args.batch} Hk={args.kv_heads} T={args.seq} G={args.groups} "
+          f"L=0/{args.slots}; ms")  # fmt: skip
     print(f"{'kernel':>6} {'config':<62} {'fwd L0':>8} {'bwd L0':>8} {'fwd L':>8} {'bwd L':>8}")
-    for which, candidates in CANDIDATES.items():
-        for cand in candidates:
+    for which in kernels:
+        for cand in CANDIDATES[which]:
             config = _replacing(which, cand, args.groups)
             try:
-                f0, b0 = _times(args.seq, args.groups, 0, config)
-                f1, b1 = _times(args.seq, args.groups, args.slots, config)
+                f0, b0 = _times(*shape, 0, config)
+                f1, b1 = _times(*shape, args.slots, config)
                 print(f"{which:>6} {str(cand):<62} {f0:8.3f} {b0:8.3f} {f1:8.3f} {b1:8.3f}", flush=True)
             except Exception as err:  # a candidate that does not compile or fit is reported, not fatal
                 print(f"{which:>6} {str(cand):<62} failed: {type(err).__name__}: {str(err)[:80]}", flush=True)
