@@ -223,17 +223,24 @@ def host_profile(step: Callable[[], None], steps: int) -> pstats.Stats:
     return pstats.Stats(profiler)
 
 
+def gpu_profile(step: Callable[[], None], steps: int):
+    """The GPU work of ``steps`` steps (torch.profiler), averaged by name (an ``EventList``); a kernel is an event
+    with device time of its own."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return prof.key_averages()
+
+
 def profile_steps(step: Callable[[], None], step_ms: float, kernels: bool, host: bool, rows: int = 25) -> None:
     """Over 3 steps: with ``kernels`` the ``rows`` top kernels (torch.profiler), kernel launches per step and the step's
     time by kind (:func:`time_split`: the kinds of :data:`KERNEL_KINDS`, other, and the host gap); with
     ``host`` the top Python functions by own time and by cumulative time (cProfile)."""
     if kernels:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
-        gpu_events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+        averages = gpu_profile(step, 3)
+        print(averages.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
+        gpu_events = [e for e in averages if e.self_device_time_total > 0]
         split = time_split({e.key: e.self_device_time_total for e in gpu_events}, 3, step_ms)
         launches = sum(e.count for e in gpu_events) / 3
         print(f"  per step: {launches:.0f} kernels; " + ", ".join(f"{kind} {t:.2f} ms" for kind, t in split.items()),

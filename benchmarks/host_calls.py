@@ -31,7 +31,7 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import cli  # noqa: E402
 
-from bench_model import ARMS, SHAPES, Case, host_profile, prepare, resized  # noqa: E402
+from bench_model import ARMS, SHAPES, Case, gpu_profile, host_profile, prepare, resized  # noqa: E402
 
 
 # The file a function of inductor's generated code is keyed by: each model's graphs are modules of their own
@@ -54,14 +54,10 @@ def calls_a_step(step, steps: int) -> dict[tuple, tuple[float, float]]:
 
 
 def launches_a_step(step, steps: int) -> dict[str, float]:
-    """Each GPU kernel's launches a step over ``steps`` profiled steps (torch.profiler), keyed by
-    :func:`kernel_family`."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
+    """Each GPU kernel's launches a step over ``steps`` profiled steps (:func:`bench_model.gpu_profile`), keyed
+    by :func:`kernel_family`."""
     launches = {}
-    for event in profile.key_averages():
+    for event in gpu_profile(step, steps):
         if event.self_device_time_total > 0:
             family = kernel_family(event.key)
             launches[family] = launches.get(family, 0.0) + event.count / steps
