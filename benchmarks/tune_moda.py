@@ -3,7 +3,8 @@
 Each candidate replaces one kernel's configuration through the ``config=``
 hook of ``moda_flex.backends.triton.triton_attention``; the others keep their
 defaults. Prints forward and backward medians (ms) for L = 0 and
-L = ``--slots`` at one (B, Hk, T, G).
+L = ``--slots`` at one (B, Hk, T, G), after SDPA's cuDNN kernel on the
+sequence part alone (the time a call without depth could take).
 Usage::
 
     python benchmarks/tune_moda.py --seq 16384 --groups 8 --slots 64
@@ -17,7 +18,9 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moda_flex import causal
 from moda_flex.backends.triton import triton_attention
@@ -31,18 +34,31 @@ CANDIDATES = {
         dict(BLOCK_M=64, BLOCK_N=128, BLOCK_C=16, num_warps=4, num_stages=3),
         dict(BLOCK_M=128, BLOCK_N=64, BLOCK_C=32, num_warps=8, num_stages=3),
         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_C=32, num_warps=8, num_stages=3),
+        # short calls (a model layer at T ~ 1024): more, smaller programs
+        dict(BLOCK_M=64, BLOCK_N=64, BLOCK_C=32, num_warps=4, num_stages=3),
+        dict(BLOCK_M=32, BLOCK_N=64, BLOCK_C=16, num_warps=4, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=64, BLOCK_C=16, num_warps=4, num_stages=2),
     ],
     "dq": [
         dict(BLOCK_M=64, BLOCK_N=64, BLOCK_C=32, num_warps=4, num_stages=3),
         dict(BLOCK_M=64, BLOCK_N=64, BLOCK_C=16, num_warps=4, num_stages=3),
         dict(BLOCK_M=128, BLOCK_N=64, BLOCK_C=32, num_warps=8, num_stages=3),
         dict(BLOCK_M=64, BLOCK_N=64, BLOCK_C=64, num_warps=4, num_stages=3),
+        dict(BLOCK_M=32, BLOCK_N=64, BLOCK_C=16, num_warps=4, num_stages=3),
+        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_C=32, num_warps=8, num_stages=2),
+        dict(BLOCK_M=128, BLOCK_N=32, BLOCK_C=32, num_warps=8, num_stages=3),
     ],
     "dkdv": [
         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
         dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+        dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
+        dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),
+        # dQ's sequence part added by the dK/dV kernel (float32 atomics, nondeterministic)
+        dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, DQ_ATOMIC=1),
+        dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, DQ_ATOMIC=1),
     ],
 }
 
@@ -71,6 +87,26 @@ def _times(B, Hk, T, G, L, config):
     out = forward()
     do = torch.randn_like(q)
     bwd = _timed(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True))
+    return fwd, bwd
+
+
+def _cudnn_times(B, Hk, T, G):
+    """Forward and backward medians (ms) of SDPA's cuDNN kernel on the sequence part alone, GQA unexpanded."""
+    torch.manual_seed(0)
+    D, dev, dt = 64, "cuda", torch.bfloat16
+    q = torch.randn(B, Hk * G, T, D, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(B, Hk, T, D, device=dev, dtype=dt, requires_grad=True)
+    v = torch.randn(B, Hk, T, D, device=dev, dtype=dt, requires_grad=True)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+
+        def forward():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        with torch.no_grad():
+            fwd = _timed(forward)
+        out = forward()
+    do = torch.randn_like(q)
+    bwd = _timed(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))
     return fwd, bwd
 
 
@@ -103,6 +139,8 @@ def main(argv=None) -> None:
     print(f"{torch.cuda.get_device_name()}  B={args.batch} Hk={args.kv_heads} T={args.seq} G={args.groups} "
           f"L=0/{args.slots}; ms")  # fmt: skip
     print(f"{'kernel':>6} {'config':<62} {'fwd L0':>8} {'bwd L0':>8} {'fwd L':>8} {'bwd L':>8}")
+    f0, b0 = _cudnn_times(*shape)
+    print(f"{'cudnn':>6} {'SDPA, sequence only':<62} {f0:8.3f} {b0:8.3f}", flush=True)
     for which in kernels:
         for cand in CANDIDATES[which]:
             config = _replacing(which, cand, args.groups)
