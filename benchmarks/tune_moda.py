@@ -2,9 +2,10 @@
 
 Each candidate replaces one kernel's configuration through the ``config=``
 hook of ``moda_flex.backends.triton.triton_attention``; the others keep their
-defaults. Prints forward and backward medians (ms) for L = 0 and
-L = ``--slots`` at one (B, Hk, T, G), after SDPA's cuDNN kernel on the
-sequence part alone (the time a call without depth could take).
+defaults. Prints forward and backward GPU times (ms: the kernels' own time,
+from torch.profiler, not the wall time, which a short call spends on the
+host) for L = 0 and L = ``--slots`` at one (B, Hk, T, G), after SDPA's cuDNN
+kernel on the sequence part alone (the time a call without depth could take).
 Usage::
 
     python benchmarks/tune_moda.py --seq 16384 --groups 8 --slots 64
@@ -19,7 +20,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moda_flex import causal
@@ -27,6 +27,7 @@ from moda_flex.backends.triton import triton_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import cli  # noqa: E402
+from bench_model import gpu_profile  # noqa: E402
 
 CANDIDATES = {
     "fwd": [
@@ -63,13 +64,17 @@ CANDIDATES = {
 }
 
 
-def _timed(fn) -> float:
-    fn()
-    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+def _timed(fn, repeats: int = 20) -> float:
+    """The GPU time (ms) of one ``fn()``, its kernels' own time summed (torch.profiler) over ``repeats``
+    after a warm-up: at a model layer's lengths a call's wall time is its host's, not its kernels'."""
+    for _ in range(3):
+        fn()
+    averages = gpu_profile(fn, repeats)
+    return sum(e.self_device_time_total for e in averages if e.self_device_time_total > 0) / repeats / 1e3
 
 
 def _times(B, Hk, T, G, L, config):
-    """Forward and backward medians (ms) of one call under the launch hook ``config``."""
+    """Forward and backward GPU times (ms) of one call under the launch hook ``config``."""
     torch.manual_seed(0)
     D, dev, dt = 64, "cuda", torch.bfloat16
     q = torch.randn(B, Hk * G, T, D, device=dev, dtype=dt, requires_grad=True)
@@ -91,7 +96,7 @@ def _times(B, Hk, T, G, L, config):
 
 
 def _cudnn_times(B, Hk, T, G):
-    """Forward and backward medians (ms) of SDPA's cuDNN kernel on the sequence part alone, GQA unexpanded."""
+    """Forward and backward GPU times (ms) of SDPA's cuDNN kernel on the sequence part alone, GQA unexpanded."""
     torch.manual_seed(0)
     D, dev, dt = 64, "cuda", torch.bfloat16
     q = torch.randn(B, Hk * G, T, D, device=dev, dtype=dt, requires_grad=True)
@@ -137,7 +142,7 @@ def main(argv=None) -> None:
     cli.require_cuda(parser, "tune_moda.py")
     shape = (args.batch, args.kv_heads, args.seq, args.groups)
     print(f"{torch.cuda.get_device_name()}  B={args.batch} Hk={args.kv_heads} T={args.seq} G={args.groups} "
-          f"L=0/{args.slots}; ms")  # fmt: skip
+          f"L=0/{args.slots}; GPU ms a call (kernel time, torch.profiler)")  # fmt: skip
     print(f"{'kernel':>6} {'config':<62} {'fwd L0':>8} {'bwd L0':>8} {'fwd L':>8} {'bwd L':>8}")
     f0, b0 = _cudnn_times(*shape)
     print(f"{'cudnn':>6} {'SDPA, sequence only':<62} {f0:8.3f} {b0:8.3f}", flush=True)
