@@ -92,9 +92,11 @@ def launch_config(device: torch.device, head_dim: int, G: int, which: str, hook:
     queries of ``head_dim``, through ``hook`` if given.
 
     ``programs``: for "dkdv", the number of (key block, batch x KV head)
-    programs at the default BLOCK_N = 128; fewer than the GPU has SMs halves
-    the key blocks. The generic configurations were chosen on an H200 at
-    T=16384, G=8, D=64 (benchmarks/tune_moda.py, benchmarks/NOTES.md).
+    programs at BLOCK_N = 128; where a configuration takes key blocks of 128
+    (the Hopper path, head dims over 64), fewer programs than the GPU has SMs
+    halve them. The generic configurations were chosen on an H200 at
+    T=16384, G=8, D=64, the dK/dV kernel's also at T=1024-4096 and G=3
+    (benchmarks/tune_moda.py, benchmarks/NOTES.md).
 
     ``hopper``: the Hopper path's configuration, the one with ``TMA`` on. The
     flags: ``TMA`` (tensor descriptors for the tiles of the unmasked blocks),
@@ -144,6 +146,10 @@ def _generic_config(head_dim: int, which: str, has_depth: bool, few_programs: bo
         cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_C=32, num_warps=4, num_stages=3)
     elif which == "fwd":
         cfg = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_C=32, num_warps=8, num_stages=3)
+    elif which == "dkdv" and head_dim <= 64:
+        # Keys in blocks of 64 over 4 warps: 0.77-0.96x the time of 128 over 8 from T=1024 to 16384, G 3 and 8
+        # (H200, benchmarks/NOTES.md, "The dK/dV kernel's tiles").
+        cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2)
     elif which == "dkdv":
         cfg = dict(BLOCK_M=128, BLOCK_N=64 if few_programs else 128, num_warps=8, num_stages=2)
     else:
