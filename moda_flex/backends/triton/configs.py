@@ -147,8 +147,9 @@ def _generic_config(head_dim: int, which: str, has_depth: bool, few_programs: bo
     elif which == "fwd":
         cfg = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_C=32, num_warps=8, num_stages=3)
     elif which == "dkdv" and head_dim <= 64:
-        # Keys in blocks of 64 over 4 warps: 0.77-0.96x the time of 128 over 8 from T=1024 to 16384, G 3 and 8
-        # (H200, benchmarks/NOTES.md, "The dK/dV kernel's tiles").
+        # Keys in blocks of 64 over 4 warps: a backward in 0.73-0.96x the GPU time of the earlier tiles (keys in
+        # blocks of 128, or 64 for few programs, over 8 warps) from T=1024 to 16384, G 3 and 8 (H200, BENCHMARKS.md,
+        # "The dK/dV kernel's tiles at a model layer's call").
         cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2)
     elif which == "dkdv":
         cfg = dict(BLOCK_M=128, BLOCK_N=64 if few_programs else 128, num_warps=8, num_stages=2)
