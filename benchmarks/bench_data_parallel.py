@@ -84,7 +84,8 @@ def main(argv=None) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model (default: train_gpt's, on for cuda)")  # fmt: skip
     p.add_argument("--nproc", type=int, default=2, help="processes (GPUs on cuda) of the ddp and fsdp runs")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {MODES}; single comes first")
+    p.add_argument("--modes", type=cli.choice_list(MODES), default=",".join(MODES),
+                   help=f"comma-separated, from {', '.join(MODES)}; single comes first")  # fmt: skip
     p.add_argument("--arms", default="none,attn+ffn", help="train_gpt's --depth-kv: the models compared")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per GPU per step")
     p.add_argument("--steps", type=int, default=80, help="training steps per model")
@@ -95,13 +96,10 @@ def main(argv=None) -> None:
         cli.require_cuda(p, "bench_data_parallel.py --device cuda")
         if torch.cuda.device_count() < args.nproc:
             p.error(f"--nproc {args.nproc}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    modes = args.modes.split(",")
-    if not set(modes) <= set(MODES):
-        p.error(f"--modes {args.modes!r}: choose from {MODES}")
 
     out = Path(args.out_dir)
     tables = {}
-    for mode in modes:
+    for mode in args.modes:
         run_cmd = command(mode, args.nproc, args, out / mode)
         print("$ " + " ".join(run_cmd), flush=True)
         subprocess.run(run_cmd, check=True, cwd=ROOT)

@@ -154,14 +154,12 @@ def main(argv=None) -> dict:
     p = cli.parser(__doc__)
     cli.add_device(p)
     p.add_argument("--tiny", action="store_true", help=f"shape {TINY_SHAPE}, T in {TINY_LENGTHS}, float32")
-    p.add_argument("--designs", default=",".join(DESIGNS), help=f"comma-separated, from {','.join(DESIGNS)}")
+    p.add_argument("--designs", type=cli.choice_list(DESIGNS), default=",".join(DESIGNS),
+                   help=f"comma-separated, from {', '.join(DESIGNS)}")  # fmt: skip
     p.add_argument("--warmup", type=cli.at_least(1), default=3, help="untimed runs per case (compilation)")
     p.add_argument("--repeats", type=cli.at_least(1), default=5, help="timed runs per case off CUDA")
     args = p.parse_args(argv)
     device = cli.check_device(p, args.device)
-    designs = [d for d in args.designs.split(",") if d]
-    if not designs or not set(designs) <= set(DESIGNS):
-        p.error(f"--designs {args.designs!r}: a comma-separated subset of {','.join(DESIGNS)}")
     tiny = args.tiny or device.type != "cuda"
     shape, lengths, slots, check_len = (
         (TINY_SHAPE, TINY_LENGTHS, TINY_SLOTS, TINY_CHECK_LEN) if tiny else (SHAPE, LENGTHS, SLOTS, CHECK_LEN)
@@ -176,7 +174,7 @@ def main(argv=None) -> dict:
     print()
 
     times, failed = {}, False
-    for design in designs:
+    for design in args.designs:
         for L in slots:
             row = f"flex MoDA {design}, L={L}"
             torch._dynamo.reset()  # each row compiles afresh: its graphs are counted alone
@@ -199,14 +197,14 @@ def main(argv=None) -> dict:
                                                    args.repeats)  # fmt: skip
         times["SDPA", T] = time_ms(sdpa_step(inputs), device, args.warmup, args.repeats)
 
-    rows = [f"flex MoDA {design}, L={L}" for design in designs for L in slots] + ["plain flex_attention", "SDPA"]
+    rows = [f"flex MoDA {design}, L={L}" for design in args.designs for L in slots] + ["plain flex_attention", "SDPA"]
     print()
     print("| T | " + " | ".join(rows) + " | " + " | ".join(f"{r} / plain" for r in rows[:-2]) + " |")
     print("|---" * (1 + len(rows) + len(rows) - 2) + "|")
     for T in lengths:
         plain = times["plain flex_attention", T]
         cells = [f"{times[r, T]:.3f}" for r in rows]
-        for design in designs:
+        for design in args.designs:
             for L in slots:
                 ratio = times[f"flex MoDA {design}, L={L}", T] / plain
                 target = TARGETS.get(L, {}).get(T)

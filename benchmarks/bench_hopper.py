@@ -451,17 +451,14 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="time T <= 16384 only")
     # A check process holds up to about 20 GB on the GPU (float32 reference at D=128).
     parser.add_argument("--jobs", type=int, default=3, help="worker processes for the checks on a GPU")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
+    parser.add_argument("--variants", type=cli.choice_list(VARIANTS), default=",".join(VARIANTS),
                         help="comma-separated subset of: " + ", ".join(VARIANTS))
     parser.add_argument("--out", metavar="FILE", help="also write the tables as markdown")
     args = parser.parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
     device = cli.check_device(parser, args.device)
-    names = [n for n in args.variants.split(",") if n]
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        parser.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    names = args.variants
     if "generic" not in names:
         names.insert(0, "generic")
 

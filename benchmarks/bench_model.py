@@ -72,6 +72,9 @@ def resized(shape: dict, layers: Optional[int] = None, batch: Optional[int] = No
 ARMS = ("none", "attn", "attn+ffn")
 MODES = ("eager", "compiled", "reduce-overhead")
 LAUNCHERS = ("triton", "static")
+# How a depth stream's entries get their gradients (--entry-gradients), a rule in place of
+# :func:`moda_flex.depth.buffers_gradients`: auto keeps it (None).
+ENTRY_GRADIENTS = {"auto": None, "buffer": lambda choice, k: True, "summed": lambda choice, k: False}
 
 
 # What a kernel's name says it computes, first match wins: the vendor's attention (the sequence part, and all
@@ -259,13 +262,10 @@ def release() -> None:
 
 @contextlib.contextmanager
 def entry_gradients(how: str):
-    """Inside the block, a depth stream's entries get their gradients by ``how``: ``auto`` (the stream's
-    default, :func:`moda_flex.depth.buffers_gradients`), ``buffer`` or ``summed`` (each entry its own)."""
-    choices = {"auto": depth.buffers_gradients, "buffer": lambda choice, k: True, "summed": lambda choice, k: False}
-    if how not in choices:
-        raise ValueError(f"--entry-gradients takes {', '.join(choices)}, got {how!r}")
+    """Inside the block, a depth stream's entries get their gradients by ``how``, a key of
+    :data:`ENTRY_GRADIENTS`."""
     default = depth.buffers_gradients
-    depth.buffers_gradients = choices[how]
+    depth.buffers_gradients = ENTRY_GRADIENTS[how] or default
     try:
         yield
     finally:
@@ -289,8 +289,10 @@ def report(case: Case, timings: list[dict], step: Callable[[], None], args) -> N
 def main(argv=None) -> None:
     p = cli.parser(__doc__)
     p.add_argument("--shape", choices=sorted(SHAPES), default="table6", help="model and batch shape")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated depth_kv values, from {ARMS}")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {MODES}")
+    p.add_argument("--arms", type=cli.choice_list(ARMS), default=",".join(ARMS),
+                   help=f"comma-separated depth_kv values, from {', '.join(ARMS)}")  # fmt: skip
+    p.add_argument("--modes", type=cli.choice_list(MODES), default=",".join(MODES),
+                   help=f"comma-separated, from {', '.join(MODES)}")  # fmt: skip
     p.add_argument("--layers", type=cli.at_least(1), help="transformer blocks, in place of the shape's")
     p.add_argument("--batch", type=cli.at_least(1), help="sequences a step, in place of the shape's")
     p.add_argument("--seq", type=cli.at_least(1), help="tokens a sequence, in place of the shape's")
@@ -299,14 +301,14 @@ def main(argv=None) -> None:
     p.add_argument("--profile", action="store_true", help="print each row's top kernels and its time by kind over 3 steps (torch.profiler)")
     p.add_argument("--profile-rows", type=int, default=25, help="kernels listed by --profile, the longest first")
     p.add_argument("--host-profile", action="store_true", help="print each row's top Python functions (cProfile)")
-    p.add_argument("--entry-gradients", default="auto",
+    p.add_argument("--entry-gradients", type=cli.choice_list(ENTRY_GRADIENTS), default="auto",
                    help="comma-separated, from auto (the depth stream's default), buffer (each layer's kernel adds "
                         "into the stream's one gradient buffer, where it can: moda_flex.backends.chain) and summed "
                         "(each entry sums its readers' gradients): a row of MoDA for each")  # fmt: skip
-    p.add_argument("--backend", default="auto",
+    p.add_argument("--backend", type=cli.choice_list(BACKENDS), default="auto",
                    help=f"comma-separated moda_attention backends for MoDA's layers, from {', '.join(BACKENDS)}: "
                         "a row of each")  # fmt: skip
-    p.add_argument("--launchers", default="triton",
+    p.add_argument("--launchers", type=cli.choice_list(LAUNCHERS), default="triton",
                    help="comma-separated, from triton (Triton's launcher for our kernels, inductor's default) and "
                         "static (inductor's static launcher, as for its own kernels): a row of MoDA for each; "
                         "with --rounds, one process times both")  # fmt: skip
@@ -314,27 +316,20 @@ def main(argv=None) -> None:
                    help="above 1: every row compiled first, then the rows timed in turn, a share of the steps a "
                         "round (drift of the host or the GPU then falls on every row alike)")  # fmt: skip
     args = p.parse_args(argv)
-    backends, launchers = args.backend.split(","), args.launchers.split(",")
-    for name in backends:
-        if name not in BACKENDS:
-            p.error(f"--backend {name!r}: expected one of {', '.join(BACKENDS)}")
-    for name in launchers:
-        if name not in LAUNCHERS:
-            p.error(f"--launchers {name!r}: expected one of {', '.join(LAUNCHERS)}")
     cli.require_cuda(p, "bench_model.py")
     shape = resized(SHAPES[args.shape], args.layers, args.batch, args.seq)
-    arms, modes = args.arms.split(","), args.modes.split(",")
     bandwidth = copy_bandwidth()
     B, T = shape["batch"], shape["seq"]
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, shape {args.shape} "
-          f"{shape['config']} B={B} T={T}, bf16, MoDA backend {args.backend}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")  # fmt: skip
+          f"{shape['config']} B={B} T={T}, bf16, MoDA backend {','.join(args.backend)}, "
+          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")  # fmt: skip
 
     # the baseline keeps auto (SDPA), the attention a user compares against
     cases = [Case(arm, mode, how, backend, launcher)
-             for arm in arms for mode in modes
-             for how in (["auto"] if arm == "none" else args.entry_gradients.split(","))
-             for backend in (["auto"] if arm == "none" else backends)
-             for launcher in (["triton"] if arm == "none" else launchers)]  # fmt: skip
+             for arm in args.arms for mode in args.modes
+             for how in (["auto"] if arm == "none" else args.entry_gradients)
+             for backend in (["auto"] if arm == "none" else args.backend)
+             for launcher in (["triton"] if arm == "none" else args.launchers)]  # fmt: skip
     timings = {case: [] for case in cases}
     if args.rounds == 1:  # each case compiled, timed and freed in turn
         for case in cases:

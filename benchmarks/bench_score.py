@@ -98,20 +98,16 @@ def main(argv=None) -> list:
     p = cli.parser(__doc__)
     cli.add_device(p)
     p.add_argument("--tiny", action="store_true", help=f"tiny sizes {TINY_SHAPES} in float32 instead of {SHAPES}")
-    p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated, from triton,flex")
-    p.add_argument("--scores", default=",".join(SCORES), help=f"comma-separated, from {','.join(SCORES)}")
+    p.add_argument("--backends", type=cli.choice_list(BACKENDS), default=",".join(BACKENDS),
+                   help=f"comma-separated, from {', '.join(BACKENDS)}")  # fmt: skip
+    p.add_argument("--scores", type=cli.choice_list(SCORES), default=",".join(SCORES),
+                   help=f"comma-separated, from {', '.join(SCORES)}")  # fmt: skip
     p.add_argument("--flex-options", type=json.loads, help="JSON kernel options for flex when a score learns")
     p.add_argument("--cap", type=float, default=30.0, help="the softcap")
     p.add_argument("--warmup", type=int, default=5, help="untimed runs per case (compilation, autotuning)")
     p.add_argument("--repeats", type=int, default=20, help="timed runs per case")
     args = p.parse_args(argv)
     device = cli.check_device(p, args.device)
-    backends = [b for b in args.backends.split(",") if b]
-    if not backends or not set(backends) <= set(BACKENDS):
-        p.error(f"--backends {args.backends!r}: a comma-separated subset of {','.join(BACKENDS)}")
-    scores = [s for s in args.scores.split(",") if s]
-    if not scores or not set(scores) <= set(SCORES):
-        p.error(f"--scores {args.scores!r}: a comma-separated subset of {','.join(SCORES)}")
     if device.type == "cpu":
         # The fused kernels run on CPU through Triton's interpreter, chosen before triton is imported.
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -128,9 +124,9 @@ def main(argv=None) -> list:
     rows = []
     for shape in TINY_SHAPES if args.tiny else SHAPES:
         torch._dynamo.reset()  # each shape and score compiles flex afresh: stay under dynamo's recompile limit
-        for backend in backends:
+        for backend in args.backends:
             base = None
-            for score_name in scores:
+            for score_name in args.scores:
                 step = make_step(backend, score_name, shape, args.cap, device, dtype)
                 try:
                     ms = time_ms(step, device, args.warmup, args.repeats)

@@ -107,18 +107,16 @@ def main(argv=None) -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="gpt2s", help="the model's width, heads and norm")
     p.add_argument("--layers", type=cli.at_least(2), default=4, help="transformer blocks (compile time grows with it)")
     p.add_argument("--seq", type=cli.at_least(1), default=64, help="tokens a sequence (short: the GPU waits)")
-    p.add_argument("--arms", default="none,attn+ffn", help=f"comma-separated depth_kv values, from {ARMS}; the first is the base")
+    p.add_argument("--arms", type=cli.choice_list(ARMS), default="none,attn+ffn",
+                   help=f"comma-separated depth_kv values, from {', '.join(ARMS)}; the first is the base")  # fmt: skip
     p.add_argument("--backend", default="auto", help="MoDA's backend")
     p.add_argument("--steps", type=cli.at_least(1), default=5, help="profiled steps")
     p.add_argument("--rows", type=cli.at_least(1), default=30, help="functions listed")
     args = p.parse_args(argv)
     cli.require_cuda(p, "host_calls.py")
-    arms = args.arms.split(",")
-    for arm in arms:
-        if arm not in ARMS:
-            p.error(f"--arms {arm!r}: expected one of {', '.join(ARMS)}")
     shape = resized(SHAPES[args.shape], args.layers, batch=1, seq=args.seq)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {shape}, compiled (default mode)")
+    arms = args.arms
 
     profiles, launches = {}, {}
     for arm in arms:

@@ -133,12 +133,9 @@ def main(argv=None) -> None:
     parser.add_argument("--seq", type=int, default=16384, help="T")
     parser.add_argument("--groups", type=int, default=8, help="G = Hq / Hk")
     parser.add_argument("--slots", type=int, default=64, help="L depth entries per token")
-    parser.add_argument("--kernels", default="fwd,dq", help=f"comma-separated, from {', '.join(CANDIDATES)}")
+    parser.add_argument("--kernels", type=cli.choice_list(CANDIDATES), default="fwd,dq",
+                        help=f"comma-separated, from {', '.join(CANDIDATES)}")  # fmt: skip
     args = parser.parse_args(argv)
-    kernels = args.kernels.split(",")
-    for which in kernels:
-        if which not in CANDIDATES:
-            parser.error(f"--kernels {which!r}: expected one of {', '.join(CANDIDATES)}")
     cli.require_cuda(parser, "tune_moda.py")
     shape = (args.batch, args.kv_heads, args.seq, args.groups)
     print(f"{torch.cuda.get_device_name()}  B={args.batch} Hk={args.kv_heads} T={args.seq} G={args.groups} "
@@ -146,7 +143,7 @@ def main(argv=None) -> None:
     print(f"{'kernel':>6} {'config':<62} {'fwd L0':>8} {'bwd L0':>8} {'fwd L':>8} {'bwd L':>8}")
     f0, b0 = _cudnn_times(*shape)
     print(f"{'cudnn':>6} {'SDPA, sequence only':<62} {f0:8.3f} {b0:8.3f}", flush=True)
-    for which in kernels:
+    for which in args.kernels:
         for cand in CANDIDATES[which]:
             config = _replacing(which, cand, args.groups)
             try:

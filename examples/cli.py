@@ -121,6 +121,21 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
 
 
+def choice_list(choices) -> Callable[[str], list[str]]:
+    """An argparse ``type``: a comma-separated, non-empty list of ``choices`` (``"none,attn"``), in its order."""
+    allowed = list(choices)
+
+    def parse(text: str) -> list[str]:
+        items = [item for item in text.split(",") if item]
+        unknown = [item for item in items if item not in allowed]
+        if unknown or not items:
+            what = f"{unknown[0]!r} is not one of" if unknown else "give at least one of"
+            raise argparse.ArgumentTypeError(f"{what} {', '.join(allowed)}")
+        return items
+
+    return parse
+
+
 def add_model_shape(parser: argparse.ArgumentParser, *, n_embd: int, n_head: int, n_kv_head: int, block_size: int,
                     n_layer: int | None = None) -> None:
     """The model's shape options with a script's defaults; ``--n-layer`` only where the script takes it."""

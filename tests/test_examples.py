@@ -369,6 +369,11 @@ USAGE_ERRORS = [
     ("examples/compare_models.py", ["--lrs", "1e-3,fast"], "--lrs 1e-3,fast: 'fast' is not a number"),
     ("examples/visualize_attention.py", ["--ckpt", "x.pt", "--tokens", "0"], "argument --tokens: must be >= 1"),
     ("examples/custom_variant.py", ["--examples", "0"], "argument --examples: must be >= 1, got 0"),
+    # a comma-separated choice list, checked before the GPU is asked for
+    ("benchmarks/bench_model.py", ["--arms", "none,bogus"], "argument --arms: 'bogus' is not one of none, attn, attn+ffn"),
+    ("benchmarks/bench_model.py", ["--entry-gradients", "sum"], "argument --entry-gradients: 'sum' is not one of auto,"),
+    ("benchmarks/host_calls.py", ["--arms", ","], "argument --arms: give at least one of none, attn, attn+ffn"),
+    ("benchmarks/tune_moda.py", ["--kernels", "fwd,dkv"], "argument --kernels: 'dkv' is not one of fwd, dq, dkdv"),
 ]  # fmt: skip
 
 
