@@ -10,6 +10,7 @@ Usage::
 
     python benchmarks/tune_moda.py --seq 16384 --groups 8 --slots 64
     python benchmarks/tune_moda.py --batch 8 --kv-heads 4 --seq 1024 --groups 3 --slots 22 --kernels fwd,dq,dkdv   # a GPT-2-small layer
+    python benchmarks/tune_moda.py --batch 8 --kv-heads 4 --seq 1024 --groups 3 --slots 22 --head-dim 128 --kernels dkdv
 """
 
 from __future__ import annotations
@@ -73,10 +74,10 @@ def _timed(fn, repeats: int = 20) -> float:
     return sum(e.self_device_time_total for e in averages if e.self_device_time_total > 0) / repeats / 1e3
 
 
-def _times(B, Hk, T, G, L, config):
+def _times(B, Hk, T, G, D, L, config):
     """Forward and backward GPU times (ms) of one call under the launch hook ``config``."""
     torch.manual_seed(0)
-    D, dev, dt = 64, "cuda", torch.bfloat16
+    dev, dt = "cuda", torch.bfloat16
     q = torch.randn(B, Hk * G, T, D, device=dev, dtype=dt, requires_grad=True)
     k = torch.randn(B, Hk, T, D, device=dev, dtype=dt, requires_grad=True)
     v = torch.randn(B, Hk, T, D, device=dev, dtype=dt, requires_grad=True)
@@ -95,10 +96,10 @@ def _times(B, Hk, T, G, L, config):
     return fwd, bwd
 
 
-def _cudnn_times(B, Hk, T, G):
+def _cudnn_times(B, Hk, T, G, D):
     """Forward and backward GPU times (ms) of SDPA's cuDNN kernel on the sequence part alone, GQA unexpanded."""
     torch.manual_seed(0)
-    D, dev, dt = 64, "cuda", torch.bfloat16
+    dev, dt = "cuda", torch.bfloat16
     q = torch.randn(B, Hk * G, T, D, device=dev, dtype=dt, requires_grad=True)
     k = torch.randn(B, Hk, T, D, device=dev, dtype=dt, requires_grad=True)
     v = torch.randn(B, Hk, T, D, device=dev, dtype=dt, requires_grad=True)
@@ -133,13 +134,14 @@ def main(argv=None) -> None:
     parser.add_argument("--seq", type=int, default=16384, help="T")
     parser.add_argument("--groups", type=int, default=8, help="G = Hq / Hk")
     parser.add_argument("--slots", type=int, default=64, help="L depth entries per token")
+    parser.add_argument("--head-dim", type=cli.at_least(1), default=64, help="D")
     parser.add_argument("--kernels", type=cli.choice_list(CANDIDATES), default="fwd,dq",
                         help=f"comma-separated, from {', '.join(CANDIDATES)}")  # fmt: skip
     args = parser.parse_args(argv)
     cli.require_cuda(parser, "tune_moda.py")
-    shape = (args.batch, args.kv_heads, args.seq, args.groups)
+    shape = (args.batch, args.kv_heads, args.seq, args.groups, args.head_dim)
     print(f"{torch.cuda.get_device_name()}  B={args.batch} Hk={args.kv_heads} T={args.seq} G={args.groups} "
-          f"L=0/{args.slots}; GPU ms a call (kernel time, torch.profiler)")  # fmt: skip
+          f"D={args.head_dim} L=0/{args.slots}; GPU ms a call (kernel time, torch.profiler)")  # fmt: skip
     print(f"{'kernel':>6} {'config':<62} {'fwd L0':>8} {'bwd L0':>8} {'fwd L':>8} {'bwd L':>8}")
     f0, b0 = _cudnn_times(*shape)
     print(f"{'cudnn':>6} {'SDPA, sequence only':<62} {f0:8.3f} {b0:8.3f}", flush=True)
