@@ -74,46 +74,43 @@ def _timed(fn, repeats: int = 20) -> float:
     return sum(e.self_device_time_total for e in averages if e.self_device_time_total > 0) / repeats / 1e3
 
 
-def _times(B, Hk, T, G, D, L, config):
-    """Forward and backward GPU times (ms) of one call under the launch hook ``config``."""
-    torch.manual_seed(0)
-    dev, dt = "cuda", torch.bfloat16
-    q = torch.randn(B, Hk * G, T, D, device=dev, dtype=dt, requires_grad=True)
-    k = torch.randn(B, Hk, T, D, device=dev, dtype=dt, requires_grad=True)
-    v = torch.randn(B, Hk, T, D, device=dev, dtype=dt, requires_grad=True)
-    dk = torch.randn(B, Hk, T, L + 16, D, device=dev, dtype=dt)[:, :, :, :L].requires_grad_()
-    dv = torch.randn(B, Hk, T, L + 16, D, device=dev, dtype=dt)[:, :, :, :L].requires_grad_()
-    leaves = (q, k, v, dk, dv)
-
-    def forward():
-        return triton_attention(*leaves, causal(), 1 / math.sqrt(D), config=config)[0]
-
+def _forward_backward_times(forward, leaves: tuple) -> tuple[float, float]:
+    """GPU times (ms) of ``forward()`` without autograd and of its backward into ``leaves``."""
     with torch.no_grad():
         fwd = _timed(forward)
     out = forward()
-    do = torch.randn_like(q)
+    do = torch.randn_like(out)
     bwd = _timed(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True))
     return fwd, bwd
 
 
+def _sequence_inputs(B, Hk, T, G, D) -> tuple:
+    """Random bf16 q (B, Hk * G, T, D) and k, v (B, Hk, T, D) on the GPU, requiring gradients."""
+    torch.manual_seed(0)
+    q = torch.randn(B, Hk * G, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(B, Hk, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    return q, k, v
+
+
+def _times(B, Hk, T, G, D, L, config):
+    """Forward and backward GPU times (ms) of one call with L depth slots under the launch hook ``config``."""
+    q, k, v = _sequence_inputs(B, Hk, T, G, D)
+    # (B, Hk, T, L, D) views of larger buffers, as a depth stream's prefix
+    dk, dv = (torch.randn(B, Hk, T, L + 16, D, device="cuda", dtype=q.dtype)[:, :, :, :L].requires_grad_()
+              for _ in range(2))  # fmt: skip
+    leaves = (q, k, v, dk, dv)
+    return _forward_backward_times(
+        lambda: triton_attention(*leaves, causal(), 1 / math.sqrt(D), config=config)[0], leaves
+    )
+
+
 def _cudnn_times(B, Hk, T, G, D):
     """Forward and backward GPU times (ms) of SDPA's cuDNN kernel on the sequence part alone, GQA unexpanded."""
-    torch.manual_seed(0)
-    dev, dt = "cuda", torch.bfloat16
-    q = torch.randn(B, Hk * G, T, D, device=dev, dtype=dt, requires_grad=True)
-    k = torch.randn(B, Hk, T, D, device=dev, dtype=dt, requires_grad=True)
-    v = torch.randn(B, Hk, T, D, device=dev, dtype=dt, requires_grad=True)
+    leaves = _sequence_inputs(B, Hk, T, G, D)
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-
-        def forward():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
-        with torch.no_grad():
-            fwd = _timed(forward)
-        out = forward()
-    do = torch.randn_like(q)
-    bwd = _timed(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))
-    return fwd, bwd
+        return _forward_backward_times(
+            lambda: F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True), leaves
+        )
 
 
 def _replacing(which: str, candidate: dict, G: int):
