@@ -227,13 +227,18 @@ def host_profile(step: Callable[[], None], steps: int) -> pstats.Stats:
 
 
 def gpu_profile(step: Callable[[], None], steps: int):
-    """The GPU work of ``steps`` steps (torch.profiler), averaged by name (an ``EventList``); a kernel is an event
-    with device time of its own."""
+    """The GPU work of ``steps`` steps (torch.profiler), averaged by name (an ``EventList``; its kernels:
+    :func:`kernel_events`)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
     return prof.key_averages()
+
+
+def kernel_events(averages) -> list:
+    """The kernels among a :func:`gpu_profile`'s events: those with device time of their own."""
+    return [e for e in averages if e.self_device_time_total > 0]
 
 
 def profile_steps(step: Callable[[], None], step_ms: float, kernels: bool, host: bool, rows: int = 25) -> None:
@@ -243,7 +248,7 @@ def profile_steps(step: Callable[[], None], step_ms: float, kernels: bool, host:
     if kernels:
         averages = gpu_profile(step, 3)
         print(averages.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
-        gpu_events = [e for e in averages if e.self_device_time_total > 0]
+        gpu_events = kernel_events(averages)
         split = time_split({e.key: e.self_device_time_total for e in gpu_events}, 3, step_ms)
         launches = sum(e.count for e in gpu_events) / 3
         print(f"  per step: {launches:.0f} kernels; " + ", ".join(f"{kind} {t:.2f} ms" for kind, t in split.items()),

@@ -31,7 +31,7 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import cli  # noqa: E402
 
-from bench_model import ARMS, SHAPES, Case, gpu_profile, host_profile, prepare, resized  # noqa: E402
+from bench_model import ARMS, SHAPES, Case, gpu_profile, host_profile, kernel_events, prepare, resized  # noqa: E402
 
 
 # The file a function of inductor's generated code is keyed by: each model's graphs are modules of their own
@@ -57,10 +57,9 @@ def launches_a_step(step, steps: int) -> dict[str, float]:
     """Each GPU kernel's launches a step over ``steps`` profiled steps (:func:`bench_model.gpu_profile`), keyed
     by :func:`kernel_family`."""
     launches = {}
-    for event in gpu_profile(step, steps):
-        if event.self_device_time_total > 0:
-            family = kernel_family(event.key)
-            launches[family] = launches.get(family, 0.0) + event.count / steps
+    for event in kernel_events(gpu_profile(step, steps)):
+        family = kernel_family(event.key)
+        launches[family] = launches.get(family, 0.0) + event.count / steps
     return launches
 
 

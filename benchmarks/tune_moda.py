@@ -28,7 +28,7 @@ from moda_flex.backends.triton import triton_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import cli  # noqa: E402
-from bench_model import gpu_profile  # noqa: E402
+from bench_model import gpu_profile, kernel_events  # noqa: E402
 
 CANDIDATES = {
     "fwd": [
@@ -70,8 +70,7 @@ def _timed(fn, repeats: int = 20) -> float:
     after a warm-up: at a model layer's lengths a call's wall time is its host's, not its kernels'."""
     for _ in range(3):
         fn()
-    averages = gpu_profile(fn, repeats)
-    return sum(e.self_device_time_total for e in averages if e.self_device_time_total > 0) / repeats / 1e3
+    return sum(e.self_device_time_total for e in kernel_events(gpu_profile(fn, repeats))) / repeats / 1e3
 
 
 def _forward_backward_times(forward, leaves: tuple) -> tuple[float, float]:
