@@ -42,6 +42,7 @@ from ..blocks import cdiv, next_pow2
 from ..first_order import refuse_create_graph
 from ..grad_sides import side_arguments
 from ..launcher import launch
+from ..layouts import new_out, unit_last
 from ..records import ATTENTION, Written, define, define_traced, define_traced_pair, restored, saved, unpack
 from ..slots import depth_args
 from ..traced import launch_flat, pointer_depth, traceable
@@ -161,11 +162,6 @@ def _depth_kernel(kernels: dict, layout: dict):
     return kernels[options.pop("design")], options
 
 
-def _unit_last(t: Tensor) -> Tensor:
-    """``t`` with unit stride on its last axis, as the kernels index it (a copy only when it has another)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _has_sequence(k: Tensor, opts: Options) -> bool:
     return opts.sequence and k.shape[2] > 0
 
@@ -189,27 +185,28 @@ def _sanitized_kv(k: Tensor, v: Tensor, route: Route) -> tuple[Tensor, Tensor, T
     return k0, v0, first
 
 
-def _outputs(q: Tensor, k: Tensor, opts: Options, contiguous_out: bool = False) -> tuple[Tensor, Tensor]:
+def _outputs(q: Tensor, k: Tensor, opts: Options, out_layout: bool = False) -> tuple[Tensor, Tensor]:
     """A call's out and lse, unwritten, as the forward op and its fake both return them: out (B, Hq, Tq, D) in
-    q's layout (contiguous without a sequence part, or with ``contiguous_out``), lse float32, contiguous, in
+    q's layout (contiguous without a sequence part), or with ``out_layout`` in the fused kernel's
+    (:func:`..layouts.new_out`); lse float32, contiguous, in
     the vendor's shape (cuDNN's (B, Hq, Tq, 1), else (B, Hq, Tq)), whatever layouts the vendor's own results
     have (the CPU op's lse is (B, Tq, Hq) in memory)."""
     B, Hq, Tq, _ = q.shape
     if not _has_sequence(k, opts):
         return q.new_empty(q.shape), q.new_empty((B, Hq, Tq), dtype=torch.float32)
     lse_shape = (B, Hq, Tq, 1) if opts.kernel == "cudnn" else (B, Hq, Tq)
-    out = q.new_empty(q.shape) if contiguous_out else torch.empty_like(q)
+    out = new_out(q) if out_layout else torch.empty_like(q)
     return out, q.new_empty(lse_shape, dtype=torch.float32)
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], opts: Options,
-             contiguous_out: bool = False, route: Route = EAGER):  # fmt: skip
+             out_layout: bool = False, route: Route = EAGER):  # fmt: skip
     """out (B, Hq, Tq, D) and lse (natural log), in the layouts of :func:`_outputs`; ``route``: how the
     kernels are reached."""
     from . import kernels
 
-    out, lse = _outputs(q, k, opts, contiguous_out)
-    q, k, v = (_unit_last(t) for t in (q, k, v))
+    out, lse = _outputs(q, k, opts, out_layout)
+    q, k, v = (unit_last(t) for t in (q, k, v))
     B, Tq = q.shape[0], q.shape[2]
     Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
     has_sequence = _has_sequence(k, opts)
@@ -295,11 +292,11 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     """
     from . import kernels
 
-    q, k, v = (_unit_last(t) for t in (q, k, v))
+    q, k, v = (unit_last(t) for t in (q, k, v))
     B, Hq, Tq, D = q.shape
     Hk, L = k.shape[1], slot_count(depth_k)
     # dO in any layout: the depth kernel copies it, silenced, into out's, which the vendor's backward reads
-    grad_out = torch.zeros_like(out) if grad_out is None else _unit_last(grad_out)
+    grad_out = torch.zeros_like(out) if grad_out is None else unit_last(grad_out)
     sides = empty_grads(q, k, depth_k) if into is None else into
     ddk, ddv = sides  # a buffer's halves
     if q.numel() == 0:
@@ -321,7 +318,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     grid = (cdiv(max(Tq, Tk if has_sequence else 0), layout["BLOCK_T"]), B * Hk)
     depth, _held = route.depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
     gk, gv, gv_at, sgk, sgv = side_arguments(sides)
-    added = _unit_last(addend) if addend is not None else sides  # what the kernel adds to the gradients
+    added = unit_last(addend) if addend is not None else sides  # what the kernel adds to the gradients
     ak, av, av_at, sga, _ = side_arguments(added)
     route.launch(kernel, grid, q.device,
         Q=q, O=out, DO=grad_out, LSE=lv, GLSE=glse, DQ=dq_depth, DDK=gk, DDV=gv, ADK=ak, ADV=av,
