@@ -147,12 +147,13 @@ def test_backward_is_deterministic():
         assert torch.equal(first, second)
 
 
-def test_out_is_laid_out_for_a_models_reshape():
+@pytest.mark.parametrize("backend", ["triton", "split"])  # the fused kernels, and the split path's on them
+def test_out_is_laid_out_for_a_models_reshape(backend):
     """out comes laid out as (B, T, H, D), so that a model's reshape to (B, T, H * D) is a view, and the
     gradient that comes back through it, in that layout and taken without a copy, gives the reference's."""
     shape = MoDAShape(batch=2, q_heads=6, kv_heads=2, q_len=9, kv_len=9, slots=3, head_dim=16)
     inputs = _inputs(shape)
-    out = moda_attention(**inputs, backend="triton")
+    out = moda_attention(**inputs, backend=backend)
     B, Hq, T, D = out.shape
     y = out.transpose(1, 2).reshape(B, T, Hq * D)
     assert y.data_ptr() == out.data_ptr() and y._base is not None  # a view of out, no copy

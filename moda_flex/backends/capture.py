@@ -101,7 +101,7 @@ def _prepare(inputs: Inputs, opts: Options) -> None:
     with torch.no_grad():
         # the ops' launches (CAPTURED), and an eager call's (EAGER), which a graph captured by hand may hold
         for route in (split_ops.CAPTURED, split_ops.EAGER):
-            out, lse = split_ops._forward(*inputs, opts, out_layout=True, route=route)
+            out, lse = split_ops._forward(*inputs, opts, route=route)
             grads = Grads(torch.zeros_like(out), None, out, lse)
             split_ops.backward_in_op_layouts(grads, inputs, opts, route)
             buffer = inputs.q.new_zeros(2, *grads_shape(inputs.q, inputs.k, inputs.depth_k))
@@ -116,7 +116,7 @@ def _forward(inputs: Inputs, opts: Options) -> tuple[Tensor, Tensor]:
     """out (B, Hq, Tq, D) as :func:`_outputs` lays it out and lse (B, Hq, Tq) float32, by the kernel of
     :func:`kernel_now`."""
     if kernel_now(inputs.q.device) == "split":
-        out, lse = split_ops._forward(*inputs, opts, out_layout=True, route=split_ops.CAPTURED)
+        out, lse = split_ops._forward(*inputs, opts, route=split_ops.CAPTURED)
         return out, sequence.lse_view(lse)
     prepare_capture(inputs, opts)
     return fused_ops._run_forward(*fused_records(inputs, opts))

@@ -185,27 +185,23 @@ def _sanitized_kv(k: Tensor, v: Tensor, route: Route) -> tuple[Tensor, Tensor, T
     return k0, v0, first
 
 
-def _outputs(q: Tensor, k: Tensor, opts: Options, out_layout: bool = False) -> tuple[Tensor, Tensor]:
+def _outputs(q: Tensor, k: Tensor, opts: Options) -> tuple[Tensor, Tensor]:
     """A call's out and lse, unwritten, as the forward op and its fake both return them: out (B, Hq, Tq, D) in
-    q's layout (contiguous without a sequence part), or with ``out_layout`` in the fused kernel's
-    (:func:`..layouts.new_out`); lse float32, contiguous, in
-    the vendor's shape (cuDNN's (B, Hq, Tq, 1), else (B, Hq, Tq)), whatever layouts the vendor's own results
-    have (the CPU op's lse is (B, Tq, Hq) in memory)."""
+    the layout of :func:`..layouts.new_out`, lse float32, contiguous, in the vendor's shape (cuDNN's
+    (B, Hq, Tq, 1), else (B, Hq, Tq)), whatever layouts the vendor's own results have (the CPU op's lse is
+    (B, Tq, Hq) in memory)."""
     B, Hq, Tq, _ = q.shape
-    if not _has_sequence(k, opts):
-        return q.new_empty(q.shape), q.new_empty((B, Hq, Tq), dtype=torch.float32)
-    lse_shape = (B, Hq, Tq, 1) if opts.kernel == "cudnn" else (B, Hq, Tq)
-    out = new_out(q) if out_layout else torch.empty_like(q)
-    return out, q.new_empty(lse_shape, dtype=torch.float32)
+    lse_shape = (B, Hq, Tq, 1) if _has_sequence(k, opts) and opts.kernel == "cudnn" else (B, Hq, Tq)
+    return new_out(q), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], opts: Options,
-             out_layout: bool = False, route: Route = EAGER):  # fmt: skip
+             route: Route = EAGER):  # fmt: skip
     """out (B, Hq, Tq, D) and lse (natural log), in the layouts of :func:`_outputs`; ``route``: how the
     kernels are reached."""
     from . import kernels
 
-    out, lse = _outputs(q, k, opts, out_layout)
+    out, lse = _outputs(q, k, opts)
     q, k, v = (unit_last(t) for t in (q, k, v))
     B, Tq = q.shape[0], q.shape[2]
     Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
@@ -396,7 +392,7 @@ def gradients_unwritten(grads: Grads, inputs: Inputs, opts: Options, dq_apart: b
     return (*dq, k.new_empty(k.shape), v.new_empty(v.shape), *empty_grads(q, k, depth_k))
 
 
-# out (B, Hq, Tq, D) in q's layout and the lse in the vendor's shape (:func:`_forward`)
+# out (B, Hq, Tq, D) in the layout of :func:`..layouts.new_out` and the lse in the vendor's shape (:func:`_forward`)
 define("split_forward", Inputs, Options, returns=2, run=lambda inputs, opts: _forward(*inputs, opts),
        fake=lambda inputs, opts: _outputs(inputs.q, inputs.k, opts))  # fmt: skip
 define("split_backward", Grads, Inputs, Options, returns=5, run=backward_in_op_layouts, fake=gradients_unwritten)
