@@ -7,6 +7,8 @@ lse and every gradient, and under the NaN rule. On CPU (Triton's
 interpreter, float32) a capture is simulated; on a GPU a real one is taken.
 """
 
+import itertools
+
 import pytest
 import torch
 
@@ -167,19 +169,20 @@ def test_each_layout_is_prepared_once(monkeypatch):
 
 
 def test_the_ops_fakes_give_either_kernels_layouts(monkeypatch):
-    """Inductor checks each op output's strides against its fake's: out contiguous and lse (B, Hq, Tq) from
-    either kernel, for q in a (B, T, H, D) layout, as a model's projection gives it."""
+    """Inductor checks each op output's strides against its fake's: out laid out as (B, T, H, D) and lse
+    (B, Hq, Tq) from either kernel, for q in a (B, T, H, D) layout, as a model's projection gives it, and
+    contiguous, as the rotation gives it."""
     B, Hq, Hk, T, D, L = 1, 4, 2, 5, 16, 3
     q, k, v_ = (torch.randn(B, T, H, D, device=DEVICE, dtype=DTYPE).transpose(1, 2) for H in (Hq, Hk, Hk))
     depth = [torch.randn(B, Hk, T, D, device=DEVICE, dtype=DTYPE) for _ in range(2 * L)]
-    inputs = split.ops.Inputs(q, k, v_, depth[:L], depth[L:])
     opts = split.ops.call_options(q, k, L, v.causal(), D**-0.5)
-    for captured in (False, True):
+    for captured, queries in itertools.product((False, True), (q, q.contiguous())):
+        inputs = split.ops.Inputs(queries, k, v_, depth[:L], depth[L:])
         monkeypatch.setattr(capture, "capturing", lambda device: captured)
         torch.library.opcheck(torch.ops.moda_flex.capture_forward.default, (*inputs, *opts),
                               test_utils=("test_faketensor",))  # fmt: skip
         out, lse = torch.ops.moda_flex.capture_forward(*inputs, *opts)
-        assert out.is_contiguous() and lse.shape == (B, Hq, T) and lse.is_contiguous()
+        assert out.transpose(1, 2).is_contiguous() and lse.shape == (B, Hq, T) and lse.is_contiguous()
         grads = split.ops.Grads(torch.randn_like(out), None, out, lse)
         torch.library.opcheck(torch.ops.moda_flex.capture_backward.default, (*grads, *inputs, *opts),
                               test_utils=("test_faketensor",))  # fmt: skip

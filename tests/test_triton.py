@@ -147,6 +147,26 @@ def test_backward_is_deterministic():
         assert torch.equal(first, second)
 
 
+@pytest.mark.parametrize("backend", ["triton", "split"])  # the fused kernels, and the split path's on them
+def test_out_is_laid_out_for_a_models_reshape(backend):
+    """out comes laid out as (B, T, H, D), so that a model's reshape to (B, T, H * D) is a view, and the
+    gradient that comes back through it, in that layout and taken without a copy, gives the reference's."""
+    shape = MoDAShape(batch=2, q_heads=6, kv_heads=2, q_len=9, kv_len=9, slots=3, head_dim=16)
+    inputs = _inputs(shape)
+    out = moda_attention(**inputs, backend=backend)
+    B, Hq, T, D = out.shape
+    y = out.transpose(1, 2).reshape(B, T, Hq * D)
+    assert y.data_ptr() == out.data_ptr() and y._base is not None  # a view of out, no copy
+    grad = torch.randn(B, T, Hq * D, dtype=out.dtype)
+    ref_inputs = {name: t.detach().double().requires_grad_() for name, t in inputs.items()}
+    ref_out, _ = reference_attention(*ref_inputs.values(), v.causal(), D**-0.5)
+    grads = torch.autograd.grad(y, list(inputs.values()), grad)
+    ref_y = ref_out.transpose(1, 2).reshape(B, T, Hq * D)
+    ref_grads = torch.autograd.grad(ref_y, list(ref_inputs.values()), grad.double())
+    for name, got, ref in zip(inputs, grads, ref_grads):
+        assert relative_error(got, ref) <= tolerance(torch.float32, DEVICE), name
+
+
 def test_depth_view_is_read_in_place():
     """A slot-buffer view gives the same result as its contiguous copy, and its buffer gets no gradient copy."""
     shape = MoDAShape(1, 4, 1, 9, 9, 3, 16)

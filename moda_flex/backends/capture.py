@@ -10,8 +10,9 @@ and the split path's faster kernels win (30.1 ms against 34.5).
 How a step runs is known only when its kernels launch:
 ``torch.compile(mode="reduce-overhead")`` traces the step once, runs it
 (its warm-up) and then captures it. So the choice is made at launch, by
-two ops: ``moda_flex::capture_forward`` returns out (B, Hq, Tq, D),
-contiguous, and lse (B, Hq, Tq), which either backward reads, and
+two ops: ``moda_flex::capture_forward`` returns out (B, Hq, Tq, D), laid
+out as :func:`.layouts.new_out` says, and lse (B, Hq, Tq), which either
+backward reads, and
 ``moda_flex::capture_backward`` chooses again (a graph may capture a
 forward and not its backward). Both kernels compute the same function: a
 backward given the other's out and lse computes its gradients exactly.
@@ -45,6 +46,7 @@ from torch import Tensor
 
 from ..depth import DepthKV, as_list, grads_shape, slot_count
 from ..variants import Variant
+from .layouts import new_out, unit_last
 from .records import define, define_traced, define_traced_pair, unpack
 from .split import ops as split_ops
 from .split import sequence
@@ -99,7 +101,7 @@ def _prepare(inputs: Inputs, opts: Options) -> None:
     with torch.no_grad():
         # the ops' launches (CAPTURED), and an eager call's (EAGER), which a graph captured by hand may hold
         for route in (split_ops.CAPTURED, split_ops.EAGER):
-            out, lse = split_ops._forward(*inputs, opts, contiguous_out=True, route=route)
+            out, lse = split_ops._forward(*inputs, opts, route=route)
             grads = Grads(torch.zeros_like(out), None, out, lse)
             split_ops.backward_in_op_layouts(grads, inputs, opts, route)
             buffer = inputs.q.new_zeros(2, *grads_shape(inputs.q, inputs.k, inputs.depth_k))
@@ -111,9 +113,10 @@ def _prepare(inputs: Inputs, opts: Options) -> None:
 
 
 def _forward(inputs: Inputs, opts: Options) -> tuple[Tensor, Tensor]:
-    """out (B, Hq, Tq, D) contiguous and lse (B, Hq, Tq) float32, by the kernel of :func:`kernel_now`."""
+    """out (B, Hq, Tq, D) as :func:`_outputs` lays it out and lse (B, Hq, Tq) float32, by the kernel of
+    :func:`kernel_now`."""
     if kernel_now(inputs.q.device) == "split":
-        out, lse = split_ops._forward(*inputs, opts, contiguous_out=True, route=split_ops.CAPTURED)
+        out, lse = split_ops._forward(*inputs, opts, route=split_ops.CAPTURED)
         return out, sequence.lse_view(lse)
     prepare_capture(inputs, opts)
     return fused_ops._run_forward(*fused_records(inputs, opts))
@@ -162,7 +165,7 @@ def _fused_backward(grads: Grads, inputs: Inputs, opts: Options, run_backward: O
                     **depth) -> tuple[Tensor, ...]:  # fmt: skip
     """The fused kernel's dq, dk, dv and depth gradients, by ``run_backward`` (:func:`.triton.launch.backward`'s
     arguments; the eager path's where None), given ``depth``, its arguments ``into``, ``add``, ``addend``."""
-    grad_out = torch.zeros_like(grads.out) if grads.grad_out is None else grads.grad_out.contiguous()
+    grad_out = torch.zeros_like(grads.out) if grads.grad_out is None else unit_last(grads.grad_out)
     fused_inputs, fused_opts = fused_records(inputs, opts)
     fused_grads = fused_launch.Grads(grad_out, grads.grad_lse, grads.out, grads.lse, bias_grad=False)
     return (run_backward or fused_ops._run_backward)(fused_grads, fused_inputs, fused_opts, **depth)[:5]
@@ -182,9 +185,10 @@ def _fused_backward_add(grads: Grads, inputs: Inputs, opts: Options, addend: Add
 # stand in for a capture).
 
 def _outputs(inputs: Inputs, opts: Options) -> tuple[Tensor, Tensor]:
-    """The forward op's results, unwritten (its fake): out contiguous and lse (B, Hq, Tq) float32."""
+    """The forward op's results, unwritten (its fake): out in the layout of :func:`.layouts.new_out`, as
+    either kernel writes it, and lse (B, Hq, Tq) float32."""
     q = inputs.q
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return new_out(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 define("capture_forward", Inputs, Options, returns=2, run=_forward, fake=_outputs)

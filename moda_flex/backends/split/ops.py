@@ -42,6 +42,7 @@ from ..blocks import cdiv, next_pow2
 from ..first_order import refuse_create_graph
 from ..grad_sides import side_arguments
 from ..launcher import launch
+from ..layouts import new_out, unit_last
 from ..records import ATTENTION, Written, define, define_traced, define_traced_pair, restored, saved, unpack
 from ..slots import depth_args
 from ..traced import launch_flat, pointer_depth, traceable
@@ -161,11 +162,6 @@ def _depth_kernel(kernels: dict, layout: dict):
     return kernels[options.pop("design")], options
 
 
-def _unit_last(t: Tensor) -> Tensor:
-    """``t`` with unit stride on its last axis, as the kernels index it (a copy only when it has another)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _has_sequence(k: Tensor, opts: Options) -> bool:
     return opts.sequence and k.shape[2] > 0
 
@@ -189,27 +185,24 @@ def _sanitized_kv(k: Tensor, v: Tensor, route: Route) -> tuple[Tensor, Tensor, T
     return k0, v0, first
 
 
-def _outputs(q: Tensor, k: Tensor, opts: Options, contiguous_out: bool = False) -> tuple[Tensor, Tensor]:
+def _outputs(q: Tensor, k: Tensor, opts: Options) -> tuple[Tensor, Tensor]:
     """A call's out and lse, unwritten, as the forward op and its fake both return them: out (B, Hq, Tq, D) in
-    q's layout (contiguous without a sequence part, or with ``contiguous_out``), lse float32, contiguous, in
-    the vendor's shape (cuDNN's (B, Hq, Tq, 1), else (B, Hq, Tq)), whatever layouts the vendor's own results
-    have (the CPU op's lse is (B, Tq, Hq) in memory)."""
+    the layout of :func:`..layouts.new_out`, lse float32, contiguous, in the vendor's shape (cuDNN's
+    (B, Hq, Tq, 1), else (B, Hq, Tq)), whatever layouts the vendor's own results have (the CPU op's lse is
+    (B, Tq, Hq) in memory)."""
     B, Hq, Tq, _ = q.shape
-    if not _has_sequence(k, opts):
-        return q.new_empty(q.shape), q.new_empty((B, Hq, Tq), dtype=torch.float32)
-    lse_shape = (B, Hq, Tq, 1) if opts.kernel == "cudnn" else (B, Hq, Tq)
-    out = q.new_empty(q.shape) if contiguous_out else torch.empty_like(q)
-    return out, q.new_empty(lse_shape, dtype=torch.float32)
+    lse_shape = (B, Hq, Tq, 1) if _has_sequence(k, opts) and opts.kernel == "cudnn" else (B, Hq, Tq)
+    return new_out(q), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], opts: Options,
-             contiguous_out: bool = False, route: Route = EAGER):  # fmt: skip
+             route: Route = EAGER):  # fmt: skip
     """out (B, Hq, Tq, D) and lse (natural log), in the layouts of :func:`_outputs`; ``route``: how the
     kernels are reached."""
     from . import kernels
 
-    out, lse = _outputs(q, k, opts, contiguous_out)
-    q, k, v = (_unit_last(t) for t in (q, k, v))
+    out, lse = _outputs(q, k, opts)
+    q, k, v = (unit_last(t) for t in (q, k, v))
     B, Tq = q.shape[0], q.shape[2]
     Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
     has_sequence = _has_sequence(k, opts)
@@ -295,11 +288,11 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     """
     from . import kernels
 
-    q, k, v = (_unit_last(t) for t in (q, k, v))
+    q, k, v = (unit_last(t) for t in (q, k, v))
     B, Hq, Tq, D = q.shape
     Hk, L = k.shape[1], slot_count(depth_k)
     # dO in any layout: the depth kernel copies it, silenced, into out's, which the vendor's backward reads
-    grad_out = torch.zeros_like(out) if grad_out is None else _unit_last(grad_out)
+    grad_out = torch.zeros_like(out) if grad_out is None else unit_last(grad_out)
     sides = empty_grads(q, k, depth_k) if into is None else into
     ddk, ddv = sides  # a buffer's halves
     if q.numel() == 0:
@@ -321,7 +314,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     grid = (cdiv(max(Tq, Tk if has_sequence else 0), layout["BLOCK_T"]), B * Hk)
     depth, _held = route.depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
     gk, gv, gv_at, sgk, sgv = side_arguments(sides)
-    added = _unit_last(addend) if addend is not None else sides  # what the kernel adds to the gradients
+    added = unit_last(addend) if addend is not None else sides  # what the kernel adds to the gradients
     ak, av, av_at, sga, _ = side_arguments(added)
     route.launch(kernel, grid, q.device,
         Q=q, O=out, DO=grad_out, LSE=lv, GLSE=glse, DQ=dq_depth, DDK=gk, DDV=gv, ADK=ak, ADV=av,
@@ -399,7 +392,7 @@ def gradients_unwritten(grads: Grads, inputs: Inputs, opts: Options, dq_apart: b
     return (*dq, k.new_empty(k.shape), v.new_empty(v.shape), *empty_grads(q, k, depth_k))
 
 
-# out (B, Hq, Tq, D) in q's layout and the lse in the vendor's shape (:func:`_forward`)
+# out (B, Hq, Tq, D) in the layout of :func:`..layouts.new_out` and the lse in the vendor's shape (:func:`_forward`)
 define("split_forward", Inputs, Options, returns=2, run=lambda inputs, opts: _forward(*inputs, opts),
        fake=lambda inputs, opts: _outputs(inputs.q, inputs.k, opts))  # fmt: skip
 define("split_backward", Grads, Inputs, Options, returns=5, run=backward_in_op_layouts, fake=gradients_unwritten)

@@ -27,6 +27,7 @@ from ...depth import empty_grads, is_slab, slot_count
 from ..blocks import cdiv
 from ..grad_sides import Sides, side_arguments
 from ..launcher import Fixed, launch_fixed
+from ..layouts import new_out
 from ..records import ATTENTION
 from ..slots import depth_args, slab_args
 from .configs import MIN_DOT_ROWS, ConfigHook, hopper_path, launch_config, next_pow2, padded_head_dim
@@ -43,7 +44,7 @@ Inputs = NamedTuple("Inputs", [*ATTENTION, ("documents", Optional[Tensor]), ("bi
 class Grads(NamedTuple):
     """What the backward takes beyond the forward's :class:`Inputs` and :class:`Options`."""
 
-    grad_out: Tensor  # (B, Hq, Tq, D) contiguous
+    grad_out: Tensor  # (B, Hq, Tq, D), unit stride on D
     grad_lse: Optional[Tensor]  # (B, Hq, Tq)
     out: Tensor  # the forward's results
     lse: Tensor
@@ -146,10 +147,10 @@ EAGER = Route(_depth_args, launch_fixed, hopper_path)
 
 
 def outputs(inputs: Inputs) -> tuple[Tensor, Tensor]:
-    """The forward's results, unwritten (the launch's and the op's fake): out (B, Hq, Tq, D) contiguous, lse
-    (B, Hq, Tq) float32."""
+    """The forward's results, unwritten (the launch's and the op's fake): out (B, Hq, Tq, D) in the layout of
+    :func:`..layouts.new_out`, lse (B, Hq, Tq) float32."""
     q = inputs.q
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return new_out(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def gradients(inputs: Inputs, bias_grad: bool, depth_grads: Optional[tuple[Tensor, Tensor]] = None) -> tuple:
@@ -190,7 +191,7 @@ def _forward_fixed(device, D, G, B, Hk, Tq, Tk, L, opts: Options, documents: boo
 
 def forward(inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None,
             route: Route = EAGER) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Launch the forward kernel: out (B, Hq, Tq, D) contiguous and lse (B, Hq, Tq) float32.
+    """Launch the forward kernel: out (B, Hq, Tq, D) and lse (B, Hq, Tq) float32, as :func:`outputs` gives them.
 
     ``config``: the launch hook, or None. ``route``: how the kernel is reached.
     """

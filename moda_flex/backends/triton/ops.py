@@ -22,6 +22,7 @@ from torch import Tensor
 from ...depth import DepthKV, as_list, grads_like, slot_count
 from ...variants import Variant
 from ..first_order import refuse_create_graph
+from ..layouts import unit_last
 from ..records import define, define_traced_pair, restored, saved, unpack
 from ..traced import traceable
 from . import traced
@@ -95,7 +96,7 @@ def _autograd_backward(ctx, grad_out, grad_lse, run_backward=None):
     inputs = restored(Inputs, flat, ctx.depth_lengths)
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    grads = Grads(grad_out.contiguous(), grad_lse, out, lse, ctx.bias_grad)
+    grads = Grads(unit_last(grad_out), grad_lse, out, lse, ctx.bias_grad)
     if run_backward is None:
         dq, dk, dv, ddk, ddv, dbias = torch.ops.moda_flex.triton_backward(*grads, *inputs, *ctx.options)
     else:
