@@ -1,7 +1,8 @@
 """Time the Triton kernels under candidate launch configurations (block sizes, warps, stages).
 
-Each candidate replaces one kernel's configuration through the ``config=``
-hook of ``moda_flex.backends.triton.triton_attention``; the others keep their
+A row of every kernel at its default comes first. Each candidate then
+replaces one kernel's configuration through the ``config=`` hook of
+``moda_flex.backends.triton.triton_attention``; the others keep their
 defaults. Prints forward and backward GPU times (ms: the kernels' own time,
 from torch.profiler, not the wall time, which a short call spends on the
 host) for L = 0 and L = ``--slots`` at one (B, Hk, T, G), after SDPA's cuDNN
@@ -58,6 +59,7 @@ CANDIDATES = {
         dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
         dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),
+        dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),  # the generic tiles at D=128 before 64 x 64
         # dQ's sequence part added by the dK/dV kernel (float32 atomics, nondeterministic)
         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, DQ_ATOMIC=1),
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, DQ_ATOMIC=1),
@@ -141,15 +143,16 @@ def main(argv=None) -> None:
     print(f"{'kernel':>6} {'config':<62} {'fwd L0':>8} {'bwd L0':>8} {'fwd L':>8} {'bwd L':>8}")
     f0, b0 = _cudnn_times(*shape)
     print(f"{'cudnn':>6} {'SDPA, sequence only':<62} {f0:8.3f} {b0:8.3f}", flush=True)
-    for which in args.kernels:
-        for cand in CANDIDATES[which]:
-            config = _replacing(which, cand, args.groups)
-            try:
-                f0, b0 = _times(*shape, 0, config)
-                f1, b1 = _times(*shape, args.slots, config)
-                print(f"{which:>6} {str(cand):<62} {f0:8.3f} {b0:8.3f} {f1:8.3f} {b1:8.3f}", flush=True)
-            except Exception as err:  # a candidate that does not compile or fit is reported, not fatal
-                print(f"{which:>6} {str(cand):<62} failed: {type(err).__name__}: {str(err)[:80]}", flush=True)
+    rows = [("all", "the defaults (configs.py)", None)]
+    rows += [(which, str(cand), _replacing(which, cand, args.groups)) for which in args.kernels
+             for cand in CANDIDATES[which]]  # fmt: skip
+    for which, name, config in rows:
+        try:
+            f0, b0 = _times(*shape, 0, config)
+            f1, b1 = _times(*shape, args.slots, config)
+            print(f"{which:>6} {name:<62} {f0:8.3f} {b0:8.3f} {f1:8.3f} {b1:8.3f}", flush=True)
+        except Exception as err:  # a candidate that does not compile or fit is reported, not fatal
+            print(f"{which:>6} {name:<62} failed: {type(err).__name__}: {str(err)[:80]}", flush=True)
 
 
 if __name__ == "__main__":

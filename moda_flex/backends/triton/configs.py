@@ -78,6 +78,9 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+# Forward calls of at most this many keys take key blocks of 64 (:func:`_generic_config`).
+SHORT_KEYS = 1024
+
 # A launch hook: ``config(kernel, default) -> config``, with ``kernel`` one of
 # "fwd", "dq", "dkdv" and ``default`` the launch options the launcher would use
 # (block sizes, num_warps, num_stages, and the flags TMA, LOOP_STAGES, WS,
@@ -87,16 +90,19 @@ ConfigHook = Callable[[str, dict], dict]
 
 
 def launch_config(device: torch.device, head_dim: int, G: int, which: str, hook: Optional[ConfigHook],
-                  has_depth: bool = True, programs: int = 0, hopper: bool = False) -> dict:  # fmt: skip
+                  has_depth: bool = True, programs: int = 0, hopper: bool = False, keys: Optional[int] = None) -> dict:  # fmt: skip
     """Block sizes and launch options for ``which`` in {"fwd", "dkdv", "dq"} of a call on ``device`` with
     queries of ``head_dim``, through ``hook`` if given.
 
     ``programs``: for "dkdv", the number of (key block, batch x KV head)
     programs at BLOCK_N = 128; where a configuration takes key blocks of 128
-    (the Hopper path, head dims over 64), fewer programs than the GPU has SMs
-    halve them. The generic configurations were chosen on an H200 at
-    T=16384, G=8, D=64, the dK/dV kernel's also at T=1024-4096 and G=3
-    (benchmarks/tune_moda.py, benchmarks/NOTES.md).
+    (the Hopper path, the generic one at head dims over 128), fewer programs
+    than the GPU has SMs halve them. The generic configurations were chosen
+    on an H200 at T=16384, G=8, D=64, the forward's and the dK/dV kernel's
+    also at T=512-4096 and G=3 (benchmarks/tune_moda.py, benchmarks/NOTES.md).
+
+    ``keys``: for "fwd", Tk: at most :data:`SHORT_KEYS` take key blocks of 64
+    on the generic path (None: not known to be short).
 
     ``hopper``: the Hopper path's configuration, the one with ``TMA`` on. The
     flags: ``TMA`` (tensor descriptors for the tiles of the unmasked blocks),
@@ -111,7 +117,8 @@ def launch_config(device: torch.device, head_dim: int, G: int, which: str, hook:
     """
     few = which == "dkdv" and device.type == "cuda" and programs < _sm_count(device)
     sm90 = device.type == "cuda" and _capability(device)[0] == 9
-    cfg = _config_for(device.type, padded_head_dim(head_dim), G, which, has_depth, few, hopper, sm90)
+    short = which == "fwd" and keys is not None and keys <= SHORT_KEYS
+    cfg = _config_for(device.type, padded_head_dim(head_dim), G, which, has_depth, few, short, hopper, sm90)
     return cfg if hook is None else hook(which, dict(cfg))
 
 
@@ -122,7 +129,7 @@ def _sm_count(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _config_for(device_type: str, head_dim: int, G: int, which: str, has_depth: bool, few_programs: bool,
-                hopper: bool, sm90: bool) -> dict:  # fmt: skip
+                short_keys: bool, hopper: bool, sm90: bool) -> dict:  # fmt: skip
     GP = next_pow2(G)
     if device_type != "cuda":
         # The interpreter: few, small programs.
@@ -130,7 +137,7 @@ def _config_for(device_type: str, head_dim: int, G: int, which: str, has_depth: 
     elif hopper:
         cfg = _sm90_config(head_dim, which, has_depth, few_programs)
     else:
-        cfg = _generic_config(head_dim, which, has_depth, few_programs, sm90)
+        cfg = _generic_config(head_dim, which, has_depth, few_programs, short_keys, sm90)
     cfg["BLOCK_M"] = max(cfg["BLOCK_M"], GP, MIN_DOT_ROWS)
     cfg.update(TMA=hopper, LOOP_STAGES=cfg.get("num_stages", 1))
     if which == "fwd":
@@ -140,10 +147,17 @@ def _config_for(device_type: str, head_dim: int, G: int, which: str, has_depth: 
     return cfg
 
 
-def _generic_config(head_dim: int, which: str, has_depth: bool, few_programs: bool, sm90: bool) -> dict:
+def _generic_config(head_dim: int, which: str, has_depth: bool, few_programs: bool, short_keys: bool,
+                    sm90: bool) -> dict:  # fmt: skip
     """Block sizes, warps and stages of the generic path on a GPU (``sm90``: of compute capability 9.x)."""
+    if which == "dkdv" and head_dim == 128 and sm90:
+        # 64 query rows and keys over 4 warps, 3 stages: 0.95-0.98x the backward's GPU time of the tiles below at
+        # T=512-4096, G 3 and 8 (H200, BENCHMARKS.md, "The forward's key blocks by length, dK/dV at D=128").
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
     if which == "fwd" and has_depth:
-        cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_C=32, num_warps=4, num_stages=3)
+        # Short calls at D <= 64: key blocks of 64 waste less of the causal diagonal's block (0.90-0.94x the
+        # forward's GPU time at T=512-1024; 0.98-1.01x at 2048-4096 and 1.07x at 16384, H200, BENCHMARKS.md).
+        cfg = dict(BLOCK_M=64, BLOCK_N=64 if short_keys and head_dim <= 64 else 128, BLOCK_C=32, num_warps=4, num_stages=3)
     elif which == "fwd":
         cfg = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_C=32, num_warps=8, num_stages=3)
     elif which == "dkdv" and head_dim <= 64:

@@ -175,7 +175,7 @@ def _forward_fixed(device, D, G, B, Hk, Tq, Tk, L, opts: Options, documents: boo
     """The forward launch's grid and fixed arguments for a call of this layout."""
     layout = _layout(G, D)
     has_depth = L > opts.depth_first
-    cfg = launch_config(device, D, G, "fwd", config, has_depth=has_depth, hopper=hopper)
+    cfg = launch_config(device, D, G, "fwd", config, has_depth=has_depth, hopper=hopper, keys=Tk)
     block_t = cfg["BLOCK_M"] // layout["GP"]
     arguments = dict(
         Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, qk_scale=opts.scale * _LOG2E, softcap=opts.softcap,
