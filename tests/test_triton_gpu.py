@@ -105,6 +105,16 @@ def test_fused_scores_at_size(bias_first):
     _assert_close("grad of the bias", bias_grad, ref_bias_grad)
 
 
+@pytest.mark.parametrize("variant", [v.causal(), v.sliding_window(300)], ids=lambda x: x.name)
+@pytest.mark.parametrize("G", [3, 8])
+def test_model_layer_length(variant, G):
+    """Tk at most configs.SHORT_KEYS (the forward's key blocks of 64), Tq < Tk: every output and gradient."""
+    q, k, vv, dk, dv = _inputs(2, 2 * G, 2, 1000, 23, 64)
+    last = [t[:, :, -777:].detach().requires_grad_() for t in (q, dk, dv)]  # the queries of the last 777 tokens
+    inputs = [last[0], k, vv, last[1], last[2]]
+    _assert_matches_reference(inputs, variant)
+
+
 @pytest.mark.parametrize("D", [80, 96, 128, 256])
 @pytest.mark.parametrize("G", [3, 8])
 def test_other_head_dims(D, G):

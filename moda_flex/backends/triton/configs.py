@@ -151,12 +151,13 @@ def _generic_config(head_dim: int, which: str, has_depth: bool, few_programs: bo
                     sm90: bool) -> dict:  # fmt: skip
     """Block sizes, warps and stages of the generic path on a GPU (``sm90``: of compute capability 9.x)."""
     if which == "dkdv" and head_dim == 128 and sm90:
-        # 64 query rows and keys over 4 warps, 3 stages: 0.95-0.98x the backward's GPU time of the tiles below at
-        # T=512-4096, G 3 and 8 (H200, BENCHMARKS.md, "The forward's key blocks by length, dK/dV at D=128").
+        # 64 query rows and keys over 4 warps, 3 stages: 0.89-0.98x the backward's GPU time of the tiles below at
+        # T=512-4096, G 3 and 8 (H200, BENCHMARKS.md, "Tiles for short forwards and for dK/dV at D=128").
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
     if which == "fwd" and has_depth:
         # Short calls at D <= 64: key blocks of 64 waste less of the causal diagonal's block (0.90-0.94x the
-        # forward's GPU time at T=512-1024; 0.98-1.01x at 2048-4096 and 1.07x at 16384, H200, BENCHMARKS.md).
+        # forward's GPU time at T=512-1024; 0.98-1.01x at 2048-4096 and 1.07x at 16384, H200, BENCHMARKS.md,
+        # "Tiles for short forwards and for dK/dV at D=128").
         cfg = dict(BLOCK_M=64, BLOCK_N=64 if short_keys and head_dim <= 64 else 128, BLOCK_C=32, num_warps=4, num_stages=3)
     elif which == "fwd":
         cfg = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_C=32, num_warps=8, num_stages=3)
