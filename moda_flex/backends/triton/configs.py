@@ -90,7 +90,8 @@ ConfigHook = Callable[[str, dict], dict]
 
 
 def launch_config(device: torch.device, head_dim: int, G: int, which: str, hook: Optional[ConfigHook],
-                  has_depth: bool = True, programs: int = 0, hopper: bool = False, keys: Optional[int] = None) -> dict:  # fmt: skip
+                  has_depth: bool = True, programs: int = 0, hopper: bool = False,
+                  keys: Optional[int] = None) -> dict:  # fmt: skip
     """Block sizes and launch options for ``which`` in {"fwd", "dkdv", "dq"} of a call on ``device`` with
     queries of ``head_dim``, through ``hook`` if given.
 
@@ -158,7 +159,8 @@ def _generic_config(head_dim: int, which: str, has_depth: bool, few_programs: bo
         # Short calls at D <= 64: key blocks of 64 waste less of the causal diagonal's block (0.90-0.94x the
         # forward's GPU time at T=512-1024; 0.98-1.01x at 2048-4096 and 1.07x at 16384, H200, BENCHMARKS.md,
         # "Tiles for short forwards and for dK/dV at D=128").
-        cfg = dict(BLOCK_M=64, BLOCK_N=64 if short_keys and head_dim <= 64 else 128, BLOCK_C=32, num_warps=4, num_stages=3)
+        block_n = 64 if short_keys and head_dim <= 64 else 128
+        cfg = dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_C=32, num_warps=4, num_stages=3)
     elif which == "fwd":
         cfg = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_C=32, num_warps=8, num_stages=3)
     elif which == "dkdv" and head_dim <= 64:
