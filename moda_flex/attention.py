@@ -75,7 +75,9 @@ def moda_attention(
         sees no key gives zeros and ``lse = -inf``; a row whose query or a
         visible entry holds NaN or Inf gives NaN, and a masked one never
         reaches it (except where ``"auto"`` hands a call without depth to
-        PyTorch's SDPA).
+        PyTorch's SDPA). Its strides are the backend's, as SDPA's are: the
+        kernel backends lay out out as (B, Tq, Hq, D), as SDPA's flash path
+        does, so ``out.transpose(1, 2).reshape(B, Tq, Hq * D)`` is a view.
 
     Raises:
         ValueError: for shapes, dtypes, devices or a scale that break the contract.
