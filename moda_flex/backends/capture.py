@@ -12,10 +12,10 @@ How a step runs is known only when its kernels launch:
 (its warm-up) and then captures it. So the choice is made at launch, by
 two ops: ``moda_flex::capture_forward`` returns out (B, Hq, Tq, D), laid
 out as :func:`.layouts.new_out` says, and lse (B, Hq, Tq), which either
-backward reads, and
-``moda_flex::capture_backward`` chooses again (a graph may capture a
-forward and not its backward). Both kernels compute the same function: a
-backward given the other's out and lse computes its gradients exactly.
+backward reads, and ``moda_flex::capture_backward`` chooses again (a graph
+may capture a forward and not its backward). Both kernels compute the same
+function: a backward given the other's out and lse computes its gradients
+exactly.
 
 A kernel's first launch may not happen during a capture: it compiles and
 loads Triton's kernels and builds cuDNN's plan, work a capture does not
