@@ -31,7 +31,9 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import cli  # noqa: E402
 
-from bench_model import ARMS, SHAPES, Case, gpu_profile, host_profile, kernel_events, prepare, resized  # noqa: E402
+from bench_model import (  # noqa: E402
+    ARMS, BACKENDS, SHAPES, Case, gpu_profile, host_profile, kernel_events, prepare, resized,
+)  # fmt: skip
 
 
 # The file a function of inductor's generated code is keyed by: each model's graphs are modules of their own
@@ -108,7 +110,7 @@ def main(argv=None) -> None:
     p.add_argument("--seq", type=cli.at_least(1), default=64, help="tokens a sequence (short: the GPU waits)")
     p.add_argument("--arms", type=cli.choice_list(ARMS), default="none,attn+ffn",
                    help=f"comma-separated depth_kv values, from {', '.join(ARMS)}; the first is the base")  # fmt: skip
-    p.add_argument("--backend", default="auto", help="MoDA's backend")
+    p.add_argument("--backend", choices=BACKENDS, default="auto", help="MoDA's backend")
     p.add_argument("--steps", type=cli.at_least(1), default=5, help="profiled steps")
     p.add_argument("--rows", type=cli.at_least(1), default=30, help="functions listed")
     args = p.parse_args(argv)

@@ -373,6 +373,7 @@ USAGE_ERRORS = [
     ("benchmarks/bench_model.py", ["--arms", "none,bogus"], "argument --arms: 'bogus' is not one of none, attn, attn+ffn"),
     ("benchmarks/bench_model.py", ["--entry-gradients", "sum"], "argument --entry-gradients: 'sum' is not one of auto,"),
     ("benchmarks/host_calls.py", ["--arms", ","], "argument --arms: give at least one of none, attn, attn+ffn"),
+    ("benchmarks/host_calls.py", ["--backend", "fused"], "argument --backend: invalid choice: 'fused'"),
     ("benchmarks/tune_moda.py", ["--kernels", "fwd,dkv"], "argument --kernels: 'dkv' is not one of fwd, dq, dkdv"),
 ]  # fmt: skip
 
