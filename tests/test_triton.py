@@ -195,6 +195,21 @@ def test_config_hook_changes_the_launches_not_the_result():
     assert sorted(seen) == ["dkdv", "dq", "fwd"]  # each kernel's launch, once
 
 
+@pytest.mark.parametrize("G", [3, 5, 6])
+def test_dq_added_by_the_dkdv_kernel_over_packed_rows(G):
+    """dQ's sequence part added by the dK/dV kernel (``DQ_ATOMIC`` 1) over its rows packed without padding,
+    Tq < Tk: a block of BLOCK_M // G tokens, the rows past them idle."""
+
+    def config(kernel, default):
+        return {**default, "DQ_ATOMIC": 1} if kernel == "dkdv" else default
+
+    def run(q, k, vv, depth_k, depth_v, variant, scale):
+        return triton_attention(q, k, vv, depth_k, depth_v, variant, scale, config=config)
+
+    inputs = _inputs(MoDAShape(1, 2 * G, 2, 19, 29, 3, 16), strided_depth=True)
+    assert_matches_reference(inputs, backend=run, variant=v.causal())
+
+
 def test_compiles_fullgraph():
     shape = MoDAShape(1, 4, 2, 7, 7, 3, 16)
     inputs = _inputs(shape)

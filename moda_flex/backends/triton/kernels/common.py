@@ -28,12 +28,18 @@ def query_block():
 
 
 @triton.jit
-def block_rows(t0, Tq, G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The rows of the block of tokens from ``t0`` (Alg. 1 lines 3-4, 8): token, head in the group, real or padding."""
+def block_rows(t0, Tq, G: tl.constexpr, ROW_G: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The rows of the block of tokens from ``t0`` (Alg. 1 lines 3-4, 8): token, head in the group, real or padding.
+
+    Each token takes ``ROW_G`` consecutive rows, its G heads first: ``GP``
+    (G rounded up to a power of two) where the rows must fall into tiles of
+    whole tokens, else G itself (no padding between tokens). The block's
+    ``BLOCK_M // ROW_G`` tokens; its rows past them are padding.
+    """
     offs_m = tl.arange(0, BLOCK_M)
-    tok = t0 + offs_m // GP
-    grp = offs_m % GP
-    return tok, grp, (tok < Tq) & (grp < G)
+    tok = t0 + offs_m // ROW_G
+    grp = offs_m % ROW_G
+    return tok, grp, (tok < Tq) & (grp < G) & (offs_m < (BLOCK_M // ROW_G) * ROW_G)
 
 
 @triton.jit

@@ -25,17 +25,17 @@ def _blocks(
     dk, dv, k, v, Q, DO, LSE, DELTA, DQA, sq, sdo, sl, sa, k_pos, k_doc, DOC_IDS, Tq, Tk, window,
     scale, qk_scale, softcap, start, end,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
-    G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr, BLOCK_M: tl.constexpr,
+    G: tl.constexpr, ROW_G: tl.constexpr, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr, BLOCK_M: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):  # fmt: skip
     """Accumulate dK, dV of one key block over query token blocks [start, end) (and dQ, :func:`_add_dq`).
 
     ``Q``, ``DO``, ``LSE``, ``DELTA`` and ``DQA`` point at the group's first head.
     """
-    BLOCK_T: tl.constexpr = BLOCK_M // GP
+    BLOCK_T: tl.constexpr = BLOCK_M // ROW_G
     offs_d, d_ok = head_lanes(HEAD_DIM=HEAD_DIM, D_REAL=D_REAL)
     for t0 in range(start, end, BLOCK_T):
-        tok, grp, row_ok = block_rows(t0, Tq, G=G, GP=GP, BLOCK_M=BLOCK_M)
+        tok, grp, row_ok = block_rows(t0, Tq, G=G, ROW_G=ROW_G, BLOCK_M=BLOCK_M)
         lse, dead = row_lse2(LSE + grp * sl[1] + tok * sl[2], row_ok)
         # a dead row's q and dO may hold NaN: zero them, so that its p = 0 and it adds exact zeros
         live = row_ok & ~dead
@@ -86,7 +86,7 @@ def _interior_tma(
     """
     BLOCK_T: tl.constexpr = BLOCK_M // GP
     for t0 in tl.range(start, end, BLOCK_T, num_stages=LOOP_STAGES):
-        tok, grp, row_ok = block_rows(t0, Tq, G=G, GP=GP, BLOCK_M=BLOCK_M)
+        tok, grp, row_ok = block_rows(t0, Tq, G=G, ROW_G=GP, BLOCK_M=BLOCK_M)
         lse, _ = row_lse2(LSE + grp * sl[1] + tok * sl[2], row_ok)
         q = QD.load([b, hk, t0, 0, 0]).reshape(BLOCK_M, HEAD_DIM)
         do = DOD.load([b, hk, t0, 0, 0]).reshape(BLOCK_M, HEAD_DIM)
@@ -123,12 +123,16 @@ def dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DKO, DVO, QD, DOD, DEAD, DOC_IDS, DOC_LO, DOC_HI, DQA, DQD,
     sq, sk, sv, sdo, sl, sg, sa, sdoc,
     Hk, Tq, Tk, window, scale, qk_scale, softcap, dead_blocks,
-    G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, ROW_G: tl.constexpr, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     TMA: tl.constexpr, LOOP_STAGES: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):  # fmt: skip
     """dK, dV (B, Hk, Tk, D) of one block of BLOCK_N sequence keys, summed over the G heads that read it.
+
+    ``ROW_G``: the rows a query token takes (:func:`.common.block_rows`). This
+    kernel has no depth tiles, so its tokens need no padding: G, but GP with
+    ``TMA``, whose boxes hold GP heads a token.
 
     ``sg``: the strides of dK and dV (allocated alike). ``TMA`` (Hopper): the
     unmasked query blocks come through the descriptors ``QD``, ``DOD``
@@ -140,7 +144,8 @@ def dkdv_kernel(
     (:func:`_add_dq`); 2: in the unmasked blocks by bulk reductions through
     ``DQD`` (``TMA`` only).
     """
-    BLOCK_T: tl.constexpr = BLOCK_M // GP
+    tl.static_assert(not TMA or ROW_G == GP, "the descriptors' boxes hold GP rows a token")
+    BLOCK_T: tl.constexpr = BLOCK_M // ROW_G
     b, hk = batch_head(Hk)
     n0 = tl.program_id(0) * BLOCK_N
     DOC_IDS, DOC_LO, DOC_HI = documents(DOC_IDS, DOC_LO, DOC_HI, b, sdoc)
@@ -171,7 +176,7 @@ def dkdv_kernel(
     dk, dv = _blocks(
         dk, dv, k, v, Q, DO, LSE, DELTA, DQA, sq=sq, sdo=sdo, sl=sl, sa=sa, k_pos=k_pos, k_doc=k_doc,
         DOC_IDS=DOC_IDS, Tq=Tq, Tk=Tk, window=window, scale=scale, qk_scale=qk_scale, softcap=softcap,
-        start=lo, end=a, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, DOC=DOC, G=G, GP=GP, HEAD_DIM=HEAD_DIM,
+        start=lo, end=a, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, DOC=DOC, G=G, ROW_G=ROW_G, HEAD_DIM=HEAD_DIM,
         D_REAL=D_REAL, BLOCK_M=BLOCK_M, HAS_SOFTCAP=HAS_SOFTCAP, DQ_ATOMIC=DQ_ATOMIC,
     )
     # A copy cannot leave a dead row out (its q and dO may hold NaN): heads that have one take the masked loads.
@@ -185,13 +190,13 @@ def dkdv_kernel(
         dk, dv = _blocks(
             dk, dv, k, v, Q, DO, LSE, DELTA, DQA, sq=sq, sdo=sdo, sl=sl, sa=sa, k_pos=k_pos, k_doc=k_doc,
             DOC_IDS=DOC_IDS, Tq=Tq, Tk=Tk, window=window, scale=scale, qk_scale=qk_scale, softcap=softcap,
-            start=a, end=b_, MASKED=False, CAUSAL=CAUSAL, WINDOW=WINDOW, DOC=DOC, G=G, GP=GP, HEAD_DIM=HEAD_DIM,
+            start=a, end=b_, MASKED=False, CAUSAL=CAUSAL, WINDOW=WINDOW, DOC=DOC, G=G, ROW_G=ROW_G, HEAD_DIM=HEAD_DIM,
             D_REAL=D_REAL, BLOCK_M=BLOCK_M, HAS_SOFTCAP=HAS_SOFTCAP, DQ_ATOMIC=DQ_ATOMIC,
         )
     dk, dv = _blocks(
         dk, dv, k, v, Q, DO, LSE, DELTA, DQA, sq=sq, sdo=sdo, sl=sl, sa=sa, k_pos=k_pos, k_doc=k_doc,
         DOC_IDS=DOC_IDS, Tq=Tq, Tk=Tk, window=window, scale=scale, qk_scale=qk_scale, softcap=softcap,
-        start=b_, end=hi, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, DOC=DOC, G=G, GP=GP, HEAD_DIM=HEAD_DIM,
+        start=b_, end=hi, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, DOC=DOC, G=G, ROW_G=ROW_G, HEAD_DIM=HEAD_DIM,
         D_REAL=D_REAL, BLOCK_M=BLOCK_M, HAS_SOFTCAP=HAS_SOFTCAP, DQ_ATOMIC=DQ_ATOMIC,
     )
     DKO += b * sg[0] + hk * sg[1]

@@ -225,7 +225,7 @@ def dq_kernel(
     DELTA += b * sl[0] + hk * G * sl[1]
 
     offs_d, d_ok = head_lanes(HEAD_DIM=HEAD_DIM, D_REAL=D_REAL)
-    tok, grp, row_ok = block_rows(t0, Tq, G=G, GP=GP, BLOCK_M=BLOCK_M)
+    tok, grp, row_ok = block_rows(t0, Tq, G=G, ROW_G=GP, BLOCK_M=BLOCK_M)
     lse, dead = row_lse2(LSE + grp * sl[1] + tok * sl[2], row_ok)
     # A dead row (it saw a NaN or Inf) sends no gradient: zero q and dO, so that its p = 0 and its
     # terms in the depth gradients are exact zeros, and give it delta = 0.

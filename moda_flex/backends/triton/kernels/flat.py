@@ -125,7 +125,7 @@ def dkdv_flat(
     sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, sdo0, sdo1, sdo2, sdo3, sl0, sl1, sl2,
     sg0, sg1, sg2, sg3, sa0, sa1, sa2, sdoc,
     Hk, Tq, Tk, window, scale, qk_scale, softcap, dead_blocks,
-    G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, ROW_G: tl.constexpr, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     TMA: tl.constexpr, LOOP_STAGES: tl.constexpr, DQ_ATOMIC: tl.constexpr,
@@ -138,7 +138,7 @@ def dkdv_flat(
         (sq0, sq1, sq2, sq3), (sk0, sk1, sk2, sk3), (sv0, sv1, sv2, sv3), (sdo0, sdo1, sdo2, sdo3),
         (sl0, sl1, sl2), (sg0, sg1, sg2, sg3), (sa0, sa1, sa2), sdoc,
         Hk, Tq, Tk, window, scale, qk_scale, softcap, dead_blocks,
-        G=G, GP=GP, HEAD_DIM=HEAD_DIM, D_REAL=D_REAL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        G=G, GP=GP, ROW_G=ROW_G, HEAD_DIM=HEAD_DIM, D_REAL=D_REAL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         CAUSAL=CAUSAL, WINDOW=WINDOW, DOC=DOC, HAS_SOFTCAP=HAS_SOFTCAP,
         TMA=TMA, LOOP_STAGES=LOOP_STAGES, DQ_ATOMIC=DQ_ATOMIC,
     )  # fmt: skip

@@ -202,7 +202,7 @@ def forward_kernel(
     t0 = query_block() * BLOCK_T
     DOC_IDS, DOC_LO, DOC_HI = documents(DOC_IDS, DOC_LO, DOC_HI, b, sdoc)
     offs_d, d_ok = head_lanes(HEAD_DIM=HEAD_DIM, D_REAL=D_REAL)
-    tok, grp, row_ok = block_rows(t0, Tq, G=G, GP=GP, BLOCK_M=BLOCK_M)
+    tok, grp, row_ok = block_rows(t0, Tq, G=G, ROW_G=GP, BLOCK_M=BLOCK_M)
     if TMA:  # rows past Tq and heads past G are out of the descriptor's bounds: read as zeros
         q = QD.load([b.to(tl.int32), hk.to(tl.int32), t0, 0, 0]).reshape(BLOCK_M, HEAD_DIM)
     else:
