@@ -60,6 +60,10 @@ CANDIDATES = {
         dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),
         dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),  # the generic tiles at D=128 before 64 x 64
+        # a query token's rows packed (G) or padded to a power of two (GP): the default is G up to D=64
+        dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2, ROW_G="GP"),
+        dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, ROW_G="GP"),
+        dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, ROW_G="G"),
         # dQ's sequence part added by the dK/dV kernel (float32 atomics, nondeterministic)
         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, DQ_ATOMIC=1),
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, DQ_ATOMIC=1),
@@ -115,12 +119,18 @@ def _cudnn_times(B, Hk, T, G, D):
 
 
 def _replacing(which: str, candidate: dict, G: int):
-    """A launch hook that gives kernel ``which`` the ``candidate`` configuration (BLOCK_M at least pow2(G))."""
+    """A launch hook that gives kernel ``which`` the ``candidate`` configuration (BLOCK_M at least pow2(G);
+    a ``ROW_G`` of "G" or "GP" is G or pow2(G))."""
+    GP = 1 << (G - 1).bit_length()
+    rows = {"G": G, "GP": GP}
 
     def config(kernel: str, default: dict) -> dict:
         if kernel != which:
             return default
-        return {**default, **candidate, "BLOCK_M": max(candidate["BLOCK_M"], 1 << (G - 1).bit_length())}
+        chosen = {**default, **candidate, "BLOCK_M": max(candidate["BLOCK_M"], GP)}
+        if "ROW_G" in candidate:
+            chosen["ROW_G"] = rows[candidate["ROW_G"]]
+        return chosen
 
     return config
 

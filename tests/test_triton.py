@@ -23,7 +23,7 @@ from moda_flex.testing import (  # noqa: E402
     tolerance,
     variants,
 )
-from moda_flex.backends.triton import triton_attention, unsupported_reason  # noqa: E402
+from moda_flex.backends.triton import configs, triton_attention, unsupported_reason  # noqa: E402
 from moda_flex.backends.triton.launch import Options  # noqa: E402
 
 from budget import examples  # noqa: E402
@@ -208,6 +208,13 @@ def test_dq_added_by_the_dkdv_kernel_over_packed_rows(G):
 
     inputs = _inputs(MoDAShape(1, 2 * G, 2, 19, 29, 3, 16), strided_depth=True)
     assert_matches_reference(inputs, backend=run, variant=v.causal())
+
+
+@pytest.mark.parametrize("head_dim, hopper, rows", [(64, False, 3), (32, False, 3), (128, False, 4), (64, True, 4)])
+def test_dkdv_rows_a_token(head_dim, hopper, rows):
+    """G = 3: the dK/dV kernel packs a token's rows (G) on the generic path up to D=64, and pads them to GP where
+    that measured faster (D=128) or the descriptors need it (the Hopper path)."""
+    assert configs.launch_config(torch.device("cpu"), head_dim, 3, "dkdv", None, hopper=hopper)["ROW_G"] == rows
 
 
 def test_compiles_fullgraph():

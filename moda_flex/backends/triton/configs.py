@@ -107,7 +107,8 @@ def launch_config(device: torch.device, head_dim: int, G: int, which: str, hook:
 
     ``hopper``: the Hopper path's configuration, the one with ``TMA`` on. The
     flags: ``TMA`` (tensor descriptors for the tiles of the unmasked blocks),
-    ``LOOP_STAGES`` (the software pipeline's depth on that loop), for "fwd"
+    ``LOOP_STAGES`` (the software pipeline's depth on that loop), for "dkdv"
+    ``ROW_G`` (the rows a query token takes: G, or GP with ``TMA``), for "fwd"
     ``WS`` (warp specialization of that loop, off; Triton 3.6 does not
     compile it for this kernel on sm_90), and for "dkdv" ``DQ_ATOMIC``: 0 (the
     default, deterministic), dQ from its own kernel; 1 or 2, the dK/dV kernel
@@ -145,6 +146,11 @@ def _config_for(device_type: str, head_dim: int, G: int, which: str, has_depth: 
         cfg["WS"] = False
     if which == "dkdv":
         cfg["DQ_ATOMIC"] = 0
+        # The rows a query token takes (kernels/common.py, block_rows): G, packed without padding, on the generic
+        # path at head dims up to 64 (0.66-0.97x the backward's GPU time at G 3 and 5; 1.11x at D=128, where GP
+        # stays); GP on the Hopper path, whose descriptors copy GP heads a token. H200, BENCHMARKS.md, "The dK/dV
+        # kernel's rows packed".
+        cfg["ROW_G"] = G if not hopper and head_dim <= 64 else GP
     return cfg
 
 
