@@ -14,6 +14,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from triton.runtime.errors import PTXASError  # noqa: E402
+
 from moda_flex import variants as v  # noqa: E402
 from moda_flex.backends.triton import configs, triton_attention  # noqa: E402
 from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs  # noqa: E402
@@ -46,7 +48,11 @@ CASES = [
     (MoDAShape(2, 6, 2, 21, 45, 3, 32), v.causal(), 0),  # G = 3: a padded head in every box, Tq < Tk
     (MoDAShape(2, 6, 2, 21, 45, 3, 32), v.causal(), 1),
     (MoDAShape(1, 4, 2, 40, 40, 2, 16), v.sliding_window(24), 0),  # unmasked blocks between the edges
-    (MoDAShape(1, 4, 2, 1, 29, 3, 32), v.full(), 1),  # one-token decode
+    # one-token decode; Triton 3.6's ptxas crashes (error -11) compiling this dK/dV kernel for sm_90a (Triton
+    # 3.9's compiles it): the path is opt-in, and so are atomic dQ sums
+    pytest.param(MoDAShape(1, 4, 2, 1, 29, 3, 32), v.full(), 1,
+                 marks=pytest.mark.xfail(DEVICE == "cuda", raises=PTXASError, strict=True,
+                                         reason="ptxas crash (error -11) compiling the dK/dV kernel")),
 ]
 
 
