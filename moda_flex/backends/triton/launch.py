@@ -335,8 +335,8 @@ def _dkdv_fixed(device, D, G, B, Hk, Tq, Tk, opts: Options, documents: bool, hop
     cfg = launch_config(device, D, G, "dkdv", config, programs=cdiv(Tk, 128) * B * Hk, hopper=hopper)
     arguments = dict(
         Hk=Hk, Tq=Tq, Tk=Tk, scale=opts.scale, qk_scale=opts.scale * _LOG2E, softcap=opts.softcap,
-        **layout, ROW_G=layout["GP"] if cfg["TMA"] else G, **_mask_flags(opts, documents),
-        HAS_SOFTCAP=opts.softcap > 0, **cfg,
+        **layout, **_mask_flags(opts, documents), HAS_SOFTCAP=opts.softcap > 0,
+        **cfg,
     )  # fmt: skip
     if not cfg["TMA"]:
         arguments.update(QD=None, DOD=None, DEAD=None, dead_blocks=0)
