@@ -10,9 +10,10 @@ rows: row ``r`` is token ``t0 + r // GP`` of query head ``hk * G + r % GP``
 (``GP`` is ``G`` rounded up to a power of two; rows with ``r % GP >= G`` are
 padding, loaded as zeros and never stored). So the block is aligned to ``G``
 and a token's ``G`` rows never straddle two blocks. The dK/dV kernel, which
-has no depth phase, packs its rows without padding: row ``r`` is token
-``t0 + r // G``, ``BLOCK_M // G`` tokens a block (``GP`` again on the Hopper
-path, whose tensor descriptors copy GP heads a token).
+has no depth phase, may pack its rows without padding: row ``r`` is token
+``t0 + r // G``, ``BLOCK_M // G`` tokens a block (its launch's ``ROW_G``,
+:func:`..configs.launch_config`: ``GP`` again on the Hopper path, whose
+tensor descriptors copy GP heads a token, and at D=128).
 
 Sequence phase: a FlashAttention loop over key blocks with one online-softmax
 state ``(m, l, acc)``, split into masked edge blocks and unmasked interior

@@ -131,8 +131,8 @@ def dkdv_kernel(
     """dK, dV (B, Hk, Tk, D) of one block of BLOCK_N sequence keys, summed over the G heads that read it.
 
     ``ROW_G``: the rows a query token takes (:func:`.common.block_rows`). This
-    kernel has no depth tiles, so its tokens need no padding: G, but GP with
-    ``TMA``, whose boxes hold GP heads a token.
+    kernel has no depth tiles, so its tokens need no padding: G or GP, as the
+    launch configuration says; GP with ``TMA``, whose boxes hold GP heads a token.
 
     ``sg``: the strides of dK and dV (allocated alike). ``TMA`` (Hopper): the
     unmasked query blocks come through the descriptors ``QD``, ``DOD``
