@@ -303,13 +303,15 @@ class DepthKVProjection(nn.Module):
         self.k_norm = nn.RMSNorm(head_dim) if qk_norm else nn.Identity()
 
     def forward(self, x: Tensor, depth: DepthStream, start: int = 0) -> DepthStream:
-        """``depth`` with the K/V of (B, T, C) ``x`` appended, its tokens at positions ``start ..``."""
-        return self.append(self.kv_proj(x), depth, start)
+        """``depth`` with the K/V of (B, T, C) ``x`` appended, its tokens at positions ``start ..``.
 
-    def append(self, kv: Tensor, depth: DepthStream, start: int = 0) -> DepthStream:
-        """``depth`` with the K/V of a projection ``kv`` = ``kv_proj(x)``, (B, T, 2 * Hk * D), appended."""
+        The entries are laid out as :class:`MoDAAttention`'s (a projection of
+        their own, keys normalized and rotated into a fresh tensor), so a
+        stream's entries share their strides and the kernels read each where
+        it lies (:func:`moda_flex.backends.traced.pointer_depth`).
+        """
         rope_base = self.rope_base if self.rope else None
-        k, v = _keys_and_values(kv, self.k_norm, self.n_kv_head, self.head_dim, rope_base, start)
+        k, v = _keys_and_values(self.kv_proj(x), self.k_norm, self.n_kv_head, self.head_dim, rope_base, start)
         return depth.append(k, v)
 
 
@@ -322,24 +324,8 @@ class SwiGLU(nn.Module):
         self.proj = nn.Linear(hidden, n_embd, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.finish(self.fc(x))
-
-    def finish(self, ab: Tensor) -> Tensor:
-        """The FFN of ``x`` from its projection ``ab`` = ``fc(x)``, (B, T, 2 * hidden)."""
-        a, b = ab.chunk(2, dim=-1)  # (B, T, hidden) each
+        a, b = self.fc(x).chunk(2, dim=-1)  # (B, T, hidden) each
         return self.proj(F.silu(a) * b)
-
-
-def _shared_input(x: Tensor, *layers: nn.Linear) -> tuple[Tensor, ...]:
-    """Each of ``layers`` applied to ``x``, as one product over their weights concatenated.
-
-    The same values as the layers' own calls, in fewer launches: one matrix
-    product and (under autocast) one weight cast forward, one product a side
-    backward, where each layer launches its own.
-    """
-    weight = torch.cat([layer.weight for layer in layers])
-    bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
-    return F.linear(x, weight, bias).split([layer.out_features for layer in layers], dim=-1)
 
 
 class Block(nn.Module):
@@ -411,11 +397,10 @@ class Block(nn.Module):
         else:
             y, stream = self.attn(x, stream, cache)
             x = h = self.norm_1(x + y)
-        if self.ffn_kv is None:
-            x = x + self.mlp(h)
-        else:  # the FFN's projection and its depth entry's read the same h: one product
-            ab, kv = _shared_input(h, self.mlp.fc, self.ffn_kv.kv_proj)
-            stream = self.ffn_kv.append(kv, stream, start)
-            x = x + self.mlp.finish(ab)
+        if self.ffn_kv is not None:
+            # its own product, not one with the FFN's: an entry sliced from a wider product would have strides of
+            # its own, and the kernels would stack every entry a layer reads (BENCHMARKS.md, "An FFN entry's strides")
+            stream = self.ffn_kv(h, stream, start)
+        x = x + self.mlp(h)
         x = x if self.config.norm == "pre" else self.norm_2(x)
         return x, (depth if stream is None else stream)
