@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from moda_flex.backends.traced import pointer_depth
 from moda_flex.nn import (
     Block,
     BlockConfig,
@@ -169,21 +168,6 @@ def test_ffn_projection_appends_one_entry():
     depth_k, depth_v = stream.read()
     assert len(depth_k) == len(depth_v) == 1
     assert depth_k[0].shape == depth_v[0].shape == (3, 2, 5, 4)
-
-
-@pytest.mark.parametrize("norm", ["pre", "post"])
-def test_a_blocks_entries_share_their_strides(norm):
-    """The attention's entries and the FFN's lie alike, each side one stride tuple at 16-byte offsets, so the
-    kernels take every entry as a pointer where it lies, not a stack of them copied each call."""
-    config = BlockConfig(n_embd=48, n_head=6, n_kv_head=2, depth_kv="attn+ffn", norm=norm)
-    blocks = [Block(config) for _ in range(3)]
-    x, stream = torch.randn(2, 5, 48), DepthStream()
-    for block in blocks:
-        x, stream = block(x, stream)
-    depth_k, depth_v = stream.read()
-    assert len(depth_k) == len(depth_v) == 6
-    arguments, _ = pointer_depth(depth_k, depth_v, 6, x.device)
-    assert arguments["SLOTS"] == 3  # each entry a pointer argument (2: one slab, the entries stacked into it)
 
 
 def test_config_and_argument_errors():

@@ -14,12 +14,14 @@ import torch
 
 pytest.importorskip("triton")
 
+from moda_flex import DepthStream  # noqa: E402
 from moda_flex.backends import traced  # noqa: E402
 from moda_flex.backends.slot_pointers import SLOT_ARGS  # noqa: E402
 from moda_flex.backends.triton import launch  # noqa: E402
 from moda_flex.backends.triton import ops as fused_ops  # noqa: E402
 from moda_flex.backends.triton import traced as fused_traced  # noqa: E402
 from moda_flex.backends.triton.kernels.flat import forward_flat  # noqa: E402
+from moda_flex.nn import Block, BlockConfig  # noqa: E402
 from moda_flex.testing import MoDAShape, make_inputs  # noqa: E402
 
 # The traced route with each flat wrapper launched as Triton launches it, not through wrap_triton.
@@ -115,6 +117,19 @@ def test_the_fused_kernels_take_a_models_entries_as_pointers_uncopied():
     for given, side in ((arguments["DK"], keys), (arguments["DV"], values)):  # 3 rounds up to 4, then None
         assert given == (*side, side[-1], *(None,) * (SLOT_ARGS - 4))
     assert arguments["sdk"] == (*keys[0].stride(), 0) and arguments["sdv"] == (*values[0].stride(), 0)
+
+
+@pytest.mark.parametrize("norm", ["pre", "post"])
+def test_a_models_attention_and_ffn_entries_take_the_pointer_path(norm):
+    """A stream of moda_flex.nn blocks' attention and FFN entries: each side one stride tuple at 16-byte offsets,
+    so the kernels take every entry as a pointer where it lies, not a stack of them copied each call."""
+    config = BlockConfig(n_embd=48, n_head=6, n_kv_head=2, depth_kv="attn+ffn", norm=norm)
+    x, stream = torch.randn(2, 5, 48), DepthStream()
+    for block in [Block(config) for _ in range(3)]:
+        x, stream = block(x, stream)
+    depth_k, depth_v = stream.read()
+    arguments, _ = traced.pointer_depth(depth_k, depth_v, len(depth_k), x.device)
+    assert len(depth_k) == 6 and arguments["SLOTS"] == 3  # 2: one slab, the entries stacked into it
 
 
 @pytest.mark.parametrize("case", ["more than the arguments", "strides that differ", "misaligned", "a slab"])
