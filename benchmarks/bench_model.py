@@ -226,6 +226,19 @@ def host_profile(step: Callable[[], None], steps: int) -> pstats.Stats:
     return pstats.Stats(profiler)
 
 
+def host_calls_profile(step: Callable[[], None], steps: int):
+    """The host's calls below Python over ``steps`` steps (torch.profiler, CPU and CUDA activities), averaged by
+    name: aten ops, autograd nodes and the CUDA runtime and driver calls (``cudaLaunchKernel``,
+    ``cuLaunchKernelEx``, ...), each with its own CPU time, which cProfile books to the builtin that made it."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    activities += [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []  # the runtime's calls
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return prof.key_averages()
+
+
 def gpu_profile(step: Callable[[], None], steps: int):
     """The GPU work of ``steps`` steps (torch.profiler), averaged by name (an ``EventList``; its kernels:
     :func:`kernel_events`)."""
@@ -244,7 +257,8 @@ def kernel_events(averages) -> list:
 def profile_steps(step: Callable[[], None], step_ms: float, kernels: bool, host: bool, rows: int = 25) -> None:
     """Over 3 steps: with ``kernels`` the ``rows`` top kernels (torch.profiler), kernel launches per step and the step's
     time by kind (:func:`time_split`: the kinds of :data:`KERNEL_KINDS`, other, and the host gap); with
-    ``host`` the top Python functions by own time and by cumulative time (cProfile)."""
+    ``host`` the top Python functions by own time and by cumulative time (cProfile), then the ``rows`` calls
+    below Python with the most own CPU time (:func:`host_calls_profile`)."""
     if kernels:
         averages = gpu_profile(step, 3)
         print(averages.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
@@ -257,6 +271,8 @@ def profile_steps(step: Callable[[], None], step_ms: float, kernels: bool, host:
         stats = host_profile(step, 3)
         for order in ("tottime", "cumulative"):  # where the host's time goes, then which calls hold it
             stats.sort_stats(order).print_stats(30)
+        calls = host_calls_profile(step, 3)
+        print(calls.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=70), flush=True)
 
 
 def release() -> None:
@@ -304,8 +320,10 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=20, help="timed steps per row")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first, compilation included")
     p.add_argument("--profile", action="store_true", help="print each row's top kernels and its time by kind over 3 steps (torch.profiler)")
-    p.add_argument("--profile-rows", type=int, default=25, help="kernels listed by --profile, the longest first")
-    p.add_argument("--host-profile", action="store_true", help="print each row's top Python functions (cProfile)")
+    p.add_argument("--profile-rows", type=int, default=25, help="rows listed by --profile (kernels, the longest first) and by --host-profile (calls below Python)")
+    p.add_argument("--host-profile", action="store_true",
+                   help="print each row's top Python functions (cProfile), then its top calls below Python by own "
+                        "CPU time (torch.profiler: aten ops, CUDA runtime and driver calls)")  # fmt: skip
     p.add_argument("--entry-gradients", type=cli.choice_list(ENTRY_GRADIENTS), default="auto",
                    help="comma-separated, from auto (the depth stream's default), buffer (each layer's kernel adds "
                         "into the stream's one gradient buffer, where it can: moda_flex.backends.chain) and summed "

@@ -1,11 +1,15 @@
 """benchmarks/bench_model.py's pieces: which part of a step each GPU kernel's time goes to, a row's summary and
-its ratios by round, its name, its compile, and a shape resized."""
+its ratios by round, its name, its compile, a shape resized, and the host's calls profiled."""
+
+from unittest import mock
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from bench_model import SHAPES, Case, compiled, kernel_kind, resized, round_ratios, summary, time_split
+from bench_model import (
+    SHAPES, Case, compiled, host_calls_profile, kernel_kind, resized, round_ratios, summary, time_split,
+)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -81,3 +85,10 @@ def test_resized_replaces_only_what_it_is_given_and_leaves_the_shape_as_it_was()
     assert small == dict(config=dict(gpt2s["config"], n_layer=4), batch=1, seq=64)
     assert resized(gpt2s, seq=256) == dict(gpt2s, seq=256)
     assert resized(gpt2s) == gpt2s and gpt2s["config"]["n_layer"] == 12
+
+
+def test_the_host_calls_profile_counts_the_calls_below_python():
+    """``--host-profile``'s second view: each aten op a step calls, by name, with its calls over the steps."""
+    with mock.patch.object(torch.cuda, "synchronize"):  # no GPU here: nothing to wait for
+        averages = host_calls_profile(lambda: torch.ones(8, 8) @ torch.ones(8, 8), 3)
+    assert {e.key: e.count for e in averages}["aten::mm"] == 3
