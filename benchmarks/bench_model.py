@@ -226,12 +226,9 @@ def host_profile(step: Callable[[], None], steps: int) -> pstats.Stats:
     return pstats.Stats(profiler)
 
 
-def host_calls_profile(step: Callable[[], None], steps: int):
-    """The host's calls below Python over ``steps`` steps (torch.profiler, CPU and CUDA activities), averaged by
-    name: aten ops, autograd nodes and the CUDA runtime and driver calls (``cudaLaunchKernel``,
-    ``cuLaunchKernelEx``, ...), each with its own CPU time, which cProfile books to the builtin that made it."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    activities += [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []  # the runtime's calls
+def _profiled(step: Callable[[], None], steps: int, activities: list):
+    """The events of ``steps`` steps under torch.profiler's ``activities``, averaged by name (an ``EventList``),
+    the last step's GPU work waited for."""
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(steps):
             step()
@@ -239,14 +236,19 @@ def host_calls_profile(step: Callable[[], None], steps: int):
     return prof.key_averages()
 
 
+def host_calls_profile(step: Callable[[], None], steps: int):
+    """The host's calls below Python over ``steps`` steps (torch.profiler, CPU and CUDA activities), averaged by
+    name: aten ops, autograd nodes and the CUDA runtime and driver calls (``cudaLaunchKernel``,
+    ``cuLaunchKernelEx``, ...), each with its own CPU time, which cProfile books to the builtin that made it."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    activities += [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []  # the runtime's calls
+    return _profiled(step, steps, activities)
+
+
 def gpu_profile(step: Callable[[], None], steps: int):
     """The GPU work of ``steps`` steps (torch.profiler), averaged by name (an ``EventList``; its kernels:
     :func:`kernel_events`)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    return prof.key_averages()
+    return _profiled(step, steps, [torch.profiler.ProfilerActivity.CUDA])
 
 
 def kernel_events(averages) -> list:

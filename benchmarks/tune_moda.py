@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moda_flex import causal
+from moda_flex.backends.blocks import next_pow2
 from moda_flex.backends.triton import triton_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -121,7 +122,7 @@ def _cudnn_times(B, Hk, T, G, D):
 def _replacing(which: str, candidate: dict, G: int):
     """A launch hook that gives kernel ``which`` the ``candidate`` configuration (BLOCK_M at least pow2(G);
     a ``ROW_G`` of "G" or "GP" is G or pow2(G))."""
-    GP = 1 << (G - 1).bit_length()
+    GP = next_pow2(G)
     rows = {"G": G, "GP": GP}
 
     def config(kernel: str, default: dict) -> dict:
