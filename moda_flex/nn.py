@@ -77,11 +77,6 @@ def apply_rope(x: Tensor, start: int, base: float = 10000.0) -> Tensor:
     rotated to the same position keep their dot product, so depth keys of a
     token (rotated to its position) are read at relative distance zero.
     """
-    return torch.cat(_rotated_halves(x, start, base), dim=-1)
-
-
-def _rotated_halves(x: Tensor, start: int, base: float) -> tuple[Tensor, Tensor]:
-    """The two halves (B, H, T, D/2) of :func:`apply_rope`'s result, in ``x``'s dtype."""
     T, D = x.shape[2], x.shape[3]
     inv_freq = base ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)  # (D/2,)
     pos = torch.arange(start, start + T, device=x.device, dtype=torch.float32)
@@ -90,29 +85,24 @@ def _rotated_halves(x: Tensor, start: int, base: float) -> tuple[Tensor, Tensor]
     x1, x2 = x.float().chunk(2, dim=-1)  # (B, H, T, D/2) each
     # each half cast before the concatenation: compiled, the kernel that rotates writes x's dtype, where a
     # cast after it is a kernel of its own
-    return (x1 * cos - x2 * sin).to(x.dtype), (x1 * sin + x2 * cos).to(x.dtype)
+    return torch.cat([(x1 * cos - x2 * sin).to(x.dtype), (x1 * sin + x2 * cos).to(x.dtype)], dim=-1)
 
 
 def _keys_and_values(
-    kv: Tensor, k_norm: nn.Module, n_kv_head: int, head_dim: int, rope_base: Optional[float], start: int, entry: bool
+    kv: Tensor, k_norm: nn.Module, n_kv_head: int, head_dim: int, rope_base: Optional[float], start: int
 ) -> tuple[Tensor, Tensor]:
     """Split a (B, T, 2 * Hk * D) projection into k, v (B, Hk, T, D); normalize and rotate k.
 
     Attention layers and FFN depth projections share this, so both kinds of
-    depth key are treated alike. With ``entry`` (k and v become a depth
-    entry) they are the two halves of one fresh (B, Hk, T, 2 * D) tensor,
-    written by the kernel that rotates k: every entry of a stream then has
-    the same strides, whatever product it came from, and the kernels read
-    each where it lies (:func:`moda_flex.backends.traced.pointer_depth`).
+    depth key are treated alike.
     """
     B, T, _ = kv.shape
     k, v = kv.view(B, T, 2, n_kv_head, head_dim).permute(2, 0, 3, 1, 4).unbind(0)  # (B, Hk, T, D) each
     # Normalize in float32 at least (the norms' weights are float32 under autocast), then back to v's dtype.
     k = k_norm(_upcast(k)).to(v.dtype)
-    if entry:
-        keys = _rotated_halves(k, start, rope_base) if rope_base is not None else (k,)
-        return torch.cat([*keys, v], dim=-1).split(head_dim, dim=-1)  # of (B, Hk, T, 2 * D): k, then v
-    return (apply_rope(k, start, rope_base) if rope_base is not None else k), v
+    if rope_base is not None:
+        k = apply_rope(k, start, rope_base)
+    return k, v
 
 
 def _upcast(x: Tensor) -> Tensor:
@@ -244,7 +234,7 @@ class MoDAAttention(nn.Module):
             appended (None if ``depth`` is None).
         """
         B, T, C = x.shape
-        q, k, v = self._project(x, cache.length if cache is not None else 0, entry=depth is not None)
+        q, k, v = self._project(x, cache.length if cache is not None else 0)
         k_all, v_all = cache.update(k, v) if cache is not None else (k, v)
         if depth is None:
             y = moda_attention(q, k_all, v_all, variant=self._scored, backend=self.backend)
@@ -265,18 +255,17 @@ class MoDAAttention(nn.Module):
         Returns:
             (B, Hq, T, T + L) float32; column ``T + l`` is the token's depth slot ``l``.
         """
-        q, k, v = self._project(x, 0, entry=False)
+        q, k, v = self._project(x, 0)
         depth_k, depth_v = depth.read() if depth is not None else (None, None)
         depth_k, depth_v = as_tensor(depth_k or [], k), as_tensor(depth_v or [], v)  # (B, Hk, T, L, D)
         return attention_probabilities(q, k, v, depth_k, depth_v, self._scored, 1.0 / math.sqrt(self.head_dim))
 
-    def _project(self, x: Tensor, start: int, entry: bool) -> tuple[Tensor, Tensor, Tensor]:
-        """q (B, Hq, T, D) and k, v (B, Hk, T, D), normalized and rotated; k and v laid out as a depth entry
-        with ``entry`` (:func:`_keys_and_values`)."""
+    def _project(self, x: Tensor, start: int) -> tuple[Tensor, Tensor, Tensor]:
+        """q (B, Hq, T, D) and k, v (B, Hk, T, D), normalized and rotated."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
         rope_base = self.rope_base if self.rope else None
-        k, v = _keys_and_values(self.kv_proj(x), self.k_norm, self.n_kv_head, self.head_dim, rope_base, start, entry)
+        k, v = _keys_and_values(self.kv_proj(x), self.k_norm, self.n_kv_head, self.head_dim, rope_base, start)
         q = self.q_norm(_upcast(q)).to(v.dtype)
         if self.rope:
             q = apply_rope(q, start, self.rope_base)
@@ -314,14 +303,15 @@ class DepthKVProjection(nn.Module):
         self.k_norm = nn.RMSNorm(head_dim) if qk_norm else nn.Identity()
 
     def forward(self, x: Tensor, depth: DepthStream, start: int = 0) -> DepthStream:
-        """``depth`` with the K/V of (B, T, C) ``x`` appended, its tokens at positions ``start ..``."""
-        return self.append(self.kv_proj(x), depth, start)
+        """``depth`` with the K/V of (B, T, C) ``x`` appended, its tokens at positions ``start ..``.
 
-    def append(self, kv: Tensor, depth: DepthStream, start: int = 0) -> DepthStream:
-        """``depth`` with the K/V of a projection ``kv`` = ``kv_proj(x)``, (B, T, 2 * Hk * D), appended: laid out
-        as :class:`MoDAAttention`'s entries whatever ``kv``'s strides (:func:`_keys_and_values`)."""
+        The entries are laid out as :class:`MoDAAttention`'s (a projection of
+        their own, keys normalized and rotated into a fresh tensor), so a
+        stream's entries share their strides and the kernels read each where
+        it lies (:func:`moda_flex.backends.traced.pointer_depth`).
+        """
         rope_base = self.rope_base if self.rope else None
-        k, v = _keys_and_values(kv, self.k_norm, self.n_kv_head, self.head_dim, rope_base, start, entry=True)
+        k, v = _keys_and_values(self.kv_proj(x), self.k_norm, self.n_kv_head, self.head_dim, rope_base, start)
         return depth.append(k, v)
 
 
@@ -334,24 +324,8 @@ class SwiGLU(nn.Module):
         self.proj = nn.Linear(hidden, n_embd, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.finish(self.fc(x))
-
-    def finish(self, ab: Tensor) -> Tensor:
-        """The FFN of ``x`` from its projection ``ab`` = ``fc(x)``, (B, T, 2 * hidden)."""
-        a, b = ab.chunk(2, dim=-1)  # (B, T, hidden) each
+        a, b = self.fc(x).chunk(2, dim=-1)  # (B, T, hidden) each
         return self.proj(F.silu(a) * b)
-
-
-def _shared_input(x: Tensor, *layers: nn.Linear) -> tuple[Tensor, ...]:
-    """Each of ``layers`` applied to ``x``, as one product over their weights concatenated.
-
-    The same values as the layers' own calls, in fewer launches: one matrix
-    product and (under autocast) one weight cast forward, one product a side
-    backward, where each layer launches its own.
-    """
-    weight = torch.cat([layer.weight for layer in layers])
-    bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
-    return F.linear(x, weight, bias).split([layer.out_features for layer in layers], dim=-1)
 
 
 class Block(nn.Module):
@@ -423,11 +397,10 @@ class Block(nn.Module):
         else:
             y, stream = self.attn(x, stream, cache)
             x = h = self.norm_1(x + y)
-        if self.ffn_kv is None:
-            x = x + self.mlp(h)
-        else:  # the FFN's projection and its depth entry's read the same h: one product
-            ab, kv = _shared_input(h, self.mlp.fc, self.ffn_kv.kv_proj)
-            stream = self.ffn_kv.append(kv, stream, start)
-            x = x + self.mlp.finish(ab)
+        if self.ffn_kv is not None:
+            # its own product, not one with the FFN's: an entry sliced from a wider product would have strides of
+            # its own, and the kernels would stack every entry a layer reads (BENCHMARKS.md, "An FFN entry's strides")
+            stream = self.ffn_kv(h, stream, start)
+        x = x + self.mlp(h)
         x = x if self.config.norm == "pre" else self.norm_2(x)
         return x, (depth if stream is None else stream)

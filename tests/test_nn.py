@@ -170,33 +170,6 @@ def test_ffn_projection_appends_one_entry():
     assert depth_k[0].shape == depth_v[0].shape == (3, 2, 5, 4)
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_a_block_with_ffn_entries_computes_its_projections_as_the_layers_do(bias):
-    """The block's one product for the FFN's projection and its entry's gives the FFN and the entry that the
-    two modules compute on their own, values and gradients."""
-    config = BlockConfig(n_embd=16, n_head=4, n_kv_head=2, depth_kv="attn+ffn", norm="pre", bias=bias)
-    torch.manual_seed(0)
-    block = Block(config).to(torch.float64)
-    x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
-
-    out, stream = block(x, DepthStream())
-    y, read = block.attn(block.norm_1(x), DepthStream())
-    h = block.norm_2(x + y)
-    expected_out, expected = x + y + block.mlp(h), block.ffn_kv(h, read)
-
-    torch.testing.assert_close(out, expected_out, rtol=1e-12, atol=1e-12)
-    for got, want in zip(stream.read(), expected.read()):
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-
-    def loss(out, stream):
-        return out.sin().sum() + sum(entry.cos().sum() for side in stream.read() for entry in side)
-
-    leaves = [x, *block.parameters()]
-    grads = torch.autograd.grad(loss(out, stream), leaves)
-    for got, want in zip(grads, torch.autograd.grad(loss(expected_out, expected), leaves)):
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-
-
 def test_config_and_argument_errors():
     with pytest.raises(ValueError, match="depth_kv"):
         BlockConfig(depth_kv="ffn")
