@@ -80,12 +80,13 @@ def apply_rope(x: Tensor, start: int, base: float = 10000.0) -> Tensor:
     T, D = x.shape[2], x.shape[3]
     inv_freq = base ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)  # (D/2,)
     pos = torch.arange(start, start + T, device=x.device, dtype=torch.float32)
-    angles = torch.outer(pos, inv_freq)  # (T, D/2)
+    angles = torch.outer(pos, inv_freq).repeat(1, 2)  # (T, D): dimension i and i + D/2 turn alike
     cos, sin = angles.cos(), angles.sin()
-    x1, x2 = x.float().chunk(2, dim=-1)  # (B, H, T, D/2) each
-    # each half cast before the concatenation: compiled, the kernel that rotates writes x's dtype, where a
-    # cast after it is a kernel of its own
-    return torch.cat([(x1 * cos - x2 * sin).to(x.dtype), (x1 * sin + x2 * cos).to(x.dtype)], dim=-1)
+    wide = x.float()
+    x1, x2 = wide.chunk(2, dim=-1)  # (B, H, T, D/2) each
+    # one expression over all D (not two halves, then joined): compiled, it is one kernel with the norm that
+    # x comes from, where halves of D/2 are a kernel, and their concatenation another
+    return (wide * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
 
 def _keys_and_values(
