@@ -375,6 +375,7 @@ USAGE_ERRORS = [
     ("benchmarks/host_calls.py", ["--arms", ","], "argument --arms: give at least one of none, attn, attn+ffn"),
     ("benchmarks/host_calls.py", ["--backend", "fused"], "argument --backend: invalid choice: 'fused'"),
     ("benchmarks/tune_moda.py", ["--kernels", "fwd,dkv"], "argument --kernels: 'dkv' is not one of fwd, dq, dkdv"),
+    ("benchmarks/ab_nn.py", ["--old", "no-such/nn.py"], "--old no-such/nn.py: no such file"),
 ]  # fmt: skip
 
 

@@ -1,0 +1,122 @@
+"""The example GPT's training step with this checkout's layers and with another checkout's, in one process.
+
+A compiled step's time moves by 10-50% from one process to the next, even on
+one machine (BENCHMARKS.md), more than most changes to the model's layers
+are worth. This builds each model twice: with the blocks of this checkout's
+``moda_flex/nn.py`` (``new``) and with those of another checkout's
+(``old``, ``--old``), loaded as a module of this package, so every other
+module, the kernels included, is this checkout's. Each is compiled as
+``bench_model.py`` compiles it, then all are timed in turn, a share of the
+steps a round (``bench_model.time_steps``). It prints each model's median
+step and host time, its GPU kernels a step, and each round's ratios: MoDA
+over the baseline within a checkout, new over old within an arm.
+
+Usage::
+
+    git worktree add ../before HEAD~1
+    python benchmarks/ab_nn.py --old ../before/moda_flex/nn.py --shape gpt2s
+    python benchmarks/ab_nn.py --old ../before/moda_flex/nn.py --shape gpt2s --mode reduce-overhead --rounds 4
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import cli  # noqa: E402
+import gpt  # noqa: E402
+import moda_flex.nn  # noqa: E402
+
+from bench_model import ARMS, MODES, SHAPES, Case, gpu_profile, kernel_events, prepare, time_steps  # noqa: E402
+
+OLD_MODULE = "moda_flex._nn_old"  # the name the other checkout's nn.py is loaded under
+
+
+def load_nn(path: str) -> ModuleType:
+    """The ``nn.py`` at ``path`` as a module of this package (its relative imports are this checkout's
+    modules)."""
+    spec = importlib.util.spec_from_file_location(OLD_MODULE, path)
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = "moda_flex"
+    sys.modules[OLD_MODULE] = module  # dataclasses resolve a class's annotations through its module
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def blocks_of(module: ModuleType):
+    """Inside the block, the example GPT builds its blocks from ``module``'s ``Block``."""
+    default = gpt.Block
+    gpt.Block = module.Block
+    try:
+        yield
+    finally:
+        gpt.Block = default
+
+
+def round_ratios(times: list[float], base: list[float]) -> str:
+    """Each round's ratio of ``times`` to ``base``, and their median."""
+    ratios = [t / b for t, b in zip(times, base)]
+    return " ".join(f"{r:.3f}" for r in ratios) + f"  median {statistics.median(ratios):.3f}"
+
+
+def main(argv=None) -> None:
+    p = cli.parser(__doc__)
+    p.add_argument("--old", required=True, help="the other checkout's moda_flex/nn.py")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="gpt2s", help="model and batch shape")
+    p.add_argument("--mode", choices=[m for m in MODES if m != "eager"], default="compiled", help="how the steps run")
+    p.add_argument("--arms", type=cli.choice_list(ARMS), default="none,attn+ffn",
+                   help=f"comma-separated depth_kv values, from {', '.join(ARMS)}")  # fmt: skip
+    p.add_argument("--rounds", type=cli.at_least(1), default=6, help="rounds; each times every model in turn")
+    p.add_argument("--steps", type=cli.at_least(1), default=8, help="timed steps a model a round")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first, compilation included")
+    args = p.parse_args(argv)
+    if not Path(args.old).is_file():
+        p.error(f"--old {args.old}: no such file")
+    cli.require_cuda(p, "ab_nn.py")
+    checkouts = {"new": moda_flex.nn, "old": load_nn(args.old)}
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(args.arms))
+
+    steps, kernels = {}, {}
+    for arm in args.arms:
+        for name, module in checkouts.items():
+            start = time.perf_counter()
+            with blocks_of(module):
+                step = steps[arm, name] = prepare(Case(arm, args.mode, "auto", "auto"), SHAPES[args.shape], args.warmup)
+            kernels[arm, name] = sum(e.count for e in kernel_events(gpu_profile(step, 1)))
+            print(f"  {arm} {name}: compiled in {time.perf_counter() - start:.0f} s, {kernels[arm, name]} kernels "
+                  "a step", flush=True)  # fmt: skip
+    times = {key: [] for key in steps}
+    hosts = {key: [] for key in steps}
+    for _ in range(args.rounds):
+        for key, step in steps.items():
+            timed = time_steps(step, args.steps)
+            times[key].append(1e3 * statistics.median(timed["times"]))
+            hosts[key].append(1e3 * statistics.median(timed["issued"]))
+
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, shape {args.shape}, {args.mode}, "
+          f"{args.rounds} rounds of {args.steps} steps")  # fmt: skip
+    print("| model | checkout | step (ms) | host (ms) | kernels a step | by round (ms) |")
+    print("|---|---|---|---|---|---|")
+    for (arm, name), row in times.items():
+        print(f"| {arm} | {name} | {statistics.median(row):.2f} | {statistics.median(hosts[arm, name]):.2f} | "
+              f"{kernels[arm, name]} | {' '.join(f'{t:.1f}' for t in row)} |")  # fmt: skip
+    print()
+    for arm in args.arms:
+        print(f"  {arm}, new / old by round: {round_ratios(times[arm, 'new'], times[arm, 'old'])}")
+    if "none" in args.arms:
+        for arm in (a for a in args.arms if a != "none"):
+            for name in checkouts:
+                print(f"  {arm} / none, {name}, by round: {round_ratios(times[arm, name], times['none', name])}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""benchmarks/ab_nn.py's loading of another checkout's layers: its blocks, as a module of this package, build
+and run the example GPT in place of this checkout's, and the GPT builds its own again afterwards."""
+
+from pathlib import Path
+
+import gpt
+import torch
+
+import moda_flex.nn
+from ab_nn import blocks_of, load_nn
+
+
+def test_another_checkouts_blocks_build_the_example_gpt_and_compute_as_its_source_says(tmp_path):
+    source = Path(moda_flex.nn.__file__).read_text()
+    # a change that can be seen in the output: the other checkout's blocks double their input
+    other = tmp_path / "nn.py"
+    other.write_text(source.replace("        start = cache.length if cache is not None else 0\n",
+                                    "        start = cache.length if cache is not None else 0\n        x = 2 * x\n"))  # fmt: skip
+    old = load_nn(str(other))
+    assert old.Block is not moda_flex.nn.Block
+    assert old.moda_attention is moda_flex.nn.moda_attention  # its imports are this checkout's modules
+
+    config = gpt.GPTConfig(n_layer=2, n_embd=16, n_head=2, n_kv_head=1, block_size=8, vocab_size=32)
+    tokens = torch.randint(0, 32, (2, 8))
+    outputs = {}
+    for name, module in (("new", moda_flex.nn), ("old", old)):
+        with blocks_of(module):
+            torch.manual_seed(0)
+            model = gpt.GPT(config)
+        assert all(type(block) is module.Block for block in model.blocks)
+        outputs[name] = model(tokens)[0]
+    assert gpt.Block is moda_flex.nn.Block
+    assert not torch.allclose(outputs["new"], outputs["old"])
