@@ -14,8 +14,8 @@ def test_another_checkouts_blocks_build_the_example_gpt_and_compute_as_its_sourc
     source = Path(moda_flex.nn.__file__).read_text()
     # a change that can be seen in the output: the other checkout's blocks double their input
     other = tmp_path / "nn.py"
-    other.write_text(source.replace("        start = cache.length if cache is not None else 0\n",
-                                    "        start = cache.length if cache is not None else 0\n        x = 2 * x\n"))  # fmt: skip
+    line = "        start = cache.length if cache is not None else 0\n"
+    other.write_text(source.replace(line, line + "        x = 2 * x\n"))
     old = load_nn(str(other))
     assert old.Block is not moda_flex.nn.Block
     assert old.moda_attention is moda_flex.nn.moda_attention  # its imports are this checkout's modules

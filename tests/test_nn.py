@@ -162,6 +162,21 @@ def test_rope_keeps_relative_positions():
     assert not math.isclose(score(7, 3).item(), score(3, 7).item())
 
 
+def test_rope_turns_dimension_i_with_i_plus_half_by_the_position_times_its_frequency():
+    """GPT-NeoX layout: the pair (i, i + D/2) turns by ``position * base ** (-2 i / D)``, the others stay."""
+    D, start, base = 8, 3, 100.0
+    x = torch.eye(D, dtype=torch.float64).view(1, D, 1, D)  # head h holds the unit vector of dimension h
+    rotated = apply_rope(x, start, base).view(D, D).float()
+    for i in range(D // 2):
+        angle = torch.tensor(start * base ** (-2 * i / D))
+        cos, sin = angle.cos().item(), angle.sin().item()
+        first, second = torch.zeros(D), torch.zeros(D)
+        first[i], first[i + D // 2] = cos, sin
+        second[i], second[i + D // 2] = -sin, cos
+        torch.testing.assert_close(rotated[i], first)
+        torch.testing.assert_close(rotated[i + D // 2], second)
+
+
 def test_ffn_projection_appends_one_entry():
     proj = DepthKVProjection(16, 2, 4)
     stream = proj(torch.randn(3, 5, 16), DepthStream(), start=2)
