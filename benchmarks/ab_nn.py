@@ -35,7 +35,9 @@ import cli  # noqa: E402
 import gpt  # noqa: E402
 import moda_flex.nn  # noqa: E402
 
-from bench_model import ARMS, MODES, SHAPES, Case, gpu_profile, kernel_events, prepare, time_steps  # noqa: E402
+from bench_model import (  # noqa: E402
+    ARMS, MODES, SHAPES, Case, gpu_profile, kernel_events, prepare, round_ratios, time_steps,
+)  # fmt: skip
 
 OLD_MODULE = "moda_flex._nn_old"  # the name the other checkout's nn.py is loaded under
 
@@ -62,10 +64,14 @@ def blocks_of(module: ModuleType):
         gpt.Block = default
 
 
-def round_ratios(times: list[float], base: list[float]) -> str:
-    """Each round's ratio of ``times`` to ``base``, and their median."""
-    ratios = [t / b for t, b in zip(times, base)]
+def shown(ratios: list[float]) -> str:
+    """Each round's ratio (:func:`bench_model.round_ratios`), and their median."""
     return " ".join(f"{r:.3f}" for r in ratios) + f"  median {statistics.median(ratios):.3f}"
+
+
+def round_ms(chunks: list[dict], key: str = "times") -> list[float]:
+    """Each round's median step (``times``) or issue time (``issued``) of a model's timed chunks, ms."""
+    return [1e3 * statistics.median(chunk[key]) for chunk in chunks]
 
 
 def main(argv=None) -> None:
@@ -94,28 +100,27 @@ def main(argv=None) -> None:
             kernels[arm, name] = sum(e.count for e in kernel_events(gpu_profile(step, 1)))
             print(f"  {arm} {name}: compiled in {time.perf_counter() - start:.0f} s, {kernels[arm, name]} kernels "
                   "a step", flush=True)  # fmt: skip
-    times = {key: [] for key in steps}
-    hosts = {key: [] for key in steps}
+    chunks = {key: [] for key in steps}  # each model's timed steps, a chunk a round
     for _ in range(args.rounds):
         for key, step in steps.items():
-            timed = time_steps(step, args.steps)
-            times[key].append(1e3 * statistics.median(timed["times"]))
-            hosts[key].append(1e3 * statistics.median(timed["issued"]))
+            chunks[key].append(time_steps(step, args.steps))
 
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, shape {args.shape}, {args.mode}, "
           f"{args.rounds} rounds of {args.steps} steps")  # fmt: skip
     print("| model | checkout | step (ms) | host (ms) | kernels a step | by round (ms) |")
     print("|---|---|---|---|---|---|")
-    for (arm, name), row in times.items():
-        print(f"| {arm} | {name} | {statistics.median(row):.2f} | {statistics.median(hosts[arm, name]):.2f} | "
-              f"{kernels[arm, name]} | {' '.join(f'{t:.1f}' for t in row)} |")  # fmt: skip
+    for (arm, name), timed in chunks.items():
+        rounds, host = round_ms(timed), statistics.median(round_ms(timed, "issued"))
+        print(f"| {arm} | {name} | {statistics.median(rounds):.2f} | {host:.2f} | {kernels[arm, name]} | "
+              f"{' '.join(f'{t:.1f}' for t in rounds)} |")  # fmt: skip
     print()
     for arm in args.arms:
-        print(f"  {arm}, new / old by round: {round_ratios(times[arm, 'new'], times[arm, 'old'])}")
+        print(f"  {arm}, new / old by round: {shown(round_ratios(chunks[arm, 'new'], chunks[arm, 'old']))}")
     if "none" in args.arms:
         for arm in (a for a in args.arms if a != "none"):
             for name in checkouts:
-                print(f"  {arm} / none, {name}, by round: {round_ratios(times[arm, name], times['none', name])}")
+                ratios = round_ratios(chunks[arm, name], chunks["none", name])
+                print(f"  {arm} / none, {name}, by round: {shown(ratios)}")
 
 
 if __name__ == "__main__":
