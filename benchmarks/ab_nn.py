@@ -9,7 +9,9 @@ module, the kernels included, is this checkout's. Each is compiled as
 ``bench_model.py`` compiles it, then all are timed in turn, a share of the
 steps a round (``bench_model.time_steps``). It prints each model's median
 step and host time, its GPU kernels a step, and each round's ratios: MoDA
-over the baseline within a checkout, new over old within an arm.
+over the baseline within a checkout, new over old within an arm. With
+``--kernels N`` it then profiles each model and lists, for each arm, the N
+kernels whose GPU time a step moved most from old to new.
 
 Usage::
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import re
 import statistics
 import sys
 import time
@@ -36,7 +39,7 @@ import gpt  # noqa: E402
 import moda_flex.nn  # noqa: E402
 
 from bench_model import (  # noqa: E402
-    ARMS, MODES, SHAPES, Case, gpu_profile, kernel_events, prepare, round_ratios, time_steps,
+    ARMS, MODES, SHAPES, Case, gpu_profile, kernel_events, kernel_kind, prepare, round_ratios, time_steps,
 )  # fmt: skip
 
 OLD_MODULE = "moda_flex._nn_old"  # the name the other checkout's nn.py is loaded under
@@ -74,6 +77,32 @@ def round_ms(chunks: list[dict], key: str = "times") -> list[float]:
     return [1e3 * statistics.median(chunk[key]) for chunk in chunks]
 
 
+def kernel_us(step, steps: int = 3) -> dict[str, tuple[float, float]]:
+    """Each kernel's GPU time (us) and launches a step over ``steps`` profiled steps, by name less inductor's
+    trailing index (``triton_poi_fused_add_7`` and ``_9`` are one row: a compile numbers its kernels anew)."""
+    rows: dict[str, tuple[float, float]] = {}
+    for event in kernel_events(gpu_profile(step, steps)):
+        name = re.sub(r"_\d+$", "", event.key) if kernel_kind(event.key) == "inductor" else event.key
+        us, count = rows.get(name, (0.0, 0.0))
+        rows[name] = (us + event.self_device_time_total / steps, count + event.count / steps)
+    return rows
+
+
+def kernel_moves(new: dict, old: dict, rows: int) -> list[str]:
+    """Table rows (kernel, old us, new us, difference, launches) of the ``rows`` kernels (:func:`kernel_us`)
+    whose time a step moved most from ``old`` to ``new``, then of all kernels."""
+
+    def row(name: str, n: tuple[float, float], o: tuple[float, float]) -> str:
+        return f"| {name[:90]} | {o[0]:.1f} | {n[0]:.1f} | {n[0] - o[0]:+.1f} | {o[1]:.0f} -> {n[1]:.0f} |"
+
+    def total(side: dict) -> tuple[float, float]:
+        return (sum(us for us, _ in side.values()), sum(count for _, count in side.values()))
+
+    zero = (0.0, 0.0)
+    names = sorted(new.keys() | old.keys(), key=lambda n: -abs(new.get(n, zero)[0] - old.get(n, zero)[0]))
+    return [row(n, new.get(n, zero), old.get(n, zero)) for n in names[:rows]] + [row("all", total(new), total(old))]
+
+
 def main(argv=None) -> None:
     p = cli.parser(__doc__)
     p.add_argument("--old", required=True, help="the other checkout's moda_flex/nn.py")
@@ -84,6 +113,7 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=cli.at_least(1), default=6, help="rounds; each times every model in turn")
     p.add_argument("--steps", type=cli.at_least(1), default=8, help="timed steps a model a round")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first, compilation included")
+    p.add_argument("--kernels", type=int, default=0, help="then list the N kernels that moved most, per arm")
     args = p.parse_args(argv)
     if not Path(args.old).is_file():
         p.error(f"--old {args.old}: no such file")
@@ -121,6 +151,12 @@ def main(argv=None) -> None:
             for name in checkouts:
                 ratios = round_ratios(chunks[arm, name], chunks["none", name])
                 print(f"  {arm} / none, {name}, by round: {shown(ratios)}")
+    if args.kernels:
+        for arm in args.arms:
+            new, old = (kernel_us(steps[arm, name]) for name in checkouts)
+            print(f"\n{arm}: GPU us a step, old -> new, the {args.kernels} kernels that moved most")
+            print("| kernel | old | new | new - old | launches |\n|---|---|---|---|---|")
+            print("\n".join(kernel_moves(new, old, args.kernels)), flush=True)
 
 
 if __name__ == "__main__":

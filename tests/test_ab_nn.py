@@ -7,7 +7,7 @@ import gpt
 import torch
 
 import moda_flex.nn
-from ab_nn import blocks_of, load_nn
+from ab_nn import blocks_of, kernel_moves, load_nn
 
 
 def test_another_checkouts_blocks_build_the_example_gpt_and_compute_as_its_source_says(tmp_path):
@@ -31,3 +31,14 @@ def test_another_checkouts_blocks_build_the_example_gpt_and_compute_as_its_sourc
         outputs[name] = model(tokens)[0]
     assert gpt.Block is moda_flex.nn.Block
     assert not torch.allclose(outputs["new"], outputs["old"])
+
+
+def test_kernel_moves_lists_the_kernels_that_moved_most_first_then_all():
+    old = {"gemm": (100.0, 4.0), "triton_poi_fused_add": (10.0, 2.0), "gone": (5.0, 1.0)}
+    new = {"gemm": (101.0, 4.0), "triton_poi_fused_add": (30.0, 3.0), "fresh": (8.0, 1.0)}
+    rows = kernel_moves(new, old, 2)
+    assert rows == [
+        "| triton_poi_fused_add | 10.0 | 30.0 | +20.0 | 2 -> 3 |",
+        "| fresh | 0.0 | 8.0 | +8.0 | 0 -> 1 |",
+        "| all | 115.0 | 139.0 | +24.0 | 7 -> 8 |",
+    ]
