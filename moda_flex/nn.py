@@ -71,19 +71,24 @@ class KVCache:
 
 
 def apply_rope(x: Tensor, start: int, base: float = 10000.0) -> Tensor:
-    """Rotate (B, H, T, D) queries or keys to absolute positions ``start .. start + T - 1``.
+    """Rotate (B, T, H, D) queries or keys to absolute positions ``start .. start + T - 1``.
 
     GPT-NeoX layout: dimension ``i`` pairs with ``i + D/2``. A query and a key
     rotated to the same position keep their dot product, so depth keys of a
     token (rotated to its position) are read at relative distance zero.
+
+    Heads come after tokens, as a projection lays them out: rotated in that
+    layout, a head's (B, H, T, D) is a view of the result, and compiled, the
+    norm before and the rotation are kernels over rows as they lie, with no
+    transpose.
     """
-    T, D = x.shape[2], x.shape[3]
+    T, D = x.shape[1], x.shape[3]
     inv_freq = base ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)  # (D/2,)
     pos = torch.arange(start, start + T, device=x.device, dtype=torch.float32)
-    angles = torch.outer(pos, inv_freq).repeat(1, 2)  # (T, D): dimension i and i + D/2 turn alike
+    angles = torch.outer(pos, inv_freq).repeat(1, 2)[:, None]  # (T, 1, D): dimension i and i + D/2 turn alike
     cos, sin = angles.cos(), angles.sin()
     wide = x.float()
-    x1, x2 = wide.chunk(2, dim=-1)  # (B, H, T, D/2) each
+    x1, x2 = wide.chunk(2, dim=-1)  # (B, T, H, D/2) each
     # one expression over all D (not two halves, then joined): compiled, it is one kernel with the norm that
     # x comes from, where halves of D/2 are a kernel, and their concatenation another
     return (wide * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
@@ -94,16 +99,19 @@ def _keys_and_values(
 ) -> tuple[Tensor, Tensor]:
     """Split a (B, T, 2 * Hk * D) projection into k, v (B, Hk, T, D); normalize and rotate k.
 
+    Both are views of (B, T, Hk, D) tensors: v of the projection, k of the
+    rotated keys (:func:`apply_rope`'s layout).
+
     Attention layers and FFN depth projections share this, so both kinds of
     depth key are treated alike.
     """
     B, T, _ = kv.shape
-    k, v = kv.view(B, T, 2, n_kv_head, head_dim).permute(2, 0, 3, 1, 4).unbind(0)  # (B, Hk, T, D) each
+    k, v = kv.view(B, T, 2, n_kv_head, head_dim).unbind(2)  # (B, T, Hk, D) each
     # Normalize in float32 at least (the norms' weights are float32 under autocast), then back to v's dtype.
     k = k_norm(_upcast(k)).to(v.dtype)
     if rope_base is not None:
         k = apply_rope(k, start, rope_base)
-    return k, v
+    return k.transpose(1, 2), v.transpose(1, 2)
 
 
 def _upcast(x: Tensor) -> Tensor:
@@ -264,13 +272,13 @@ class MoDAAttention(nn.Module):
     def _project(self, x: Tensor, start: int) -> tuple[Tensor, Tensor, Tensor]:
         """q (B, Hq, T, D) and k, v (B, Hk, T, D), normalized and rotated."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)  # (B, T, Hq, D), as the projection lays it out
         rope_base = self.rope_base if self.rope else None
         k, v = _keys_and_values(self.kv_proj(x), self.k_norm, self.n_kv_head, self.head_dim, rope_base, start)
         q = self.q_norm(_upcast(q)).to(v.dtype)
         if self.rope:
             q = apply_rope(q, start, self.rope_base)
-        return q, k, v
+        return q.transpose(1, 2), k, v
 
 
 class DepthKVProjection(nn.Module):

@@ -165,7 +165,7 @@ def test_rope_keeps_relative_positions():
 def test_rope_turns_dimension_i_with_i_plus_half_by_the_position_times_its_frequency():
     """GPT-NeoX layout: the pair (i, i + D/2) turns by ``position * base ** (-2 i / D)``, the others stay."""
     D, start, base = 8, 3, 100.0
-    x = torch.eye(D, dtype=torch.float64).view(1, D, 1, D)  # head h holds the unit vector of dimension h
+    x = torch.eye(D, dtype=torch.float64).view(1, 1, D, D)  # head h holds the unit vector of dimension h
     rotated = apply_rope(x, start, base).view(D, D).float()
     for i in range(D // 2):
         angle = torch.tensor(start * base ** (-2 * i / D))
@@ -199,3 +199,13 @@ def test_config_and_argument_errors():
     block = Block(BlockConfig(n_embd=16, n_head=2, n_kv_head=1, depth_kv="attn"))
     with pytest.raises(ValueError, match="needs a DepthStream"):
         block(torch.randn(1, 3, 16))
+
+
+def test_a_layers_queries_and_keys_are_views_with_heads_after_tokens_as_the_projections_lay_them_out():
+    """No transpose between the projection and the attention: q, k and v (B, H, T, D) keep the (B, T, H, D)
+    order of memory, so compiled, the norm and the rotation run over rows as they lie."""
+    attn = MoDAAttention(32, 4, 2)
+    q, k, v = attn._project(torch.randn(2, 5, 32), 0)
+    for t, heads in ((q, 4), (k, 2), (v, 2)):
+        assert t.shape == (2, heads, 5, 8)
+        assert t.stride(1) == 8 and t.stride(2) % (heads * 8) == 0  # a token's heads lie together
