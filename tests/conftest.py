@@ -17,6 +17,8 @@ if not torch.cuda.is_available():
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+import sm90_processes  # noqa: E402
+
 settings.register_profile(
     "ci",
     derandomize=True,
@@ -39,3 +41,14 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.path.name.endswith("_gpu.py"):
             item.add_marker(pytest.mark.gpu)
+
+
+def pytest_collection_finish(session):
+    """Start the sm_90 compile now if the session runs its tests, so that it overlaps the tests before them."""
+    if any(item.path.name == sm90_processes.MODULE for item in session.items):
+        sm90_processes.start()
+
+
+def pytest_sessionfinish(session):
+    """Stop the sm_90 compile if its tests did not run to read it (a session stopped early)."""
+    sm90_processes.stop()

@@ -6,34 +6,18 @@ calls that reach each kernel's constexpr branches, both kernel backends and
 the triton backend's Hopper path.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+import sm90_processes
 
 pytest.importorskip("triton")
 
 
-# Processes that share the cases: each compile is single-threaded and takes a second or more without a cache.
-PROCESSES = 2
-
-
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    """Each case's kernels, with their scalar 16-bit global loads, as ``tests/compile_sm90.py`` prints them."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("compile_sm90.py")
-    runs = [subprocess.Popen([sys.executable, str(script), str(index), str(PROCESSES)], env=env, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for index in range(PROCESSES)]  # fmt: skip
-    cases = {}
-    for run in runs:
-        stdout, stderr = run.communicate(timeout=600)
-        assert run.returncode == 0, stdout + stderr[-4000:]
-        cases.update((case["case"], case["kernels"]) for case in map(json.loads, stdout.splitlines()))
-    return cases
+    """Each case's kernels, with their scalar 16-bit global loads, as ``tests/compile_sm90.py`` prints them
+    (run in processes of their own: :mod:`sm90_processes`)."""
+    return sm90_processes.results()
 
 
 def test_every_kernel_compiles_for_sm90(compiled):
