@@ -77,10 +77,10 @@ def apply_rope(x: Tensor, start: int, base: float = 10000.0) -> Tensor:
     rotated to the same position keep their dot product, so depth keys of a
     token (rotated to its position) are read at relative distance zero.
 
-    Heads come after tokens, as a projection lays them out: rotated in that
-    layout, a head's (B, H, T, D) is a view of the result, and compiled, the
-    norm before and the rotation are kernels over rows as they lie, with no
-    transpose.
+    Heads come after tokens, as a projection lays them out: the attention's
+    (B, H, T, D) is then a view of the result (``.transpose(1, 2)``), and
+    compiled, a norm before the rotation runs in the rotation's kernel, with
+    no transpose between them.
     """
     T, D = x.shape[1], x.shape[3]
     inv_freq = base ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)  # (D/2,)
