@@ -10,8 +10,9 @@ module, the kernels included, is this checkout's. Each is compiled as
 steps a round (``bench_model.time_steps``). It prints each model's median
 step and host time, its GPU kernels a step, and each round's ratios: MoDA
 over the baseline within a checkout, new over old within an arm. With
-``--kernels N`` it then profiles each model and lists, for each arm, the N
-kernels whose GPU time a step moved most from old to new.
+``--kernels N`` it then profiles each model and lists the N kernels whose
+GPU time a step moved most: for each arm from old to new, and for each
+MoDA arm of this checkout from the baseline's step to its own.
 
 Usage::
 
@@ -90,7 +91,7 @@ def kernel_us(step, steps: int = 3) -> dict[str, tuple[float, float]]:
 
 def kernel_moves(new: dict, old: dict, rows: int) -> list[str]:
     """Table rows (kernel, old us, new us, difference, launches) of the ``rows`` kernels (:func:`kernel_us`)
-    whose time a step moved most from ``old`` to ``new``, then of all kernels."""
+    whose time a step moved most from the ``old`` step to the ``new`` one, then of all kernels."""
 
     def row(name: str, n: tuple[float, float], o: tuple[float, float]) -> str:
         return f"| {name[:90]} | {o[0]:.1f} | {n[0]:.1f} | {n[0] - o[0]:+.1f} | {o[1]:.0f} -> {n[1]:.0f} |"
@@ -113,7 +114,7 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=cli.at_least(1), default=6, help="rounds; each times every model in turn")
     p.add_argument("--steps", type=cli.at_least(1), default=8, help="timed steps a model a round")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first, compilation included")
-    p.add_argument("--kernels", type=int, default=0, help="then list the N kernels that moved most, per arm")
+    p.add_argument("--kernels", type=int, default=0, help="then list the N kernels that moved most (see above)")
     args = p.parse_args(argv)
     if not Path(args.old).is_file():
         p.error(f"--old {args.old}: no such file")
@@ -152,11 +153,14 @@ def main(argv=None) -> None:
                 ratios = round_ratios(chunks[arm, name], chunks["none", name])
                 print(f"  {arm} / none, {name}, by round: {shown(ratios)}")
     if args.kernels:
-        for arm in args.arms:
-            new, old = (kernel_us(steps[arm, name]) for name in checkouts)
-            print(f"\n{arm}: GPU us a step, old -> new, the {args.kernels} kernels that moved most")
-            print("| kernel | old | new | new - old | launches |\n|---|---|---|---|---|")
-            print("\n".join(kernel_moves(new, old, args.kernels)), flush=True)
+        profiled = {key: kernel_us(step) for key, step in steps.items()}
+        pairs = [(f"{arm}: old -> new", profiled[arm, "new"], profiled[arm, "old"]) for arm in args.arms]
+        pairs += [(f"new: none -> {arm}", profiled[arm, "new"], profiled["none", "new"])
+                  for arm in args.arms if arm != "none" and "none" in args.arms]  # fmt: skip
+        for title, to, base in pairs:
+            print(f"\n{title}, GPU us a step, the {args.kernels} kernels that moved most")
+            print("| kernel | from | to | difference | launches |\n|---|---|---|---|---|")
+            print("\n".join(kernel_moves(to, base, args.kernels)), flush=True)
 
 
 if __name__ == "__main__":
