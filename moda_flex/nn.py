@@ -107,11 +107,16 @@ def _keys_and_values(
     """
     B, T, _ = kv.shape
     k, v = kv.view(B, T, 2, n_kv_head, head_dim).unbind(2)  # (B, T, Hk, D) each
-    # Normalize in float32 at least (the norms' weights are float32 under autocast), then back to v's dtype.
-    k = k_norm(_upcast(k)).to(v.dtype)
-    if rope_base is not None:
-        k = apply_rope(k, start, rope_base)
+    k = _normalized_and_rotated(k, k_norm, v.dtype, rope_base, start)
     return k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _normalized_and_rotated(x: Tensor, norm: nn.Module, dtype: torch.dtype, rope_base: Optional[float],
+                            start: int) -> Tensor:  # fmt: skip
+    """(B, T, H, D) queries or keys through ``norm``, in ``dtype``, then rotated (unless ``rope_base`` is None)."""
+    # Normalize in float32 at least (the norms' weights are float32 under autocast), then back to ``dtype``.
+    x = norm(_upcast(x)).to(dtype)
+    return x if rope_base is None else apply_rope(x, start, rope_base)
 
 
 def _upcast(x: Tensor) -> Tensor:
@@ -275,9 +280,7 @@ class MoDAAttention(nn.Module):
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)  # (B, T, Hq, D), as the projection lays it out
         rope_base = self.rope_base if self.rope else None
         k, v = _keys_and_values(self.kv_proj(x), self.k_norm, self.n_kv_head, self.head_dim, rope_base, start)
-        q = self.q_norm(_upcast(q)).to(v.dtype)
-        if self.rope:
-            q = apply_rope(q, start, self.rope_base)
+        q = _normalized_and_rotated(q, self.q_norm, v.dtype, rope_base, start)
         return q.transpose(1, 2), k, v
 
 
