@@ -10,8 +10,8 @@ module, the kernels included, is this checkout's. Each is compiled as
 steps a round (``bench_model.time_steps``). It prints each model's median
 step and host time, its GPU kernels a step, and each round's ratios: MoDA
 over the baseline within a checkout, new over old within an arm. With
-``--kernels N`` it then profiles each model and lists the N kernels whose
-GPU time a step moved most: for each arm from old to new, and for each
+``--kernels N`` it then lists, from each model's profile, the N kernels
+whose GPU time a step moved most: for each arm from old to new, and for each
 MoDA arm of this checkout from the baseline's step to its own.
 
 Usage::
@@ -122,13 +122,14 @@ def main(argv=None) -> None:
     checkouts = {"new": moda_flex.nn, "old": load_nn(args.old)}
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(args.arms))
 
-    steps, kernels = {}, {}
+    steps, profiled, kernels = {}, {}, {}
     for arm in args.arms:
         for name, module in checkouts.items():
             start = time.perf_counter()
             with blocks_of(module):
                 step = steps[arm, name] = prepare(Case(arm, args.mode, "auto", "auto"), SHAPES[args.shape], args.warmup)
-            kernels[arm, name] = sum(e.count for e in kernel_events(gpu_profile(step, 1)))
+            profiled[arm, name] = kernel_us(step)
+            kernels[arm, name] = round(sum(count for _, count in profiled[arm, name].values()))
             print(f"  {arm} {name}: compiled in {time.perf_counter() - start:.0f} s, {kernels[arm, name]} kernels "
                   "a step", flush=True)  # fmt: skip
     chunks = {key: [] for key in steps}  # each model's timed steps, a chunk a round
@@ -153,7 +154,6 @@ def main(argv=None) -> None:
                 ratios = round_ratios(chunks[arm, name], chunks["none", name])
                 print(f"  {arm} / none, {name}, by round: {shown(ratios)}")
     if args.kernels:
-        profiled = {key: kernel_us(step) for key, step in steps.items()}
         pairs = [(f"{arm}: old -> new", profiled[arm, "new"], profiled[arm, "old"]) for arm in args.arms]
         pairs += [(f"new: none -> {arm}", profiled[arm, "new"], profiled["none", "new"])
                   for arm in args.arms if arm != "none" and "none" in args.arms]  # fmt: skip
