@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import re
 import statistics
 import sys
@@ -59,9 +60,11 @@ def load_nn(path: str) -> ModuleType:
 
 @contextlib.contextmanager
 def blocks_of(module: ModuleType):
-    """Inside the block, the example GPT builds its blocks from ``module``'s ``Block``."""
+    """Inside the block, the example GPT builds its blocks from ``module``'s ``Block`` (one from before
+    ``rotary``, the shared rotation table, is built without it: each block then makes its own rotation)."""
     default = gpt.Block
-    gpt.Block = module.Block
+    takes_rotary = "rotary" in inspect.signature(module.Block).parameters
+    gpt.Block = module.Block if takes_rotary else (lambda config, ffn_depth, rotary: module.Block(config, ffn_depth))
     try:
         yield
     finally:

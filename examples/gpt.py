@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 import cli
 
-from moda_flex.nn import DEPTH_KV, NORMS, Block, BlockConfig, DepthStream, KVCache
+from moda_flex.nn import DEPTH_KV, NORMS, Block, BlockConfig, DepthStream, KVCache, RotaryEmbedding
 
 
 @dataclasses.dataclass
@@ -59,8 +59,11 @@ class GPT(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = None if config.rope else nn.Embedding(config.block_size, config.n_embd)
+        # one table of the rotation's cos and sin for every layer (positions past block_size are computed)
+        self.rotary = (RotaryEmbedding(config.n_embd // config.n_head, config.rope_base, config.block_size)
+                       if config.rope else None)  # fmt: skip
         self.blocks = nn.ModuleList(
-            [Block(config, ffn_depth=i < config.n_layer - 1) for i in range(config.n_layer)]
+            [Block(config, ffn_depth=i < config.n_layer - 1, rotary=self.rotary) for i in range(config.n_layer)]
         )
         self.norm_f = nn.RMSNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)

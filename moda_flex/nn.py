@@ -34,7 +34,7 @@ from .scores import Score
 from .variants import Variant, resolve
 
 __all__ = ["DepthStream", "KVCache", "MoDAAttention", "DepthKVProjection", "SwiGLU", "Block", "BlockConfig",
-           "apply_rope"]
+           "RotaryEmbedding", "apply_rope"]
 
 DEPTH_KV = ("none", "attn", "attn+ffn")
 NORMS = ("pre", "post")
@@ -80,13 +80,23 @@ def apply_rope(x: Tensor, start: int, base: float = 10000.0) -> Tensor:
     Heads come after tokens, as a projection lays them out: the attention's
     (B, H, T, D) is then a view of the result (``.transpose(1, 2)``), and
     compiled, a norm before the rotation runs in the rotation's kernel, with
-    no transpose between them.
+    no transpose between them. This computes the angles' cos and sin on every
+    call; :class:`RotaryEmbedding` holds them once.
     """
-    T, D = x.shape[1], x.shape[3]
-    inv_freq = base ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)  # (D/2,)
-    pos = torch.arange(start, start + T, device=x.device, dtype=torch.float32)
+    cos, sin = _rope_tables(start, x.shape[1], x.shape[3], base, x.device)
+    return _rotate(x, cos, sin)
+
+
+def _rope_tables(start: int, T: int, D: int, base: float, device) -> tuple[Tensor, Tensor]:
+    """cos and sin of the angles of positions ``start .. start + T - 1``, (T, 1, D) float32 each."""
+    inv_freq = base ** (-torch.arange(0, D, 2, device=device, dtype=torch.float32) / D)  # (D/2,)
+    pos = torch.arange(start, start + T, device=device, dtype=torch.float32)
     angles = torch.outer(pos, inv_freq).repeat(1, 2)[:, None]  # (T, 1, D): dimension i and i + D/2 turn alike
-    cos, sin = angles.cos(), angles.sin()
+    return angles.cos(), angles.sin()
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """(B, T, H, D) ``x`` rotated by (T, 1, D) float32 ``cos`` and ``sin`` (:func:`_rope_tables`), in x's dtype."""
     wide = x.float()
     x1, x2 = wide.chunk(2, dim=-1)  # (B, T, H, D/2) each
     # one expression over all D (not two halves, then joined): compiled, it is one kernel with the norm that
@@ -94,8 +104,63 @@ def apply_rope(x: Tensor, start: int, base: float = 10000.0) -> Tensor:
     return (wide * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
 
+class RotaryEmbedding(nn.Module):
+    """:func:`apply_rope` with the cos and sin of positions ``0 .. positions - 1`` computed once, as buffers.
+
+    Compiled, :func:`apply_rope` computes its angles' power, cos and sin for
+    every element it rotates, in the rotation's kernel; from the buffers a
+    rotation reads them instead. One table serves every layer of a head size
+    and base: a :class:`Block` shares one between its attention and its FFN
+    projection, and a model may pass one to all its blocks (``rotary=``).
+    Positions past the table are rotated as :func:`apply_rope` rotates them.
+
+    The buffers are not saved in a ``state_dict``, and like any buffer they
+    take the dtype a whole-module ``.to(dtype)`` gives.
+
+    Args:
+        head_dim: D, even.
+        base: the rotation base.
+        positions: positions the table holds.
+    """
+
+    def __init__(self, head_dim: int, base: float = 10000.0, positions: int = 4096):
+        super().__init__()
+        if head_dim < 2 or head_dim % 2:
+            raise ValueError(f"head_dim must be even and positive, got {head_dim}")
+        if positions < 0:
+            raise ValueError(f"positions must be >= 0, got {positions}")
+        self.head_dim, self.base = head_dim, base
+        cos, sin = _rope_tables(0, positions, head_dim, base, None)
+        self.register_buffer("cos", cos, persistent=False)  # (positions, 1, D)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, x: Tensor, start: int = 0) -> Tensor:
+        """(B, T, H, D) ``x`` rotated to positions ``start .. start + T - 1`` (:func:`apply_rope`)."""
+        T = x.shape[1]
+        if start + T > self.cos.shape[0]:
+            return apply_rope(x, start, self.base)
+        return _rotate(x, self.cos[start : start + T], self.sin[start : start + T])
+
+
+def _rotation(rope: bool, rope_base: float, rotary: Optional[RotaryEmbedding], head_dim: int
+              ) -> Optional[RotaryEmbedding]:  # fmt: skip
+    """A layer's rotation: ``rotary`` (shared with other layers) or a table of its own; None without rope."""
+    if not rope:
+        if rotary is not None:
+            raise ValueError("rotary was given to a layer with rope=False")
+        return None
+    if rotary is None:
+        return RotaryEmbedding(head_dim, rope_base)
+    if (rotary.head_dim, rotary.base) != (head_dim, rope_base):
+        raise ValueError(
+            f"rotary has head_dim={rotary.head_dim}, base={rotary.base}; the layer has head_dim={head_dim}, "
+            f"rope_base={rope_base}"
+        )
+    return rotary
+
+
 def _keys_and_values(
-    kv: Tensor, k_norm: nn.Module, n_kv_head: int, head_dim: int, rope_base: Optional[float], start: int
+    kv: Tensor, k_norm: nn.Module, n_kv_head: int, head_dim: int, rotary: Optional[RotaryEmbedding], start: int
 ) -> tuple[Tensor, Tensor]:
     """Split a (B, T, 2 * Hk * D) projection into k, v (B, Hk, T, D); normalize and rotate k.
 
@@ -107,16 +172,16 @@ def _keys_and_values(
     """
     B, T, _ = kv.shape
     k, v = kv.view(B, T, 2, n_kv_head, head_dim).unbind(2)  # (B, T, Hk, D) each
-    k = _normalized_and_rotated(k, k_norm, v.dtype, rope_base, start)
+    k = _normalized_and_rotated(k, k_norm, v.dtype, rotary, start)
     return k.transpose(1, 2), v.transpose(1, 2)
 
 
-def _normalized_and_rotated(x: Tensor, norm: nn.Module, dtype: torch.dtype, rope_base: Optional[float],
+def _normalized_and_rotated(x: Tensor, norm: nn.Module, dtype: torch.dtype, rotary: Optional[RotaryEmbedding],
                             start: int) -> Tensor:  # fmt: skip
-    """(B, T, H, D) queries or keys through ``norm``, in ``dtype``, then rotated (unless ``rope_base`` is None)."""
+    """(B, T, H, D) queries or keys through ``norm``, in ``dtype``, then rotated (unless ``rotary`` is None)."""
     # Normalize in float32 at least (the norms' weights are float32 under autocast), then back to ``dtype``.
     x = norm(_upcast(x)).to(dtype)
-    return x if rope_base is None else apply_rope(x, start, rope_base)
+    return x if rotary is None else rotary(x, start)
 
 
 def _upcast(x: Tensor) -> Tensor:
@@ -188,6 +253,9 @@ class MoDAAttention(nn.Module):
         n_kv_head: key/value heads Hk, ``n_head % n_kv_head == 0``.
         rope: rotate queries and keys (:func:`apply_rope`).
         rope_base: the rotation base.
+        rotary: the rotation's table (:class:`RotaryEmbedding`, of this head
+            size and ``rope_base``), shared with other layers; by default the
+            layer makes its own.
         qk_norm: RMSNorm on every query and key head (before the rotation).
         bias: biases in the projections.
         variant: the ``moda_attention`` mask variant.
@@ -207,6 +275,7 @@ class MoDAAttention(nn.Module):
         *,
         rope: bool = True,
         rope_base: float = 10000.0,
+        rotary: Optional[RotaryEmbedding] = None,
         qk_norm: bool = True,
         bias: bool = False,
         variant: Union[str, Variant] = "causal",
@@ -222,7 +291,7 @@ class MoDAAttention(nn.Module):
         self.score_params = nn.ParameterList([p for p in getattr(score, "params", ()) if isinstance(p, nn.Parameter)])
         self.n_head, self.n_kv_head = n_head, n_kv_head
         self.head_dim = n_embd // n_head
-        self.rope, self.rope_base = rope, rope_base
+        self.rotary = _rotation(rope, rope_base, rotary, self.head_dim)
         self.variant, self.backend = variant, backend
         # Joined once here, not per call: a compiled forward then builds no Variant.
         self._scored = resolve(variant) if score is None else resolve(variant) & score
@@ -278,9 +347,8 @@ class MoDAAttention(nn.Module):
         """q (B, Hq, T, D) and k, v (B, Hk, T, D), normalized and rotated."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)  # (B, T, Hq, D), as the projection lays it out
-        rope_base = self.rope_base if self.rope else None
-        k, v = _keys_and_values(self.kv_proj(x), self.k_norm, self.n_kv_head, self.head_dim, rope_base, start)
-        q = _normalized_and_rotated(q, self.q_norm, v.dtype, rope_base, start)
+        k, v = _keys_and_values(self.kv_proj(x), self.k_norm, self.n_kv_head, self.head_dim, self.rotary, start)
+        q = _normalized_and_rotated(q, self.q_norm, v.dtype, self.rotary, start)
         return q.transpose(1, 2), k, v
 
 
@@ -294,7 +362,7 @@ class DepthKVProjection(nn.Module):
         n_embd: width C of the FFN input.
         n_kv_head: key/value heads Hk of the attention layers that read it.
         head_dim: their head size D.
-        rope, rope_base, qk_norm, bias: as in :class:`MoDAAttention`.
+        rope, rope_base, rotary, qk_norm, bias: as in :class:`MoDAAttention`.
     """
 
     def __init__(
@@ -305,12 +373,13 @@ class DepthKVProjection(nn.Module):
         *,
         rope: bool = True,
         rope_base: float = 10000.0,
+        rotary: Optional[RotaryEmbedding] = None,
         qk_norm: bool = True,
         bias: bool = False,
     ):
         super().__init__()
         self.n_kv_head, self.head_dim = n_kv_head, head_dim
-        self.rope, self.rope_base = rope, rope_base
+        self.rotary = _rotation(rope, rope_base, rotary, head_dim)
         self.kv_proj = nn.Linear(n_embd, 2 * n_kv_head * head_dim, bias=bias)
         self.k_norm = nn.RMSNorm(head_dim) if qk_norm else nn.Identity()
 
@@ -322,8 +391,7 @@ class DepthKVProjection(nn.Module):
         stream's entries share their strides and the kernels read each where
         it lies (:func:`moda_flex.backends.traced.pointer_depth`).
         """
-        rope_base = self.rope_base if self.rope else None
-        k, v = _keys_and_values(self.kv_proj(x), self.k_norm, self.n_kv_head, self.head_dim, rope_base, start)
+        k, v = _keys_and_values(self.kv_proj(x), self.k_norm, self.n_kv_head, self.head_dim, self.rotary, start)
         return depth.append(k, v)
 
 
@@ -353,18 +421,23 @@ class Block(nn.Module):
         ffn_depth: write the FFN's depth entry (with ``depth_kv="attn+ffn"``).
             Pass False for a model's last block: no later layer would read the
             entry, and its projection would never get a gradient.
+        rotary: the rotation's table (:class:`RotaryEmbedding`), to share one
+            between blocks; by default the block makes one for its layers.
     """
 
-    def __init__(self, config: BlockConfig, ffn_depth: bool = True):
+    def __init__(self, config: BlockConfig, ffn_depth: bool = True, rotary: Optional[RotaryEmbedding] = None):
         super().__init__()
         self.config = config
         C = config.n_embd
+        head_dim = C // config.n_head
+        rotary = _rotation(config.rope, config.rope_base, rotary, head_dim)
         self.attn = MoDAAttention(
             C,
             config.n_head,
             config.n_kv_head,
             rope=config.rope,
             rope_base=config.rope_base,
+            rotary=rotary,
             qk_norm=config.qk_norm,
             bias=config.bias,
             backend=config.backend,
@@ -373,9 +446,10 @@ class Block(nn.Module):
             DepthKVProjection(
                 C,
                 config.n_kv_head,
-                self.attn.head_dim,
+                head_dim,
                 rope=config.rope,
                 rope_base=config.rope_base,
+                rotary=rotary,
                 qk_norm=config.qk_norm,
                 bias=config.bias,
             )

@@ -15,6 +15,7 @@ from moda_flex.nn import (
     DepthStream,
     KVCache,
     MoDAAttention,
+    RotaryEmbedding,
     apply_rope,
 )
 
@@ -175,6 +176,38 @@ def test_rope_turns_dimension_i_with_i_plus_half_by_the_position_times_its_frequ
         second[i], second[i + D // 2] = -sin, cos
         torch.testing.assert_close(rotated[i], first)
         torch.testing.assert_close(rotated[i + D // 2], second)
+
+
+@pytest.mark.parametrize("start", [0, 4, 6, 12])  # inside the table, at its end, across it, past it
+def test_rotary_embedding_rotates_as_apply_rope_inside_and_past_its_table(start):
+    x = torch.randn(2, 5, 3, 8)
+    rotary = RotaryEmbedding(8, base=100.0, positions=9)
+    torch.testing.assert_close(rotary(x, start), apply_rope(x, start, 100.0), rtol=0, atol=0)
+
+
+def test_a_blocks_layers_share_one_rotation_table_and_blocks_may_share_theirs():
+    config = BlockConfig(n_embd=16, n_head=4, n_kv_head=2, depth_kv="attn+ffn")
+    block = Block(config)
+    assert block.attn.rotary is block.ffn_kv.rotary is not None
+    shared = RotaryEmbedding(4)
+    blocks = [Block(config, rotary=shared) for _ in range(2)]
+    assert all(b.attn.rotary is b.ffn_kv.rotary is shared for b in blocks)
+    assert not any("rotary" in key for key in block.state_dict())  # the table is made, never saved
+    assert Block(dataclasses.replace(config, rope=False)).attn.rotary is None
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: MoDAAttention(16, 4, 2, rotary=RotaryEmbedding(8)), "head_dim=8"),
+        (lambda: DepthKVProjection(16, 2, 4, rope_base=500.0, rotary=RotaryEmbedding(4)), "rope_base=500.0"),
+        (lambda: MoDAAttention(16, 4, 2, rope=False, rotary=RotaryEmbedding(4)), "rope=False"),
+        (lambda: RotaryEmbedding(5), "head_dim"),
+    ],
+)
+def test_a_rotation_table_that_does_not_fit_the_layer_is_refused(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
 
 
 def test_ffn_projection_appends_one_entry():
