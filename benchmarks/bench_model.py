@@ -385,7 +385,7 @@ def main(argv=None) -> None:
     rows = {}
     for case in cases:
         config = case.config(shape)
-        Hk, D = config.n_kv_head, config.n_embd // config.n_head
+        Hk, D = config.n_kv_head, config.head_dim
         floor_bytes = 6 * depth_reads(config) * B * Hk * T * D * 2
         rows[case] = {"arm": case.name, "mode": case.mode, "floor_ms": floor_bytes / bandwidth * 1e3,
                       **summary(timings[case])}  # fmt: skip

@@ -305,7 +305,7 @@ def parse_args(argv=None):
         p.error(str(error))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # what the runs' autocast gives attention
     cli.check_backend(p, args.backend, device, n_head=config.n_head, n_kv_head=config.n_kv_head,
-                      head_dim=config.n_embd // config.n_head, slots=1, dtype=dtype)  # fmt: skip
+                      head_dim=config.head_dim, slots=1, dtype=dtype)  # fmt: skip
     if args.compile is None:
         args.compile = args.device.startswith("cuda")
     if args.compile_mode != "default" and not args.compile:

@@ -60,7 +60,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = None if config.rope else nn.Embedding(config.block_size, config.n_embd)
         # one table of the rotation's cos and sin for every layer (positions past block_size are computed)
-        self.rotary = (RotaryEmbedding(config.n_embd // config.n_head, config.rope_base, config.block_size)
+        self.rotary = (RotaryEmbedding(config.head_dim, config.rope_base, config.block_size)
                        if config.rope else None)  # fmt: skip
         self.blocks = nn.ModuleList(
             [Block(config, ffn_depth=i < config.n_layer - 1, rotary=self.rotary) for i in range(config.n_layer)]

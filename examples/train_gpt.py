@@ -213,7 +213,7 @@ def parse_args(argv=None):
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     for config in configs:
         cli.check_backend(p, args.backend, device, n_head=config.n_head, n_kv_head=config.n_kv_head,
-                          head_dim=config.n_embd // config.n_head, slots=config.depth_slots,
+                          head_dim=config.head_dim, slots=config.depth_slots,
                           dtype=getattr(torch, args.dtype))  # fmt: skip
     check_data(p, args)
     if args.compile is None:

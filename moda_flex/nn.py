@@ -227,8 +227,13 @@ class BlockConfig:
         if self.norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
         _check_heads(self.n_embd, self.n_head, self.n_kv_head)
-        if self.rope and (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"rope needs an even head size, got n_embd // n_head = {self.n_embd // self.n_head}")
+        if self.rope and self.head_dim % 2:
+            raise ValueError(f"rope needs an even head size, got n_embd // n_head = {self.head_dim}")
+
+    @property
+    def head_dim(self) -> int:
+        """Head size D, ``n_embd // n_head``."""
+        return self.n_embd // self.n_head
 
     @property
     def depth_writes(self) -> int:
@@ -429,8 +434,7 @@ class Block(nn.Module):
         super().__init__()
         self.config = config
         C = config.n_embd
-        head_dim = C // config.n_head
-        rotary = _rotation(config.rope, config.rope_base, rotary, head_dim)
+        rotary = _rotation(config.rope, config.rope_base, rotary, config.head_dim)
         self.attn = MoDAAttention(
             C,
             config.n_head,
@@ -446,7 +450,7 @@ class Block(nn.Module):
             DepthKVProjection(
                 C,
                 config.n_kv_head,
-                head_dim,
+                config.head_dim,
                 rope=config.rope,
                 rope_base=config.rope_base,
                 rotary=rotary,
