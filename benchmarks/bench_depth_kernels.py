@@ -6,7 +6,7 @@ added in place into a (2, B, Hk, T, L, D) gradient buffer, as a stream's readers
 (:mod:`moda_flex.backends.chain`). Per row: the depth forward's and the depth backward's own GPU time
 (``torch.profiler``, the mean over 10 calls after one), the backward call's time replayed from a CUDA graph
 (the vendor's backward with it), the same call writing the buffer without adding (what the addend costs),
-and the bytes the depth backward moves a call over its time.
+and the bytes each depth kernel moves a call over its time, against the copy bandwidth in the header.
 
 Usage::
 
@@ -23,6 +23,7 @@ import torch
 
 from moda_flex.backends.split import ops, sequence
 
+from bench_call import copy_bandwidth
 from bench_split import SHAPES, _bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -37,6 +38,12 @@ def kernel_us(call, name: str, calls: int = 10) -> float:
             call()
         torch.cuda.synchronize()
     return sum(e.device_time_total for e in prof.key_averages() if name in e.key) / calls
+
+
+def forward_bytes(B: int, Hq: int, Hk: int, T: int, D: int, L: int) -> int:
+    """What the depth forward moves a call in bf16: the entries, q and the sequence part's output read, the
+    merged output written (the lse's 4 bytes a row left out)."""
+    return 2 * (2 * B * Hk * T * L * D + 3 * B * Hq * T * D)
 
 
 def backward_bytes(B: int, Hq: int, Hk: int, T: int, D: int, L: int) -> int:
@@ -67,12 +74,13 @@ def measure(shape: tuple) -> dict:
     def backward(add=True):
         return lambda: ops._backward(grad, None, q, k, v, depth_k, depth_v, out, lse, opts, into=buffer, add=add)
 
-    backward_kernel = kernel_us(backward(), "depth_backward")
+    forward_kernel, backward_kernel = kernel_us(forward, "depth_forward"), kernel_us(backward(), "depth_backward")
     return {
-        "forward us": kernel_us(forward, "depth_forward"),
+        "forward us": forward_kernel,
         "backward us": backward_kernel,
         "backward call us": _bench(backward(), graph=True) * 1e3,
         "written call us": _bench(backward(add=False), graph=True) * 1e3,
+        "forward TB/s": forward_bytes(B, Hq, Hk, T, D, L) / forward_kernel / 1e6,
         "backward TB/s": backward_bytes(B, Hq, Hk, T, D, L) / backward_kernel / 1e6,
     }
 
@@ -83,8 +91,9 @@ def main(argv=None) -> None:
     p.add_argument("--slots", type=cli.int_list, default="24,47", help="L of each shape's calls")
     args = p.parse_args(argv)
     cli.require_cuda(p, "bench_depth_kernels.py")
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; bf16, causal, the buffer added in place")
-    columns = ("forward us", "backward us", "backward call us", "written call us", "backward TB/s")
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth "
+          f"{copy_bandwidth() / 1e12:.2f} TB/s; bf16, causal, the buffer added in place")
+    columns = ("forward us", "backward us", "backward call us", "written call us", "forward TB/s", "backward TB/s")
     print("| shape | L | " + " | ".join(columns) + " |")
     print("|---|---|" + "---|" * len(columns))
     for name in args.shapes.split(","):
