@@ -15,6 +15,12 @@ also says how many depth slot tables a timed step made (pinned host
 buffers, :mod:`moda_flex.backends.slots`): none where every call found its
 addresses from an earlier step.
 
+``back to back``: the mean step of as many steps again, issued one after
+another with one synchronize at the end: the GPU's pace where the host runs
+ahead (a loop that reads no value a step). The timed step synchronizes every
+step, as a loop that logs its loss every step does, so it also pays the host's
+time from the step's start to its first kernel.
+
 ``floor``: the extra HBM bytes MoDA must move per step, over the bandwidth of
 a device-to-device copy measured in the same run: every depth entry a layer
 reads is read in the forward and in the backward, and its gradient written
@@ -184,8 +190,8 @@ def prepare(case: Case, shape: dict, warmup: int) -> Callable[[], None]:
 
 
 def time_steps(step: Callable[[], None], steps: int) -> dict:
-    """Each step's time and the host's time to issue it (s), the peak memory over them (MiB) and the depth slot
-    tables they made."""
+    """Each step's time and the host's time to issue it (s), the peak memory over them (MiB), the depth slot
+    tables they made, and the mean step (s) of as many steps again issued back to back."""
     torch.cuda.reset_peak_memory_stats()
     tables_before = slots._PINNED.made
     times, issued = [], []
@@ -196,17 +202,24 @@ def time_steps(step: Callable[[], None], steps: int) -> dict:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**20
-    return {"times": times, "issued": issued, "peak_mib": peak, "tables": slots._PINNED.made - tables_before}
+    tables = slots._PINNED.made - tables_before
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    back_to_back = (time.perf_counter() - t0) / steps
+    return {"times": times, "issued": issued, "peak_mib": peak, "tables": tables, "back_to_back": back_to_back}
 
 
 def summary(timings: list[dict]) -> dict:
     """One row from its timed chunks: median step and issue time (ms), peak memory (MiB), slot tables a step
-    (a table made is a call whose addresses are new)."""
+    (a table made is a call whose addresses are new), and the median of the chunks' back-to-back steps (ms)."""
     times = [t for chunk in timings for t in chunk["times"]]
     issued = [t for chunk in timings for t in chunk["issued"]]
     return {"ms": 1e3 * statistics.median(times), "host_ms": 1e3 * statistics.median(issued),
             "peak_mib": max(chunk["peak_mib"] for chunk in timings),
-            "tables": sum(chunk["tables"] for chunk in timings) / len(times)}  # fmt: skip
+            "tables": sum(chunk["tables"] for chunk in timings) / len(times),
+            "back_ms": 1e3 * statistics.median(chunk["back_to_back"] for chunk in timings)}  # fmt: skip
 
 
 def round_ratios(chunks: list[dict], base_chunks: list[dict]) -> list[float]:
@@ -303,7 +316,8 @@ def _shown(value: float, spec: str, unit: str = "") -> str:
 def report(case: Case, timings: list[dict], step: Callable[[], None], args) -> None:
     """Print a case's line as its timing ends, and its profiles where asked for."""
     row = summary(timings)
-    print(f"  {case.name:9s} {case.mode:9s} {row['ms']:8.1f} ms (host {row['host_ms']:.1f})  "
+    print(f"  {case.name:9s} {case.mode:9s} {row['ms']:8.1f} ms (host {row['host_ms']:.1f}, back to back "
+          f"{row['back_ms']:.1f})  "
           f"{_shown(row['peak_mib'], '8.0f')} MiB  {row['tables']:.1f} slot tables made a step",
           flush=True)  # fmt: skip
     profile_steps(step, row["ms"], args.profile, args.host_profile, args.profile_rows)
@@ -392,15 +406,16 @@ def main(argv=None) -> None:
 
     base_cases = {case.mode: case for case in cases if case.arm == "none"}
     print()
-    print("| model | mode | step (ms) | host (ms) | tokens/s | peak (MiB) | step / base | mem / base "
-          "| floor (ms) | base+floor (ms) | step / (base+floor) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | mode | step (ms) | host (ms) | tokens/s | peak (MiB) | step / base | back to back (ms) "
+          "| back to back / base | mem / base | floor (ms) | base+floor (ms) | step / (base+floor) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for case, r in rows.items():
         base = rows[base_cases.get(case.mode, cases[0])]
         target = base["ms"] + r["floor_ms"]
         print(f"| {r['arm']} | {r['mode']} | {r['ms']:.1f} | {r['host_ms']:.1f} | {B * T / r['ms'] * 1e3:,.0f} | "
               f"{_shown(r['peak_mib'], '.0f')} | "
-              f"{r['ms'] / base['ms']:.2f}x | {_shown(r['peak_mib'] / base['peak_mib'], '.2f', 'x')} | "
+              f"{r['ms'] / base['ms']:.2f}x | {r['back_ms']:.1f} | {r['back_ms'] / base['back_ms']:.2f}x | "
+              f"{_shown(r['peak_mib'] / base['peak_mib'], '.2f', 'x')} | "
               f"{r['floor_ms']:.2f} | "
               f"{target:.1f} | {r['ms'] / target:.2f}x |")  # fmt: skip
     if args.rounds > 1:

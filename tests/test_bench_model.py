@@ -8,7 +8,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from bench_model import (
-    SHAPES, Case, compiled, host_calls_profile, kernel_kind, resized, round_ratios, summary, time_split,
+    SHAPES, Case, compiled, host_calls_profile, kernel_kind, resized, round_ratios, summary, time_split, time_steps,
 )  # fmt: skip
 
 
@@ -50,9 +50,32 @@ def test_time_split_is_per_step_and_the_host_gap_is_what_kernels_leave():
 
 def test_a_rows_chunks_make_one_summary():
     """Rounds time a row in chunks: one median over all their steps, the highest peak, tables per step."""
-    chunks = [dict(times=[0.010, 0.030], issued=[0.001, 0.003], peak_mib=5.0, tables=2),
-              dict(times=[0.020], issued=[0.002], peak_mib=7.0, tables=1)]  # fmt: skip
-    assert summary(chunks) == pytest.approx(dict(ms=20.0, host_ms=2.0, peak_mib=7.0, tables=1.0))
+    chunks = [dict(times=[0.010, 0.030], issued=[0.001, 0.003], peak_mib=5.0, tables=2, back_to_back=0.018),
+              dict(times=[0.020], issued=[0.002], peak_mib=7.0, tables=1, back_to_back=0.016),
+              dict(times=[0.020], issued=[0.002], peak_mib=6.0, tables=0, back_to_back=0.019)]  # fmt: skip
+    assert summary(chunks) == pytest.approx(dict(ms=20.0, host_ms=2.0, peak_mib=7.0, tables=0.75, back_ms=18.0))
+
+
+def test_steps_are_timed_each_waited_for_then_as_many_back_to_back():
+    """The timed steps wait for the GPU one by one; the back-to-back ones once, after the last."""
+    waits, clock, calls = [], [0.0], []
+
+    def step():  # each step takes 10 ms of the host's clock and 5 ms more until the GPU is done
+        calls.append(len(waits))
+        clock[0] += 0.010
+
+    def synchronize():
+        waits.append(len(calls))
+        clock[0] += 0.005
+
+    with mock.patch.object(torch.cuda, "synchronize", synchronize), \
+            mock.patch.object(torch.cuda, "reset_peak_memory_stats"), \
+            mock.patch.object(torch.cuda, "max_memory_allocated", return_value=2**20), \
+            mock.patch("bench_model.time.perf_counter", lambda: clock[0]):  # fmt: skip
+        timed = time_steps(step, 4)
+    assert waits == [1, 2, 3, 4, 8]
+    assert timed["times"] == pytest.approx([0.015] * 4) and timed["issued"] == pytest.approx([0.010] * 4)
+    assert timed["back_to_back"] == pytest.approx((4 * 0.010 + 0.005) / 4)
 
 
 def test_round_ratios_pair_each_round_with_the_bases_same_round():
