@@ -1,4 +1,4 @@
-"""Registers and spills of the depth backward kernels on an H100 (sm_90), compiled on a machine without a GPU.
+"""Registers and spills of the depth kernels on an H100 (sm_90), compiled on a machine without a GPU.
 
 A kernel capped at a register count (the per-token backward's 128) spills
 what does not fit to local memory, which costs time no profile names. This
@@ -7,7 +7,7 @@ compiles each kernel as a call reaches it, through the compile-only driver of
 ``ptxas`` that Triton's wheel ships (``-v``: registers, spill stores and
 loads in bytes a thread). The calls are a Table 6 layer's layout
 (6 query / 2 KV heads, D=64, bf16, by default L=23, the mean of a Table 6
-step with FFN entries), each depth backward in its three forms: plain, adding into the
+step with FFN entries): each forward, then each depth backward in its three forms: plain, adding into the
 gradient buffer in place (an eager depth stream), and adding a strided
 buffer into a fresh one (a compiled stream, ``moda_flex.backends.chain``).
 
@@ -32,8 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import cli  # noqa: E402
 
-# The kernels of each backward whose PTX is assembled.
-KERNELS = ("_depth_backward_token_kernel", "dq_kernel")
+# The kernels whose PTX is assembled: the split path's per-token depth kernels, the fused kernels' forward and dQ.
+KERNELS = ("_depth_forward_token_kernel", "_depth_backward_token_kernel", "forward_kernel", "dq_kernel")
 
 
 def record_ptx(ptx: dict) -> None:
@@ -51,9 +51,9 @@ def record_ptx(ptx: dict) -> None:
     JITFunction.run = run
 
 
-def backwards(slots: int):
-    """(backend, form, run): each depth backward form of a Table 6 layer's layout with ``slots`` entries, on the
-    split path and on the fused kernel (``capture``'s functions off a capture)."""
+def calls(slots: int):
+    """(backend, form, run): the forward and each depth backward form of a Table 6 layer's layout with
+    ``slots`` entries, on the split path and on the fused kernel (``capture``'s functions off a capture)."""
     import torch
 
     from moda_flex import variants
@@ -67,11 +67,13 @@ def backwards(slots: int):
     opts = ops.call_options(q, k, slots, variants.causal(), 0.125)
     buffer = torch.zeros(2, 1, 2, 64, slots, 64, dtype=torch.bfloat16)
     longer = torch.zeros(2, 1, 2, 64, slots + 7, 64, dtype=torch.bfloat16)[..., :slots, :]  # a longer stream's
+    yield "split", "forward", lambda: ops._forward(*inputs, opts)
     split_out, split_lse = ops._forward(*inputs, opts)
     split_grads = ops.Grads(torch.randn_like(split_out), None, split_out, split_lse)
     yield "split", "plain", lambda: ops.backward_in_op_layouts(split_grads, inputs, opts)
     yield "split", "in place", lambda: ops.backward_into(split_grads, inputs, opts, ops.Into(buffer, True))
     yield "split", "fresh + addend", lambda: ops.backward_add(split_grads, inputs, opts, ops.Addend(longer))
+    yield "fused", "forward", lambda: capture._forward(inputs, opts)
     out, lse = capture._forward(inputs, opts)
     grads = ops.Grads(torch.randn_like(out), None, out, lse)
     yield "fused", "plain", lambda: capture._fused_backward(grads, inputs, opts)
@@ -118,7 +120,7 @@ def main(argv=None) -> None:
     print(f"Triton {triton.__version__}, sm_90a, Table 6 layout (G=3, D=64, bf16, L={args.slots})\n")
     print("| backend | form | kernel | registers | spill stores (B) | spill loads (B) |")
     print("|---|---|---|---|---|---|")
-    for backend, form, run in backwards(args.slots):
+    for backend, form, run in calls(args.slots):
         ptx.clear()
         run()
         for kernel, source in ptx.items():
