@@ -6,7 +6,9 @@ added in place into a (2, B, Hk, T, L, D) gradient buffer, as a stream's readers
 (:mod:`moda_flex.backends.chain`). Per row: the depth forward's and the depth backward's own GPU time
 (``torch.profiler``, the mean over 10 calls after one), the backward call's time replayed from a CUDA graph
 (the vendor's backward with it), the same call writing the buffer without adding (what the addend costs),
-and the bytes each depth kernel moves a call over its time, against the copy bandwidth in the header.
+what the depth backward's copies for the vendor cost (its time less the same kernel's told that the call has
+no sequence part, which writes none), and the bytes each depth kernel moves a call over its time, against the
+copy bandwidth in the header.
 
 Usage::
 
@@ -71,13 +73,15 @@ def measure(shape: tuple) -> dict:
 
     out, lse = forward()
 
-    def backward(add=True):
-        return lambda: ops._backward(grad, None, q, k, v, depth_k, depth_v, out, lse, opts, into=buffer, add=add)
+    def backward(add=True, options=opts):
+        return lambda: ops._backward(grad, None, q, k, v, depth_k, depth_v, out, lse, options, into=buffer, add=add)
 
     forward_kernel, backward_kernel = kernel_us(forward, "depth_forward"), kernel_us(backward(), "depth_backward")
+    without_copies = kernel_us(backward(options=opts._replace(sequence=False)), "depth_backward")
     return {
         "forward us": forward_kernel,
         "backward us": backward_kernel,
+        "copies us": backward_kernel - without_copies,
         "backward call us": _bench(backward(), graph=True) * 1e3,
         "written call us": _bench(backward(add=False), graph=True) * 1e3,
         "forward TB/s": forward_bytes(B, Hq, Hk, T, D, L) / forward_kernel / 1e6,
@@ -93,7 +97,8 @@ def main(argv=None) -> None:
     cli.require_cuda(p, "bench_depth_kernels.py")
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth "
           f"{copy_bandwidth() / 1e12:.2f} TB/s; bf16, causal, the buffer added in place")
-    columns = ("forward us", "backward us", "backward call us", "written call us", "forward TB/s", "backward TB/s")
+    columns = ("forward us", "backward us", "copies us", "backward call us", "written call us", "forward TB/s",
+               "backward TB/s")  # fmt: skip
     print("| shape | L | " + " | ".join(columns) + " |")
     print("|---|---|" + "---|" * len(columns))
     for name in args.shapes.split(","):
