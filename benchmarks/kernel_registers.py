@@ -83,7 +83,8 @@ def calls(slots: int):
 
 def assemble(ptx: str) -> dict:
     """Registers and spill bytes of ``ptx`` for sm_90a, by the first of Triton's ptxas builds that takes its
-    PTX version."""
+    PTX version, and its machine code's instructions (static: a loop's body counts once), barriers and shared
+    memory loads and stores (what a layout conversion between a reduction and its use costs)."""
     import triton
 
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -98,8 +99,17 @@ def assemble(ptx: str) -> dict:
                 numbers = {key: re.search(pattern, log) for key, pattern in (
                     ("registers", r"Used (\d+) registers"), ("spill stores", r"(\d+) bytes spill stores"),
                     ("spill loads", r"(\d+) bytes spill loads"))}  # fmt: skip
-                return {key: int(m.group(1)) if m else 0 for key, m in numbers.items()}
+                sass = subprocess.run([str(tools / "nvdisasm"), "-c", str(source) + ".o"], capture_output=True,
+                                      text=True, check=True).stdout  # fmt: skip
+                return {key: int(m.group(1)) if m else 0 for key, m in numbers.items()} | opcodes(sass)
     raise RuntimeError(f"no ptxas under {tools} assembles this PTX:\n{done.stderr}")
+
+
+def opcodes(sass: str) -> dict:
+    """Instructions, barriers and shared memory loads and stores in ``sass`` (``nvdisasm -c``'s listing)."""
+    names = [m.group(1) for m in re.finditer(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M)]
+    return {"instructions": len(names), "barriers": names.count("BAR"),
+            "shared accesses": sum(name in ("LDS", "STS") for name in names)}  # fmt: skip
 
 
 def main(argv=None) -> None:
@@ -118,15 +128,16 @@ def main(argv=None) -> None:
     record_ptx(ptx)
     compile_sm90.split_takes_any_float()
     print(f"Triton {triton.__version__}, sm_90a, Table 6 layout (G=3, D=64, bf16, L={args.slots})\n")
-    print("| backend | form | kernel | registers | spill stores (B) | spill loads (B) |")
-    print("|---|---|---|---|---|---|")
+    print("| backend | form | kernel | registers | spill stores (B) | spill loads (B) | instructions | barriers "
+          "| shared accesses |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for backend, form, run in calls(args.slots):
         ptx.clear()
         run()
         for kernel, source in ptx.items():
             r = assemble(source)
-            print(f"| {backend} | {form} | `{kernel}` | {r['registers']} | {r['spill stores']} | {r['spill loads']} |",
-                  flush=True)  # fmt: skip
+            print(f"| {backend} | {form} | `{kernel}` | {r['registers']} | {r['spill stores']} | {r['spill loads']} | "
+                  f"{r['instructions']} | {r['barriers']} | {r['shared accesses']} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -146,14 +146,21 @@ def _pair_columns(c0, span, first, t0, Tq, BLOCK_T: tl.constexpr, BLOCK_C: tl.co
 
 
 @triton.jit
-def _slot_tiles(DK_TAB, DV_TAB, slot, L, b, hk, tok, sdk, sdv, d, tile, ELEM: tl.constexpr, SLOTS: tl.constexpr):
-    """The depth keys and values of the (token ``tok``, slot ``slot``) pairs, (BLOCK_C, DP) each, zero off
-    ``tile``. Slot ``l`` lives at address ``DK_TAB[l]`` (``DV_TAB[l]``), a token at its (b, h, t, d) strides
-    ``sdk``, ``sdv`` in it."""
+def _slot_rows(DK_TAB, DV_TAB, slot, L, b, hk, tok, sdk, sdv, ELEM: tl.constexpr, SLOTS: tl.constexpr):
+    """Where the depth key and value of each (token ``tok``, slot ``slot``) pair start, a pointer a pair each:
+    slot ``l`` lives at address ``DK_TAB[l]`` (``DV_TAB[l]``), a token at its (b, h, t) strides ``sdk``, ``sdv``
+    in it, and lane ``d`` is ``d * sdk[3]`` (``sdv[3]``) elements past its start."""
     k_slot, v_slot = slot_bases(DK_TAB, DV_TAB, slot, L, sdk, sdv, ELEM=ELEM, SLOTS=SLOTS)
     b64, hk64, tok64 = b.to(tl.int64), hk.to(tl.int64), tok.to(tl.int64)  # a slab's offsets may pass 2**31
     k_row = k_slot + b64 * sdk[0] + hk64 * sdk[1] + tok64 * sdk[2]
-    v_row = v_slot + b64 * sdv[0] + hk64 * sdv[1] + tok64 * sdv[2]
+    return k_row, v_slot + b64 * sdv[0] + hk64 * sdv[1] + tok64 * sdv[2]
+
+
+@triton.jit
+def _slot_tiles(DK_TAB, DV_TAB, slot, L, b, hk, tok, sdk, sdv, d, tile, ELEM: tl.constexpr, SLOTS: tl.constexpr):
+    """The depth keys and values of the (token ``tok``, slot ``slot``) pairs, (BLOCK_C, DP) each, zero off
+    ``tile`` (:func:`_slot_rows`)."""
+    k_row, v_row = _slot_rows(DK_TAB, DV_TAB, slot, L, b, hk, tok, sdk, sdv, ELEM=ELEM, SLOTS=SLOTS)
     kd = tl.load(k_row[:, None] + d[None, :] * sdk[3], mask=tile, other=0.0)
     vd = tl.load(v_row[:, None] + d[None, :] * sdv[3], mask=tile, other=0.0)
     return kd, vd
@@ -370,7 +377,11 @@ def _token_rows(Hk, Tq, G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr
                 DP: tl.constexpr):  # fmt: skip
     """A per-token program's batch b, KV head hk (and b * Hk + hk), tokens t (BLOCK_T,), heads h (GP,), lanes
     d (DP,), which (token, head) rows are real (BLOCK_T, GP), which (token, head, lane) entries (3D), and which
-    (token, lane) entries of a slot's tile (BLOCK_T, DP)."""
+    (token, lane) entries of a slot's tile, (BLOCK_T, 1, DP).
+
+    A slot's tiles carry the heads' axis, so their products with the rows need no change of layout: loaded
+    (BLOCK_T, DP), Triton 3.9 moved each through shared memory at every step (four barriers a slot) and spilled
+    the backward's registers; Triton 3.6 compiles both forms alike (``benchmarks/kernel_registers.py``)."""
     bhk = tl.program_id(1)
     b = bhk // Hk
     hk = bhk % Hk
@@ -379,7 +390,8 @@ def _token_rows(Hk, Tq, G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr
     d = tl.arange(0, DP)
     t_ok, d_ok = t < Tq, d < D
     rows = t_ok[:, None] & (g < G)[None, :]
-    return b, hk, bhk, t, hk * G + g, d, rows, rows[:, :, None] & d_ok[None, None, :], t_ok[:, None] & d_ok[None, :]
+    slot_live = (t_ok[:, None] & d_ok[None, :])[:, None, :]
+    return b, hk, bhk, t, hk * G + g, d, rows, rows[:, :, None] & d_ok[None, None, :], slot_live
 
 
 @triton.jit
@@ -390,18 +402,21 @@ def _rows_at(X, sx, b, h, t, d):
 
 @triton.jit
 def _token_slot(DK_TAB, DV_TAB, slot, L, b, hk, t, d, sdk, sdv, live, ELEM: tl.constexpr, SLOTS: tl.constexpr):
-    """Slot ``slot`` of each token ``t``: the depth keys and values, (BLOCK_T, DP), zero off ``live`` and for a
+    """Slot ``slot`` of each token ``t``: the depth keys and values, (BLOCK_T, 1, DP), zero off ``live`` and for a
     slot past the last (a prefetch past the loop's end reads nothing)."""
     slots = t * 0 + slot
-    return _slot_tiles(DK_TAB, DV_TAB, slots, L, b, hk, t, sdk, sdv, d, live & (slots < L)[:, None], ELEM=ELEM,
-                       SLOTS=SLOTS)  # fmt: skip
+    k_row, v_row = _slot_rows(DK_TAB, DV_TAB, slots, L, b, hk, t, sdk, sdv, ELEM=ELEM, SLOTS=SLOTS)
+    tile = live & (slots < L)[:, None, None]
+    kd = tl.load(k_row[:, None, None] + d[None, None, :] * sdk[3], mask=tile, other=0.0)
+    vd = tl.load(v_row[:, None, None] + d[None, None, :] * sdv[3], mask=tile, other=0.0)
+    return kd, vd
 
 
 @triton.jit
 def _token_addend(ak, av, slot, L, sga, t, live):
     """What a depth gradient buffer holds at slot ``slot`` of each token (``ak``, ``av``: its slot 0 of the
-    program's (token, lane) entries, ``sga`` its strides), (BLOCK_T, DP) a side; zeros past the last slot."""
-    there = live & ((t * 0 + slot) < L)[:, None]
+    program's (token, lane) entries, ``sga`` its strides), (BLOCK_T, 1, DP) a side; zeros past the last slot."""
+    there = live & ((t * 0 + slot) < L)[:, None, None]
     return tl.load(ak + slot * sga[3], mask=there, other=0.0), tl.load(av + slot * sga[3], mask=there, other=0.0)
 
 
@@ -455,8 +470,8 @@ def _depth_forward_token_kernel(
                                        SLOTS=SLOTS)  # fmt: skip
         kd2_next, vd2_next = _token_slot(DK_TAB, DV_TAB, slot + 3, L, b, hk, t, d, sdk, sdv, slot_live,
                                          ELEM=elem, SLOTS=SLOTS)  # fmt: skip
-        s = tl.sum(q * kd[:, None, :], 2)
-        s2 = tl.sum(q * kd2[:, None, :], 2)
+        s = tl.sum(q * kd, 2)
+        s2 = tl.sum(q * kd2, 2)
         second = slot + 1 < L  # an odd count's last step has one slot: its second weighs nothing
         dead |= ~_finite(s) | (second & ~_finite(s2))
         s2 = tl.where(second, s2, ninf)
@@ -466,7 +481,7 @@ def _depth_forward_token_kernel(
         p = tl.math.exp2(s - m_safe)
         p2 = tl.math.exp2(s2 - m_safe)
         l_sum = l_sum * alpha + p + p2
-        acc = acc * alpha[:, :, None] + p[:, :, None] * vd[:, None, :] + p2[:, :, None] * vd2[:, None, :]
+        acc = acc * alpha[:, :, None] + p[:, :, None] * vd + p2[:, :, None] * vd2
         m = m_new
 
     dead |= tl.sum((~_finite(acc)).to(tl.int32), 2) > 0
@@ -521,12 +536,12 @@ def _depth_backward_token_kernel(
 
     DDV, ADV = second_side(DDK, DDV, DDV_AT), second_side(ADK, ADV, ADV_AT)
     b64, hk64, t64 = b.to(tl.int64), hk.to(tl.int64), t.to(tl.int64)  # a slab's offsets may pass 2**31
-    gk = DDK + b64 * sgk[0] + hk64 * sgk[1] + t64[:, None] * sgk[2] + d[None, :]
-    gv = DDV + b64 * sgv[0] + hk64 * sgv[1] + t64[:, None] * sgv[2] + d[None, :]
-    ak = ADK + b64 * sga[0] + hk64 * sga[1] + t64[:, None] * sga[2] + d[None, :]
-    av = ADV + b64 * sga[0] + hk64 * sga[1] + t64[:, None] * sga[2] + d[None, :]
+    gk = DDK + b64 * sgk[0] + hk64 * sgk[1] + t64[:, None, None] * sgk[2] + d[None, None, :]
+    gv = DDV + b64 * sgv[0] + hk64 * sgv[1] + t64[:, None, None] * sgv[2] + d[None, None, :]
+    ak = ADK + b64 * sga[0] + hk64 * sga[1] + t64[:, None, None] * sga[2] + d[None, None, :]
+    av = ADV + b64 * sga[0] + hk64 * sga[1] + t64[:, None, None] * sga[2] + d[None, None, :]
     for slot in range(0, depth_first):  # slots no row sees: a zero gradient
-        none_seen = tl.zeros((BLOCK_T, DP), tl.float32)
+        none_seen = tl.zeros((BLOCK_T, 1, DP), tl.float32)
         _store_gradient(gk + slot * sgk[3], ak + slot * sga[3], none_seen, slot_live, DEPTH_ADD)
         _store_gradient(gv + slot * sgv[3], av + slot * sga[3], none_seen, slot_live, DEPTH_ADD)
     # the next slot's entries (and addend) loaded before this one's products, as in the forward: the addend
@@ -542,13 +557,13 @@ def _depth_backward_token_kernel(
         if DEPTH_ADD:
             ak_slot, av_slot = ak_next, av_next
             ak_next, av_next = _token_addend(ak, av, slot + 1, L, sga, t, slot_live)
-        s = tl.sum(q * kd[:, None, :], 2) * qk_scale
+        s = tl.sum(q * kd, 2) * qk_scale
         p = tl.where(live, tl.math.exp2(s - lse), 0.0)
-        dp = tl.sum(do * vd[:, None, :], 2)
+        dp = tl.sum(do * vd, 2)
         ds = tl.where(live, p * (dp - delta), 0.0)
-        dq += ds[:, :, None] * kd[:, None, :]
-        ddk = tl.sum(ds[:, :, None] * q, 1) * scale
-        ddv = tl.sum(p[:, :, None] * do, 1)
+        dq += ds[:, :, None] * kd
+        ddk = tl.sum(ds[:, :, None] * q, 1, keep_dims=True) * scale
+        ddv = tl.sum(p[:, :, None] * do, 1, keep_dims=True)
         if DEPTH_ADD:  # in float32 before the one rounding, as _store_gradient adds
             ddk += ak_slot.to(tl.float32)
             ddv += av_slot.to(tl.float32)
