@@ -153,7 +153,8 @@ def _slot_rows(DK_TAB, DV_TAB, slot, L, b, hk, tok, sdk, sdv, ELEM: tl.constexpr
     k_slot, v_slot = slot_bases(DK_TAB, DV_TAB, slot, L, sdk, sdv, ELEM=ELEM, SLOTS=SLOTS)
     b64, hk64, tok64 = b.to(tl.int64), hk.to(tl.int64), tok.to(tl.int64)  # a slab's offsets may pass 2**31
     k_row = k_slot + b64 * sdk[0] + hk64 * sdk[1] + tok64 * sdk[2]
-    return k_row, v_slot + b64 * sdv[0] + hk64 * sdv[1] + tok64 * sdv[2]
+    v_row = v_slot + b64 * sdv[0] + hk64 * sdv[1] + tok64 * sdv[2]
+    return k_row, v_row
 
 
 @triton.jit
