@@ -83,8 +83,7 @@ def calls(slots: int):
 
 def assemble(ptx: str) -> dict:
     """Registers and spill bytes of ``ptx`` for sm_90a, by the first of Triton's ptxas builds that takes its
-    PTX version, and its machine code's instructions (static: a loop's body counts once), barriers and shared
-    memory loads and stores (what a layout conversion between a reduction and its use costs)."""
+    PTX version, and its machine code's counts (:func:`opcodes`; static: a loop's body counts once)."""
     import triton
 
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -106,9 +105,19 @@ def assemble(ptx: str) -> dict:
 
 
 def opcodes(sass: str) -> dict:
-    """Instructions, barriers and shared memory loads and stores in ``sass`` (``nvdisasm -c``'s listing)."""
-    names = [m.group(1) for m in re.finditer(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M)]
-    return {"instructions": len(names), "barriers": names.count("BAR"),
+    """Instructions, the longest loop's body, barriers and shared memory loads and stores (what a change of
+    layout between a reduction and its use costs) in ``sass``, ``nvdisasm -c``'s listing: a loop is a branch
+    back to a label above it, its body what lies between."""
+    names, labels, longest = [], {}, 0
+    for line in sass.splitlines():
+        if label := re.match(r"^(\.L_x_\d+):", line):
+            labels[label.group(1)] = len(names)
+        elif op := re.match(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line):
+            names.append(op.group(1))
+            target = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+            if target and target.group(1) in labels:  # a branch back: the end of a loop
+                longest = max(longest, len(names) - labels[target.group(1)])
+    return {"instructions": len(names), "longest loop": longest, "barriers": names.count("BAR"),
             "shared accesses": sum(name in ("LDS", "STS") for name in names)}  # fmt: skip
 
 
@@ -128,16 +137,17 @@ def main(argv=None) -> None:
     record_ptx(ptx)
     compile_sm90.split_takes_any_float()
     print(f"Triton {triton.__version__}, sm_90a, Table 6 layout (G=3, D=64, bf16, L={args.slots})\n")
-    print("| backend | form | kernel | registers | spill stores (B) | spill loads (B) | instructions | barriers "
-          "| shared accesses |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| backend | form | kernel | registers | spill stores (B) | spill loads (B) | instructions | longest loop "
+          "| barriers | shared accesses |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for backend, form, run in calls(args.slots):
         ptx.clear()
         run()
         for kernel, source in ptx.items():
             r = assemble(source)
             print(f"| {backend} | {form} | `{kernel}` | {r['registers']} | {r['spill stores']} | {r['spill loads']} | "
-                  f"{r['instructions']} | {r['barriers']} | {r['shared accesses']} |", flush=True)  # fmt: skip
+                  f"{r['instructions']} | {r['longest loop']} | {r['barriers']} | {r['shared accesses']} |",
+                  flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
