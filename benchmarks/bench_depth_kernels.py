@@ -14,6 +14,11 @@ Usage::
 
     python benchmarks/bench_depth_kernels.py                         # the Table 6 call at L = 24 and 47
     python benchmarks/bench_depth_kernels.py --shapes table6,16k --slots 12,24
+    ncu --kernel-name regex:"depth_(forward|backward)" --launch-skip 4 --launch-count 2 \\
+        python benchmarks/bench_depth_kernels.py --slots 12 --calls-only     # Nsight Compute, a later call of each
+
+``--calls-only``: each shape's forward and backward called three times in turn, nothing timed and no
+profiler, for a profiler of one's own (Nsight Compute fixes the clocks, so its durations are not the rows').
 """
 
 from __future__ import annotations
@@ -56,7 +61,10 @@ def backward_bytes(B: int, Hq: int, Hk: int, T: int, D: int, L: int) -> int:
     return 2 * (3 * entries + 6 * rows + 4 * B * Hk * T * D + rows)
 
 
-def measure(shape: tuple) -> dict:
+def calls(shape: tuple) -> tuple:
+    """A call of ``shape`` (B, Hq, Hk, T, D, L) on random inputs: the forward, a function that makes the
+    backward (adding the depth gradients into the buffer, or with ``add=False`` writing them; ``options``: the
+    call's, or others), and the call's options."""
     B, Hq, Hk, T, D, L = shape
     torch.manual_seed(0)
 
@@ -76,6 +84,12 @@ def measure(shape: tuple) -> dict:
     def backward(add=True, options=opts):
         return lambda: ops._backward(grad, None, q, k, v, depth_k, depth_v, out, lse, options, into=buffer, add=add)
 
+    return forward, backward, opts
+
+
+def measure(shape: tuple) -> dict:
+    B, Hq, Hk, T, D, L = shape
+    forward, backward, opts = calls(shape)
     forward_kernel, backward_kernel = kernel_us(forward, "depth_forward"), kernel_us(backward(), "depth_backward")
     without_copies = kernel_us(backward(options=opts._replace(sequence=False)), "depth_backward")
     return {
@@ -93,8 +107,18 @@ def main(argv=None) -> None:
     p = cli.parser(__doc__)
     p.add_argument("--shapes", default="table6", help=f"comma-separated, from {', '.join(SHAPES)}")
     p.add_argument("--slots", type=cli.int_list, default="24,47", help="L of each shape's calls")
+    p.add_argument("--calls-only", action="store_true", help="call each kernel three times, time nothing")
     args = p.parse_args(argv)
     cli.require_cuda(p, "bench_depth_kernels.py")
+    if args.calls_only:
+        for name in args.shapes.split(","):
+            for L in args.slots:
+                forward, backward, _ = calls((*SHAPES[name][:-1], L))
+                for _ in range(3):
+                    forward()
+                    backward()()
+        torch.cuda.synchronize()
+        return
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth "
           f"{copy_bandwidth() / 1e12:.2f} TB/s; bf16, causal, the buffer added in place")
     columns = ("forward us", "backward us", "copies us", "backward call us", "written call us", "forward TB/s",
