@@ -1,8 +1,9 @@
 """The split path's depth kernels alone, as a model's layer calls them: each kernel's own GPU time.
 
 One call of the split path's forward and backward (``moda_flex.backends.split.ops``; bf16, causal, random
-inputs) with the depth as L entries of their own, as a model's stream holds them, and the depth gradients
-added in place into a (2, B, Hk, T, L, D) gradient buffer, as a stream's readers add them
+inputs laid out as the example GPT's layers make them, (B, T, H, D) in memory: heads after tokens, the
+gradient in the output's layout) with the depth as L entries of their own, as a model's stream holds them,
+and the depth gradients added in place into a (2, B, Hk, T, L, D) gradient buffer, as a stream's readers add them
 (:mod:`moda_flex.backends.chain`). Per row: the depth forward's and the depth backward's own GPU time
 (``torch.profiler``, the mean over 10 calls after one), the backward call's time replayed from a CUDA graph
 (the vendor's backward with it), the same call writing the buffer without adding (what the addend costs),
@@ -71,8 +72,11 @@ def calls(shape: tuple) -> tuple:
     def randn(*size):
         return torch.randn(*size, device="cuda", dtype=torch.bfloat16)
 
-    q, k, v, grad = randn(B, Hq, T, D), randn(B, Hk, T, D), randn(B, Hk, T, D), randn(B, Hq, T, D)
-    depth_k, depth_v = [randn(B, Hk, T, D) for _ in range(L)], [randn(B, Hk, T, D) for _ in range(L)]
+    def heads(H):  # (B, H, T, D) in the model's memory: the forward 2-6% slower than (B, H, T, D) (BENCHMARKS.md)
+        return randn(B, T, H, D).transpose(1, 2)
+
+    q, k, v = heads(Hq), heads(Hk), heads(Hk)
+    depth_k, depth_v = [heads(Hk) for _ in range(L)], [heads(Hk) for _ in range(L)]
     opts = ops.Options(D**-0.5, True, True, 0, sequence.kernel_for(q.device, D, True))
     buffer = randn(2, B, Hk, T, L, D)
 
@@ -80,6 +84,7 @@ def calls(shape: tuple) -> tuple:
         return ops._forward(q, k, v, depth_k, depth_v, opts)
 
     out, lse = forward()
+    grad = torch.randn_like(out)  # the output's layout, as a model's output projection sends it back
 
     def backward(add=True, options=opts):
         return lambda: ops._backward(grad, None, q, k, v, depth_k, depth_v, out, lse, options, into=buffer, add=add)
