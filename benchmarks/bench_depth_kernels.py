@@ -72,7 +72,7 @@ def calls(shape: tuple) -> tuple:
     def randn(*size):
         return torch.randn(*size, device="cuda", dtype=torch.bfloat16)
 
-    def heads(H):  # (B, H, T, D) in the model's memory: the forward 2-6% slower than (B, H, T, D) (BENCHMARKS.md)
+    def heads(H):  # a (B, H, T, D) view of (B, T, H, D) memory, the model's: the forward 2-6% slower (BENCHMARKS.md)
         return randn(B, T, H, D).transpose(1, 2)
 
     q, k, v = heads(Hq), heads(Hk), heads(Hk)
