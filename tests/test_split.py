@@ -287,6 +287,24 @@ def test_an_infinite_depth_slot_kills_the_rows_that_see_it(name, value):
 
 
 @NUMPY_NAN_WARNINGS
+@settings(max_examples=examples(8))
+@given(
+    shape=moda_shapes(max_batch=2, max_groups=8, max_kv_heads=2, max_kv_len=12, max_slots=4, head_dims=(8,)),
+    data=st.data(),
+    value=VALUES,
+)
+def test_the_tiles_design_keeps_the_nan_rule(shape, data, value):
+    """The Tensor Core tiles, which ``_layout`` takes for G >= 5, at any G: a step's tile meets several tokens'
+    slots, so a non-finite depth key or value must reach only the rows of its own token."""
+    variant = data.draw(_split_variants(shape))
+    name, index = data.draw(_entries(shape))
+    chosen = split.ops._layout
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(split.ops, "_layout", lambda *args: chosen(*args, design="tiles"))
+        _assert_reaches_only_its_rows("split", shape, variant, name, index, value, device=DEVICE, dtype=DTYPES[0])
+
+
+@NUMPY_NAN_WARNINGS
 @pytest.mark.parametrize("bad", [64 * 63 + 3, 64 * 64 + 4])
 def test_the_first_bad_key_is_found_past_many_blocks(bad):
     """The sanitizing pass records each 64-token block's first non-finite key; the depth forward takes the

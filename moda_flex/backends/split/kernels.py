@@ -56,10 +56,10 @@ def _finite(x):
 
 @triton.jit
 def _nonfinite_rows(x):
-    """Which rows of a (BLOCK_T, GP, DP) tile hold a NaN or Inf: ``x * 0`` is NaN there and 0 elsewhere, so a
-    row's sum tells, with one check a row instead of one an entry (the per-token forward's instructions outside
-    its loop 1173 -> 901 under Triton 3.6; H100, the Table 6 call: 1.1 us less a call)."""
-    return ~_finite(tl.sum(x * 0.0, 2))
+    """Which rows of a tile (its last axis a row's lanes) hold a NaN or Inf: ``x * 0`` is NaN there and 0
+    elsewhere, so a row's sum tells, with one check a row instead of one an entry (the per-token forward's
+    instructions outside its loop 1173 -> 901 under Triton 3.6; H100, the Table 6 call: 1.1 us less a call)."""
+    return ~_finite(tl.sum(x * 0.0, -1))
 
 
 @triton.jit
@@ -201,9 +201,7 @@ def _depth_forward_kernel(
     ninf = float("-inf")
 
     q = tl.load(Q + b * sq[0] + h[:, None] * sq[1] + tok[:, None] * sq[2] + d[None, :], mask=rows2, other=0.0)
-    q_ok = _finite(q)
-    dead = tl.sum((~q_ok).to(tl.int32), 1) > 0
-    q = tl.where(q_ok, q, 0.0)
+    dead = _nonfinite_rows(q)  # a dead row's results are NaN, whatever its logits
     if HAS_SEQ:
         m = tl.load(LS + b * sls[0] + h * sls[1] + tok * sls[2], mask=row_ok, other=ninf) * _LOG2E
         acc = tl.load(OS + b * sos[0] + h[:, None] * sos[1] + tok[:, None] * sos[2] + d[None, :], mask=rows2,
@@ -226,14 +224,13 @@ def _depth_forward_kernel(
         kd, vd = _slot_tiles(DK_TAB, DV_TAB, slot, L, b, hk, col_tok, sdk, sdv, d, tile, ELEM=Q.dtype.element_ty,
                              SLOTS=SLOTS)  # fmt: skip
         sees = (rt[:, None] == j[None, :]) & visible[None, :]
-        kd_ok = _finite(kd)
-        vd_ok = _finite(vd)
-        slot_bad = tl.sum((~kd_ok | ~vd_ok).to(tl.int32), 1) > 0
-        dead |= tl.sum((sees & slot_bad[None, :]).to(tl.int32), 1) > 0
-        kd = tl.where(kd_ok, kd, 0.0)
-        vd = tl.where(vd_ok, vd, 0.0)
+        # a non-finite depth key makes its column of s non-finite, which only the rows that see it keep; a
+        # non-finite value would reach every row through p's zeros, so its slot is zeroed and its column marked
+        v_bad = _nonfinite_rows(vd)
+        vd = tl.where(v_bad[:, None], 0.0, vd)
         # rescale the running max and denominator, as in a FlashAttention step
         s = tl.dot(q, tl.trans(kd)) * qk_scale
+        dead |= tl.max((sees & (~_finite(s) | v_bad[None, :])).to(tl.int32), 1) > 0
         s = tl.where(sees, s, ninf)
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == ninf, 0.0, m_new)
@@ -343,9 +340,10 @@ def _depth_backward_kernel(
         tile = visible[:, None] & d_ok[None, :]
         kd, vd = _slot_tiles(DK_TAB, DV_TAB, slot, L, b, hk, col_tok, sdk, sdv, d, tile, ELEM=Q.dtype.element_ty,
                              SLOTS=SLOTS)  # fmt: skip
-        # masked slots' products still meet other rows' p = 0: read their non-finite entries as zero
-        kd = tl.where(_finite(kd), kd, 0.0)
-        vd = tl.where(_finite(vd), vd, 0.0)
+        # masked slots' products still meet other rows' p = 0: a slot holding a NaN or Inf is read as zeros (the
+        # rows that see it are dead: they send no gradient)
+        kd = tl.where(_nonfinite_rows(kd)[:, None], 0.0, kd)
+        vd = tl.where(_nonfinite_rows(vd)[:, None], 0.0, vd)
         s = tl.dot(q, tl.trans(kd)) * qk_scale
         sees = (rt[:, None] == j[None, :]) & row_ok[:, None] & visible[None, :]
         p = tl.where(sees, tl.math.exp2(s - lse[:, None]), 0.0)
