@@ -275,11 +275,15 @@ def test_named_entries(case):
 
 
 @NUMPY_NAN_WARNINGS
+@pytest.mark.parametrize("design", ["tokens", "tiles"])
 @pytest.mark.parametrize("value", [float("inf"), float("-inf")])
 @pytest.mark.parametrize("name", ["depth_k", "depth_v"])
-def test_an_infinite_depth_slot_kills_the_rows_that_see_it(name, value):
+def test_an_infinite_depth_slot_kills_the_rows_that_see_it(name, value, design, monkeypatch):
     """A depth key of +-Inf gives some of its token's rows a logit of -inf (a zero weight, which alone would
-    leave the row finite), a depth value of +-Inf an infinite output: both rows are dead, at G=1 and G=3."""
+    leave the row finite), a depth value of +-Inf an infinite output: both rows are dead, at G=1 and G=3, in
+    either design of the depth kernels."""
+    chosen = split.ops._layout
+    monkeypatch.setattr(split.ops, "_layout", lambda *args: chosen(*args, design=design))
     for q_heads in (2, 6):
         shape = MoDAShape(batch=1, q_heads=q_heads, kv_heads=2, q_len=7, kv_len=7, slots=3, head_dim=16)
         _assert_reaches_only_its_rows("split", shape, v.causal(), name, (0, 1, 4, 2), value, device=DEVICE,

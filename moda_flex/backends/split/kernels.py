@@ -224,14 +224,14 @@ def _depth_forward_kernel(
         kd, vd = _slot_tiles(DK_TAB, DV_TAB, slot, L, b, hk, col_tok, sdk, sdv, d, tile, ELEM=Q.dtype.element_ty,
                              SLOTS=SLOTS)  # fmt: skip
         sees = (rt[:, None] == j[None, :]) & visible[None, :]
-        # a non-finite depth key makes its column of s non-finite, which only the rows that see it keep; a
-        # non-finite value would reach every row through p's zeros, so its slot is zeroed and its column marked
-        v_bad = _nonfinite_rows(vd)
-        vd = tl.where(v_bad[:, None], 0.0, vd)
-        # rescale the running max and denominator, as in a FlashAttention step
+        # A slot's non-finite key or value makes its logit NaN (``x * 0`` is NaN at a non-finite x, else 0: a
+        # logit of -inf too, which alone would weigh nothing), for the rows that see it to carry to their
+        # denominator (checked once at the end). The value is then read as zeros: every row meets it, with p = 0.
+        v_nan = tl.sum(vd * 0.0, 1)
+        vd = tl.where(v_nan[:, None] == 0.0, vd, 0.0)
         s = tl.dot(q, tl.trans(kd)) * qk_scale
-        dead |= tl.max((sees & (~_finite(s) | v_bad[None, :])).to(tl.int32), 1) > 0
-        s = tl.where(sees, s, ninf)
+        s = tl.where(sees, s + s * 0.0 + v_nan[None, :], ninf)
+        # rescale the running max and denominator, as in a FlashAttention step
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == ninf, 0.0, m_new)
         alpha = tl.math.exp2(m - m_safe)
@@ -240,6 +240,7 @@ def _depth_forward_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(vd.dtype), vd)
         m = m_new
 
+    dead |= ~_finite(l_sum)
     seen = l_sum > 0.0
     lse = tl.where(seen, (m + tl.math.log2(tl.where(seen, l_sum, 1.0))) * _LN2, ninf)
     out = acc / tl.where(seen, l_sum, 1.0)[:, None]
