@@ -6,7 +6,7 @@ compiles each kernel as a call reaches it, through the compile-only driver of
 ``tests/compile_sm90.py`` (no kernel runs), and assembles its PTX with the
 ``ptxas`` that Triton's wheel ships (``-v``: registers, spill stores and
 loads in bytes a thread). The calls are a Table 6 layer's layout
-(6 query / 2 KV heads, D=64, bf16, by default L=23, the mean of a Table 6
+(6 query / 2 KV heads unless ``--groups`` says, D=64, bf16, by default L=23, the mean of a Table 6
 step with FFN entries): each forward, then each depth backward in its three forms: plain, adding into the
 gradient buffer in place (an eager depth stream), and adding a strided
 buffer into a fresh one (a compiled stream, ``moda_flex.backends.chain``).
@@ -18,6 +18,7 @@ Usage::
 
     python benchmarks/kernel_registers.py
     python benchmarks/kernel_registers.py --slots 47
+    python benchmarks/kernel_registers.py --slots 12 --groups 8   # the split path's Tensor Core tiles design
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import cli  # noqa: E402
 
-# The kernels whose PTX is assembled: the split path's per-token depth kernels, the fused kernels' forward and dQ.
-KERNELS = ("_depth_forward_token_kernel", "_depth_backward_token_kernel", "forward_kernel", "dq_kernel")
+# The kernels whose PTX is assembled: the split path's depth kernels of either design (per-token at G <= 4,
+# Tensor Core tiles above), the fused kernels' forward and dQ.
+KERNELS = ("_depth_forward_token_kernel", "_depth_backward_token_kernel", "_depth_forward_kernel",
+           "_depth_backward_kernel", "forward_kernel", "dq_kernel")
 
 
 def record_ptx(ptx: dict) -> None:
@@ -51,9 +54,10 @@ def record_ptx(ptx: dict) -> None:
     JITFunction.run = run
 
 
-def calls(slots: int):
+def calls(slots: int, groups: int = 3):
     """(backend, form, run): the forward and each depth backward form of a Table 6 layer's layout with
-    ``slots`` entries, on the split path and on the fused kernel (``capture``'s functions off a capture)."""
+    ``slots`` entries (``groups`` query heads a KV head), on the split path and on the fused kernel
+    (``capture``'s functions off a capture)."""
     import torch
 
     from moda_flex import variants
@@ -61,7 +65,7 @@ def calls(slots: int):
     from moda_flex.backends.split import ops
     from moda_flex.testing import MoDAShape, make_inputs
 
-    q, k, v, dk, dv = make_inputs(MoDAShape(1, 6, 2, 64, 64, slots, 64), dtype=torch.bfloat16,
+    q, k, v, dk, dv = make_inputs(MoDAShape(1, 2 * groups, 2, 64, 64, slots, 64), dtype=torch.bfloat16,
                                   depth_entries=True, requires_grad=False).values()  # fmt: skip
     inputs = ops.Inputs(q, k, v, list(dk), list(dv))
     opts = ops.call_options(q, k, slots, variants.causal(), 0.125)
@@ -125,6 +129,8 @@ def main(argv=None) -> None:
     p = cli.parser(__doc__)
     p.add_argument("--slots", type=cli.at_least(1), default=23,
                    help="L, the depth entries of the calls (the mean of a Table 6 step with FFN entries)")
+    p.add_argument("--groups", type=cli.at_least(1), default=3,
+                   help="G, query heads a KV head (the split path's tiles design from 5)")
     args = p.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)  # the kernels are imported as compiled ones
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -136,11 +142,12 @@ def main(argv=None) -> None:
     ptx: dict = {}
     record_ptx(ptx)
     compile_sm90.split_takes_any_float()
-    print(f"Triton {triton.__version__}, sm_90a, Table 6 layout (G=3, D=64, bf16, L={args.slots})\n")
+    print(f"Triton {triton.__version__}, sm_90a, a Table 6 layer's layout at G={args.groups} (D=64, bf16, "
+          f"L={args.slots})\n")
     print("| backend | form | kernel | registers | spill stores (B) | spill loads (B) | instructions | longest loop "
           "| barriers | shared accesses |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for backend, form, run in calls(args.slots):
+    for backend, form, run in calls(args.slots, args.groups):
         ptx.clear()
         run()
         for kernel, source in ptx.items():
