@@ -55,11 +55,18 @@ def _finite(x):
 
 
 @triton.jit
+def _row_nans(x):
+    """NaN for each row of a tile (its last axis a row's lanes) that holds a NaN or Inf, else 0: ``x * 0`` is NaN
+    exactly at a non-finite entry and 0 elsewhere, and a row's sum carries it."""
+    return tl.sum(x * 0.0, -1)
+
+
+@triton.jit
 def _nonfinite_rows(x):
-    """Which rows of a tile (its last axis a row's lanes) hold a NaN or Inf: ``x * 0`` is NaN there and 0
-    elsewhere, so a row's sum tells, with one check a row instead of one an entry (the per-token forward's
-    instructions outside its loop 1173 -> 901 under Triton 3.6; H100, the Table 6 call: 1.1 us less a call)."""
-    return ~_finite(tl.sum(x * 0.0, -1))
+    """Which rows of a tile hold a NaN or Inf (:func:`_row_nans`): one check a row instead of one an entry (the
+    per-token forward's instructions outside its loop 1173 -> 901 under Triton 3.6; H100, the Table 6 call:
+    1.1 us less a call)."""
+    return ~_finite(_row_nans(x))
 
 
 @triton.jit
@@ -227,7 +234,7 @@ def _depth_forward_kernel(
         # A slot's non-finite key or value makes its logit NaN (``x * 0`` is NaN at a non-finite x, else 0: a
         # logit of -inf too, which alone would weigh nothing), for the rows that see it to carry to their
         # denominator (checked once at the end). The value is then read as zeros: every row meets it, with p = 0.
-        v_nan = tl.sum(vd * 0.0, 1)
+        v_nan = _row_nans(vd)
         vd = tl.where(v_nan[:, None] == 0.0, vd, 0.0)
         s = tl.dot(q, tl.trans(kd)) * qk_scale
         s = tl.where(sees, s + s * 0.0 + v_nan[None, :], ninf)
