@@ -96,18 +96,18 @@ def test_slots_in_several_steps_and_tokens_a_program(variant, monkeypatch):
     assert_matches_reference(make_inputs(shape, dtype=DTYPES[0], device=DEVICE), backend="split", variant=variant)
 
 
+def _design(patch, design: str, **constants):
+    """Make ``ops._layout`` give ``design``'s layout whatever G is, with ``constants`` over its own."""
+    chosen = split.ops._layout
+    patch.setattr(split.ops, "_layout", lambda *args: dict(chosen(*args, design=design), **constants))
+
+
 @pytest.mark.parametrize("design", ["tiles", "tokens"])
 @pytest.mark.parametrize("q_heads", [2, 6, 16])
 def test_either_design_at_any_group(design, q_heads, monkeypatch):
     """Both depth kernel designs at G of 1, 3 and 8, whichever ``_layout`` picks for that G: a depth window, a
     ragged last block of tokens (4 a program), strided entries."""
-    chosen = split.ops._layout
-
-    def layout(*args):
-        options = chosen(*args, design=design)
-        return dict(options, BLOCK_T=4) if design == "tokens" else options
-
-    monkeypatch.setattr(split.ops, "_layout", layout)
+    _design(monkeypatch, design, **({"BLOCK_T": 4} if design == "tokens" else {}))
     shape = MoDAShape(batch=2, q_heads=q_heads, kv_heads=2 if q_heads > 2 else 1, q_len=13, kv_len=13, slots=6,
                       head_dim=16)  # fmt: skip
     inputs = make_inputs(shape, dtype=DTYPES[0], device=DEVICE, strided_depth=True, depth_entries=True)
@@ -116,8 +116,7 @@ def test_either_design_at_any_group(design, q_heads, monkeypatch):
 
 def _per_token_kernels(monkeypatch):
     """The per-token kernels (the forward two slots a step), four tokens a program."""
-    chosen = split.ops._layout
-    monkeypatch.setattr(split.ops, "_layout", lambda *args: dict(chosen(*args, design="tokens"), BLOCK_T=4))
+    _design(monkeypatch, "tokens", BLOCK_T=4)
 
 
 # each slot count once with a sequence part and once without (a window of 3 slots is the whole depth at 1 or 2
@@ -243,17 +242,21 @@ def test_no_second_derivative():
 
 
 @NUMPY_NAN_WARNINGS
-@settings(max_examples=examples(12))
+@settings(max_examples=examples(16))
 @given(
-    shape=moda_shapes(max_batch=2, max_groups=3, max_kv_heads=2, max_kv_len=20, max_slots=4, head_dims=(8,)),
+    shape=moda_shapes(max_batch=2, max_groups=8, max_kv_heads=2, max_kv_len=20, max_slots=4, head_dims=(8,)),
+    design=st.sampled_from(["tokens", "tiles"]),
     data=st.data(),
     value=VALUES,
 )
-def test_a_non_finite_entry_reaches_only_the_rows_that_see_it(shape, data, value):
-    """Zeroed keys and values for the vendor, dead rows silenced in its backward: bit for bit."""
+def test_a_non_finite_entry_reaches_only_the_rows_that_see_it(shape, design, data, value):
+    """Zeroed keys and values for the vendor, dead rows silenced in its backward: bit for bit, in either design
+    of the depth kernels at any G (the Tensor Core tiles' step meets several tokens' slots)."""
     variant = data.draw(_split_variants(shape))
     name, index = data.draw(_entries(shape))
-    _assert_reaches_only_its_rows("split", shape, variant, name, index, value, device=DEVICE, dtype=DTYPES[0])
+    with pytest.MonkeyPatch.context() as patch:
+        _design(patch, design)
+        _assert_reaches_only_its_rows("split", shape, variant, name, index, value, device=DEVICE, dtype=DTYPES[0])
 
 
 @NUMPY_NAN_WARNINGS
@@ -282,30 +285,11 @@ def test_an_infinite_depth_slot_kills_the_rows_that_see_it(name, value, design, 
     """A depth key of +-Inf gives some of its token's rows a logit of -inf (a zero weight, which alone would
     leave the row finite), a depth value of +-Inf an infinite output: both rows are dead, at G=1 and G=3, in
     either design of the depth kernels."""
-    chosen = split.ops._layout
-    monkeypatch.setattr(split.ops, "_layout", lambda *args: chosen(*args, design=design))
+    _design(monkeypatch, design)
     for q_heads in (2, 6):
         shape = MoDAShape(batch=1, q_heads=q_heads, kv_heads=2, q_len=7, kv_len=7, slots=3, head_dim=16)
         _assert_reaches_only_its_rows("split", shape, v.causal(), name, (0, 1, 4, 2), value, device=DEVICE,
                                       dtype=DTYPES[0])  # fmt: skip
-
-
-@NUMPY_NAN_WARNINGS
-@settings(max_examples=examples(8))
-@given(
-    shape=moda_shapes(max_batch=2, max_groups=8, max_kv_heads=2, max_kv_len=12, max_slots=4, head_dims=(8,)),
-    data=st.data(),
-    value=VALUES,
-)
-def test_the_tiles_design_keeps_the_nan_rule(shape, data, value):
-    """The Tensor Core tiles, which ``_layout`` takes for G >= 5, at any G: a step's tile meets several tokens'
-    slots, so a non-finite depth key or value must reach only the rows of its own token."""
-    variant = data.draw(_split_variants(shape))
-    name, index = data.draw(_entries(shape))
-    chosen = split.ops._layout
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(split.ops, "_layout", lambda *args: chosen(*args, design="tiles"))
-        _assert_reaches_only_its_rows("split", shape, variant, name, index, value, device=DEVICE, dtype=DTYPES[0])
 
 
 @NUMPY_NAN_WARNINGS
