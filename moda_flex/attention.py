@@ -59,7 +59,8 @@ def moda_attention(
             ``reference`` and ``flex``; ``triton`` fuses those of
             :data:`moda_flex.backends.triton.support.FUSED_SCORES` and refuses
             the rest.
-        scale: logit scale, a finite real number > 0; default ``1 / sqrt(D)``.
+        scale: logit scale, any finite nonzero real number (negative too, as
+            SDPA accepts); default ``1 / sqrt(D)``.
         backend: ``"auto"`` | ``"reference"`` | ``"flex"`` | ``"triton"``;
             ``"auto"`` follows the policy of :mod:`moda_flex.backends`.
             Second derivatives (through gradients taken with
@@ -137,7 +138,7 @@ def _prepared_call(q, k, v, depth_k, depth_v, variant, score, scale, backend: st
 
 
 def _check_scale(scale, head_dim: int) -> float:
-    """The logit scale as a float: ``1 / sqrt(D)`` for None, else a finite real number > 0."""
+    """The logit scale as a float: ``1 / sqrt(D)`` for None, else any finite nonzero real number (as SDPA)."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, Tensor):
@@ -147,8 +148,8 @@ def _check_scale(scale, head_dim: int) -> float:
         )
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number (float or int), got {type(scale).__name__} {scale!r}")
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be finite and > 0, got {scale!r}")
+    if not (math.isfinite(scale) and scale != 0):
+        raise ValueError(f"scale must be a finite nonzero real number, got {scale!r}")
     return float(scale)
 
 
