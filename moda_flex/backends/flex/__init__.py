@@ -17,7 +17,7 @@ no block mixes sequence keys and depth entries. The split design's depth
 call, for variants that read other tokens' depth, uses the same rows and the
 depth columns alone.
 
-- ``function.py``: the call: the designs, folding, NaN handling, eager or compiled;
+- ``function.py``: the call: the designs, folding, eager or compiled;
 - ``scoring.py``: the variant's score as FlexAttention's ``score_mod``, and the copies of a learned tensor;
 - ``run.py``: one FlexAttention call, compiled, eager, or eager and differentiable on CPU;
 - ``block_mask.py``: each call's layout, its element mask and the BlockMask built from the variant's structure.

@@ -24,10 +24,6 @@ mask's decoding (:func:`.block_mask.folded_query`,
 :func:`.block_mask.depth_entry`); the tensors the score reads (learned
 biases) go in as FlexAttention's score buffers, so their gradients come back
 on the eager path too. The depth products apply it to their logits directly.
-
-FlexAttention multiplies the masked entries of a visited block by a zero
-weight, and ``0 * NaN = NaN``; so the inputs go in with their NaN and Inf
-zeroed and the rows that see one come out NaN (:mod:`moda_flex.nonfinite`).
 """
 
 from __future__ import annotations
@@ -38,9 +34,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 from torch import Tensor
 
-from ... import nonfinite
 from ...variants import Variant
-from ..reference import visible_entries
 from .block_mask import Layout, moda_block_mask
 from .run import run_flex
 from . import scoring
@@ -184,7 +178,7 @@ def _compiled_core(backend: str):
 
 
 def _moda_core(q, k, v, depth_k, depth_v, params: tuple, masks: tuple, variant: Variant, scale: float, plan: _Plan):
-    """The call on its tensors: zero the non-finite entries, run the plan's parts, mark the rows that saw one.
+    """The call on its tensors: run the plan's parts, merge them, unfold the rows.
 
     Args:
         q: (B, Hq, Tq, D); k, v: (B, Hk, Tk, D); depth_k, depth_v: (B, Hk, Tq, L, D).
@@ -195,13 +189,6 @@ def _moda_core(q, k, v, depth_k, depth_v, params: tuple, masks: tuple, variant: 
     """
     B, Hq, Tq, D = q.shape
     Hk = k.shape[1]
-    # A visited block multiplies its masked entries by zero, and 0 * NaN = NaN:
-    # run on zeroed copies, then mark NaN the rows that see a non-finite entry.
-    q, q_bad = nonfinite.zero_nonfinite(q)  # (B, Hq, Tq, D), (B, Hq, Tq)
-    k, k_bad = nonfinite.zero_nonfinite(k)  # (B, Hk, Tk, D), (B, Hk, Tk)
-    v, v_bad = nonfinite.zero_nonfinite(v)
-    depth_k, depth_k_bad = nonfinite.zero_nonfinite(depth_k)  # (B, Hk, Tq, L, D), (B, Hk, Tq, L)
-    depth_v, depth_v_bad = nonfinite.zero_nonfinite(depth_v)
     q, k, v, depth_k, depth_v, *params = _FirstOrderOnly.apply(q, k, v, depth_k, depth_v, *params)
     # An empty tensor (a depth bias when L = 0) has no gradient to compute, and
     # the eager op fails on a buffer that requires grad yet is never read.
@@ -230,9 +217,7 @@ def _moda_core(q, k, v, depth_k, depth_v, params: tuple, masks: tuple, variant: 
             keys, values = (t.reshape(B, Hk, -1, D) for t in (depth_k, depth_v))  # (B, Hk, Tq*L, D)
             out_d, lse_d = _unfold(*run("depth", 1, _fold(q, Hk), keys, values, True), Hq)
             out, lse = _merge(out, lse, out_d, lse_d)
-    lse = None if lse is None else lse.float()
-    seen = _rows_seeing_nonfinite(variant, q_bad, k_bad | v_bad, depth_k_bad | depth_v_bad)  # (B, Hq, Tq)
-    return nonfinite.mark_rows(out, lse, seen)
+    return out, None if lse is None else lse.float()
 
 
 def _fold(q: Tensor, kv_heads: int) -> Tensor:
@@ -359,13 +344,3 @@ class _FirstOrderOnly(torch.autograd.Function):
             )
         return grads
 
-
-def _rows_seeing_nonfinite(variant: Variant, q_bad: Tensor, key_bad: Tensor, slot_bad: Tensor) -> Tensor:
-    """Rows (B, Hq, Tq) that see a non-finite entry: from the structure's spans, else densely."""
-    structure = variant.structure
-    if structure is not None and structure.keys_contiguous:
-        return nonfinite.rows_seeing(structure, q_bad, key_bad, slot_bad)
-    B, Hq, Tq = q_bad.shape
-    Tk, L = key_bad.shape[2], slot_bad.shape[3]
-    seq_visible, depth_visible = visible_entries(variant, B, Hq, Tq, Tk, L, q_bad.device)
-    return nonfinite.rows_seeing_dense(seq_visible, depth_visible, q_bad, key_bad, slot_bad, variant.own_depth_only)
