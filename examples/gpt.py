@@ -104,8 +104,7 @@ class GPT(nn.Module):
         x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(start, start + T, device=idx.device))
-        depth = (DepthStream(capacity=self.config.depth_slots, readers=self.config.n_layer)
-                 if self.config.depth_writes else None)  # fmt: skip
+        depth = DepthStream(capacity=self.config.depth_slots) if self.config.depth_writes else None
         for i, block in enumerate(self.blocks):
             cache = caches[i] if caches is not None else None
             if self.config.checkpoint and self.training and cache is None:

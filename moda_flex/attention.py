@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import numbers
 from collections.abc import Sequence
@@ -13,7 +12,7 @@ import torch
 from torch import Tensor
 
 from . import backends
-from .depth import DepthKV, DepthStream, as_tensor, is_entries, slot_count
+from .depth import DepthKV, as_tensor, is_entries, slot_count
 from .scores import Score
 from .variants import Variant, resolve
 
@@ -94,28 +93,6 @@ def moda_attention(
     with autocast_off:
         out, lse = run(*tensors, variant, scale)
     return (out, lse) if return_lse else out
-
-
-def stream_attention(q: Tensor, k: Tensor, v: Tensor, stream: DepthStream, *, variant: Union[str, Variant] = "causal",
-                     score: Optional[Score] = None, scale: Optional[float] = None, backend: str = "auto",
-                     return_lse: bool = False):  # fmt: skip
-    """:meth:`moda_flex.DepthStream.attend`: ``moda_attention`` over the stream's entries, and the stream with its
-    gradient path passed on (through the call where its kernel adds into the path's buffer,
-    :mod:`moda_flex.backends.chain`), but by the last of its readers."""
-    depth_k, depth_v = stream.read()
-    run, tensors, variant, scale, autocast_off = _prepared_call(
-        q, k, v, depth_k, depth_v, variant, score, scale, backend, return_lse
-    )
-    read = backends.stream_reader(run) if stream.gradients is not None and torch.is_grad_enabled() else None
-    last = stream.readers is not None and stream.reads + 1 == stream.readers  # no later layer reads the entries
-    with autocast_off:
-        if read is None:
-            out, lse = run(*tensors, variant, scale)
-            path = stream.gradients
-        else:
-            out, lse, path = read(stream.gradients, *tensors, variant, scale, return_lse, hand_on=not last)
-    stream = dataclasses.replace(stream, gradients=None if last else path, reads=stream.reads + 1)
-    return ((out, lse) if return_lse else out), stream
 
 
 def _prepared_call(q, k, v, depth_k, depth_v, variant, score, scale, backend: str, return_lse: bool):

@@ -655,16 +655,15 @@ def _reference_block_backward(block: _Block, inputs: list[Tensor], rows: _Rows, 
     """
     b, r = block.batch, block.rows
     dtype = rows.out.dtype
-    # Computed in the forward's dtype, then in the accumulation dtype; non-finite entries zeroed as the
-    # reference does, so that a masked NaN reaches no row (moda_flex.nonfinite).
-    q, kv, *depth = (torch.where(t.isfinite(), t, 0).to(rows.compute_dtype).to(dtype) for t in inputs)
+    # Computed in the forward's dtype, then in the accumulation dtype.
+    q, kv, *depth = (t.to(rows.compute_dtype).to(dtype) for t in inputs)
     k, v = kv
     B, Hq, R, D = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
     G, L = Hq // Hk, (depth[0].shape[3] if depth else 0)
     lse, delta, grad_out = rows.lse[b, :, r], rows.delta[b, :, r], rows.grad_out[b, :, r]  # (B, Hq, R), (.., D)
-    # A row that saw nothing (lse = -inf) or a NaN (lse = NaN) sends no gradient.
-    live = lse.isfinite().unsqueeze(-1)  # (B, Hq, R, 1)
+    # A row that saw nothing (lse = -inf) sends no gradient.
+    live = (lse > float("-inf")).unsqueeze(-1)  # (B, Hq, R, 1)
     seq_visible, depth_visible = visible_entries(block.variant, B, Hq, R, Tk, L, q.device)
 
     def grouped(x: Tensor) -> Tensor:  # (B, Hq, R, N) -> (B, Hk, G * R, N)

@@ -15,12 +15,8 @@ read it, with no buffer written behind its back.
 stream and leaves the old one as it was. A pass builds its stream layer by
 layer; nothing is mutated, so ``torch.compile(fullgraph=True)`` traces it,
 activation checkpointing can re-run a block, and a stream used twice gives the
-same entries twice. A stream built with gradients (eagerly, or compiled on
-CUDA with static shapes) also carries a gradient path, whose gradient is one
-buffer of all its entries' gradients: :meth:`DepthStream.attend` has each
-layer add its depth gradients to it, rather than autograd summing each
-entry's gradients one layer at a time (:mod:`moda_flex.backends.chain`,
-:func:`buffers_gradients`).
+same entries twice. Autograd gives each entry the sum of the gradients of
+every layer that read it.
 """
 
 from __future__ import annotations
@@ -90,64 +86,6 @@ def as_tensor(depth: DepthKV, empty_like: Tensor) -> Tensor:
     return torch.stack(tuple(depth), dim=3)  # (B, Hk, Tq, L, D)
 
 
-class _Append(torch.autograd.Function):
-    """A gradient path one slot longer; its gradient's last slot is the new entry's k and v gradient."""
-
-    @staticmethod
-    def forward(ctx, path, k, v):
-        ctx.set_materialize_grads(False)  # no reader after: None, not a buffer of zeros
-        two, B, Hk, T, n, D = path.shape
-        return path.new_empty(()).expand(two, B, Hk, T, n + 1, D)  # never read: one element, expanded
-
-    @staticmethod
-    def backward(ctx, grad):
-        if grad is None:
-            return None, None, None
-        n = grad.shape[4] - 1
-        return grad[:, :, :, :, :n], grad[0, :, :, :, n], grad[1, :, :, :, n]
-
-
-def buffers_gradients(choice: Optional[bool], k: Tensor) -> bool:
-    """Whether a stream with ``gradient_buffer=choice``, given the entry ``k``, gives its entries their gradients
-    through one buffer (:meth:`DepthStream.attend`). ``None``: eagerly, and compiled where the calls take the
-    traced ops (CUDA, static shapes: :func:`moda_flex.backends.traced.traceable`).
-
-    Eagerly autograd sums each entry's gradients one layer at a time, a kernel each, which the buffer spares
-    (NVIDIA H100, the Table 6 step with FFN entries, BENCHMARKS.md "One gradient buffer a stream": 135.7 ->
-    114.6 ms). Compiled, inductor fuses those sums into one kernel an entry, which runs once the last reader's
-    gradient exists and so holds every layer's depth gradients until then; the traced calls' buffer, summed
-    layer by layer, does not (the same step compiled, BENCHMARKS.md "A gradient buffer compiled": peak
-    memory 1.39x -> 1.17x the baseline's, step 1.56x -> 1.53x). Compiled with dynamic shapes the calls are
-    opaque ops, whose host time the buffer's extra op adds to.
-    """
-    if choice is not None:
-        return choice
-    if not torch.compiler.is_compiling():
-        return True
-    if not k.is_cuda:
-        return False
-    from .backends.traced import traceable  # CUDA: triton is there
-
-    return traceable(k)
-
-
-def _path_after(stream: "DepthStream", k: Tensor, v: Tensor) -> Optional[Tensor]:
-    """The gradient path of ``stream`` with (k, v) appended: (2, B, Hk, T, n + 1, D); None where the entries
-    get no gradient (no grad mode, or no entry needs one), the stream's gradients are not buffered
-    (:func:`buffers_gradients`) or the path would not cover every entry."""
-    if not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or stream.gradients is not None)):
-        return None
-    if not buffers_gradients(stream.gradient_buffer, k):
-        return None
-    path = stream.gradients
-    if path is None:
-        if len(stream):  # the earlier entries have no path: their gradients could not be handed back
-            return None
-        B, Hk, T, D = k.shape
-        path = k.new_empty(()).expand(2, B, Hk, T, 0, D)
-    return _Append.apply(path, k, v)
-
-
 def _is_count(value) -> bool:
     """Whether ``value`` is an int >= 0 (a bool is not)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
@@ -160,45 +98,24 @@ class DepthStream:
     Each attention layer reads the stream, then appends its own K/V; with FFN
     depth, each FFN appends one more. ``append`` returns the longer stream::
 
-        depth = DepthStream(capacity=2 * n_layer, readers=n_layer)
+        depth = DepthStream(capacity=2 * n_layer)
         for block in blocks:
-            x, depth = block(x, depth)     # reads depth.read(), returns depth.append(k, v)...
+            depth_k, depth_v = depth.read()                        # L entries (B, Hk, T, D) each
+            y = moda_attention(q, k, v, depth_k, depth_v)          # one softmax over [sequence | depth]
+            depth = depth.append(k, v)                             # this layer's entry, for the later ones
 
     Attributes:
         capacity: the most entries the pass may append, or None for no limit.
-        readers: the most times the pass may :meth:`attend` over the stream,
-            or None for no limit. The last of those reads hands on no
-            gradient path: nothing reads the entries after it, and compiled,
-            a path that no later layer reads has a gradient of zeros, which
-            the step would fill and the last reader's backward add (a
-            buffer of every entry: 0.4 GB at Table 6 with FFN entries).
-        reads: how many times the pass has attended over the stream so far.
         keys, values: the entries, each (B, Hk, T, D), oldest first.
-        gradient_buffer: whether :meth:`attend` gathers the entries'
-            gradients in one buffer: True, False, or None (the default:
-            eagerly, and compiled on CUDA with static shapes;
-            :func:`buffers_gradients` says why).
-        gradients: the gradient path (2, B, Hk, T, n, D) of :meth:`attend`,
-            or None: a stream appended to with gradients into a buffer has one.
     """
 
     capacity: Optional[int] = None
     keys: tuple = ()
     values: tuple = ()
-    gradient_buffer: Optional[bool] = None
-    gradients: Optional[Tensor] = dataclasses.field(default=None, compare=False, repr=False)
-    readers: Optional[int] = None
-    reads: int = 0
 
     def __post_init__(self):
-        for name in ("capacity", "readers"):
-            limit = getattr(self, name)
-            if limit is not None and not _is_count(limit):
-                raise ValueError(f"{name} must be an int >= 0 or None, got {limit!r}")
-        if not _is_count(self.reads):
-            raise ValueError(f"reads must be an int >= 0, got {self.reads!r}")
-        if self.gradient_buffer not in (None, True, False):
-            raise ValueError(f"gradient_buffer must be True, False or None, got {self.gradient_buffer!r}")
+        if self.capacity is not None and not _is_count(self.capacity):
+            raise ValueError(f"capacity must be an int >= 0 or None, got {self.capacity!r}")
         if len(self.keys) != len(self.values):
             raise ValueError(f"keys and values must pair up, got {len(self.keys)} keys and {len(self.values)} values")
 
@@ -234,36 +151,7 @@ class DepthStream:
                     raise ValueError(
                         f"entry {len(self)} has {what} {seen}, but the stream's entries have {expected}"
                     )
-        return dataclasses.replace(self, keys=self.keys + (k,), values=self.values + (v,),
-                                   gradients=_path_after(self, k, v))  # fmt: skip
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, **options) -> tuple:
-        """``moda_attention`` over ``[k, v | every entry of the stream]``; returns its result and the stream.
-
-        The same as ``moda_attention(q, k, v, *stream.read(), **options)``,
-        except that where the backend is a kernel one that adds into the
-        stream's gradient buffer (:mod:`moda_flex.backends.chain`), the
-        entries' gradients gather there: one pass a layer, not a sum of
-        each entry's gradients per layer.
-
-        Args:
-            q: (B, Hq, Tq, D); k, v: (B, Hk, Tk, D), as ``moda_attention`` takes them.
-            options: ``moda_attention``'s keyword arguments (variant, score,
-                scale, backend, return_lse).
-
-        Returns:
-            what ``moda_attention`` returns, and the stream to read or append
-            to next (its entries are these; its gradient path goes on, but
-            for the last of ``readers``).
-
-        Raises:
-            ValueError: once the stream was read ``readers`` times.
-        """
-        if self.readers is not None and self.reads >= self.readers:
-            raise ValueError(f"the depth stream was read by all its {self.readers} readers")
-        from .attention import stream_attention
-
-        return stream_attention(q, k, v, self, **options)
+        return dataclasses.replace(self, keys=self.keys + (k,), values=self.values + (v,))
 
     def read(self, count: Optional[int] = None) -> tuple[Optional[list], Optional[list]]:
         """The first ``count`` entries (all by default) as two lists of (B, Hk, T, D), or (None, None) if none.

@@ -327,7 +327,7 @@ class MoDAAttention(nn.Module):
         if depth is None:
             y = moda_attention(q, k_all, v_all, variant=self._scored, backend=self.backend)
         else:
-            y, depth = depth.attend(q, k_all, v_all, variant=self._scored, backend=self.backend)
+            y = moda_attention(q, k_all, v_all, *depth.read(), variant=self._scored, backend=self.backend)
             depth = depth.append(k, v)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, Hq*D)
         return self.o_proj(y), depth

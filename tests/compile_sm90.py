@@ -18,7 +18,6 @@ first failure.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import json
@@ -36,8 +35,8 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 import moda_flex.backends.split.kernels  # noqa: E402,F401  (decorated as compiled kernels, not interpreted)
 import moda_flex.backends.triton.kernels  # noqa: E402,F401
-from moda_flex import DepthStream, moda_attention, scores, variants  # noqa: E402
-from moda_flex.backends import chain, split  # noqa: E402
+from moda_flex import moda_attention, scores, variants  # noqa: E402
+from moda_flex.backends import split  # noqa: E402
 from moda_flex.backends.triton import configs, triton_attention  # noqa: E402
 from moda_flex.testing import MoDAShape, make_inputs  # noqa: E402
 
@@ -141,27 +140,6 @@ def hopper_cases():
             variants.full(), dq_atomic
 
 
-def stream_cases():
-    """(name, kernel, inputs): two reads of one depth stream through its gradient buffer (backends/chain.py):
-    the last read's backward writes the buffer, the first's adds to it (``DEPTH_ADD``)."""
-    inputs = _inputs(1, 6, 2, 32, 32, 0, 64, torch.bfloat16)
-    yield "split stream buffer", "split", inputs
-    yield "triton stream buffer", "capture", inputs  # the fused kernel off a CUDA graph capture
-
-
-def _stream_reads(kernel: str, q, k, v) -> None:
-    entries = [t.detach().clone().requires_grad_() for t in (k, v, k, v)]
-    stream = DepthStream(gradient_buffer=True)
-    outs = []
-    for key, value in (entries[:2], entries[2:]):
-        stream = stream.append(key, value)
-        out, _, path = chain.read_stream(kernel, stream.gradients, q, k, v, list(stream.keys), list(stream.values),
-                                         variants.causal(), q.shape[-1] ** -0.5, False)  # fmt: skip
-        stream = dataclasses.replace(stream, gradients=path)
-        outs.append(out)
-    sum(out.float().sum() for out in outs).backward()
-
-
 def _backward(result) -> None:
     out, lse = result if isinstance(result, tuple) else (result, None)
     (out.float().sum() + (lse.sum() if lse is not None else 0)).backward()
@@ -171,8 +149,6 @@ def launches():
     """(name, call) for every case, in order: ``call()`` makes the case's launches, forward and backward."""
     for name, backend, (q, k, v, dk, dv), variant, return_lse in cases():
         yield name, functools.partial(_attention_backward, q, k, v, dk, dv, variant, backend, return_lse)
-    for name, kernel, (q, k, v, _, _) in stream_cases():
-        yield name, functools.partial(_stream_reads, kernel, q, k, v)
     for name, (q, k, v, dk, dv), variant, dq_atomic in hopper_cases():
         yield name, functools.partial(_hopper_backward, q, k, v, dk, dv, variant, dq_atomic)
 

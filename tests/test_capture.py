@@ -3,7 +3,7 @@
 Compiled, the forward op and the backward op each choose when they launch,
 so a step may run its forward on one kernel and its backward on the other:
 every pairing is checked against the float64 reference, on the output, the
-lse and every gradient, and under the NaN rule. On CPU (Triton's
+lse and every gradient. On CPU (Triton's
 interpreter, float32) a capture is simulated; on a GPU a real one is taken.
 """
 
@@ -19,7 +19,6 @@ from moda_flex import variants as v  # noqa: E402
 from moda_flex.backends import capture, slots, split  # noqa: E402
 from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs  # noqa: E402
 
-from test_nonfinite import NUMPY_NAN_WARNINGS, _assert_reaches_only_its_rows  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -99,34 +98,6 @@ def test_a_captured_call_copies_no_address_table_from_the_host(monkeypatch):
     inputs = make_inputs(MoDAShape(1, 6, 2, 7, 7, 3, 16), dtype=DTYPE, device=DEVICE, depth_entries=True)
     assert_matches_reference(inputs, backend=_compiled_capture(), variant=v.causal())
     assert tables == []
-
-
-# each entry once, the two mixed pairings in turn
-@NUMPY_NAN_WARNINGS
-@pytest.mark.parametrize(
-    "case, states",
-    [((v.causal(), "depth_v", (0, 1, 4, 2), float("nan")), PAIRINGS[2]),
-     ((v.causal(), "k", (0, 0, 2), float("inf")), PAIRINGS[3]),
-     ((v.full(), "q", (0, 3, 4), float("nan")), PAIRINGS[2]),
-     ((v.depth_window(1), "depth_k", (0, 1, 4, 0), float("-inf")), PAIRINGS[3])],
-    ids=["depth-value-fused-then-split", "key-split-then-fused", "query-fused-then-split",
-         "outside-the-window-split-then-fused"],
-)  # fmt: skip
-def test_a_mixed_pairing_keeps_the_nan_rule(case, states, monkeypatch):
-    """A non-finite entry reaches only the rows that see it, bit for bit, when the backward reads the other
-    kernel's out and lse (whose dead rows it must know as its own)."""
-    variant, name, index, value = case
-    compiled = _compiled_capture()
-
-    def run(*args):  # each call's two launches see the pairing's states
-        captures.seen = 0
-        return compiled(*args)
-
-    captures = Captures(monkeypatch, states)
-    monkeypatch.setattr(backends, "_auto", lambda *args: run)
-    shape = MoDAShape(batch=1, q_heads=6, kv_heads=2, q_len=9, kv_len=9, slots=3, head_dim=16)
-    _assert_reaches_only_its_rows("auto", shape, variant, name, index, value, device=DEVICE, dtype=DTYPE)
-    assert captures.ran == captures.expected() * 2  # the poisoned call and the clean one
 
 
 @pytest.mark.parametrize("captured", [False, True])

@@ -192,7 +192,7 @@ blocks = torch.nn.ModuleList(Block(config) for _ in range(2))
 x = torch.randn(1, 3, 32)
 
 def run(x):
-    depth = DepthStream(gradient_buffer=True)
+    depth = DepthStream()
     for block in blocks:
         x, depth = block(x, depth)
     return x

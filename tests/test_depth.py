@@ -45,33 +45,6 @@ def test_bad_capacity(capacity):
         DepthStream(capacity=capacity)
 
 
-@pytest.mark.parametrize("readers", [-1, 2.5, True, "3"])
-def test_bad_readers(readers):
-    with pytest.raises(ValueError, match="readers"):
-        DepthStream(readers=readers)
-
-
-@pytest.mark.parametrize("reads", [-1, 1.5, True])
-def test_bad_reads(reads):
-    with pytest.raises(ValueError, match="reads must be an int"):
-        DepthStream(reads=reads)
-
-
-def test_the_last_reader_hands_on_no_gradient_path():
-    """A stream read by all its ``readers`` carries no gradient path on (nothing reads the entries after), and
-    refuses another read."""
-    q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
-    stream = DepthStream(readers=2).append(_entry(B=1, Hk=1, T=3, D=4), _entry(B=1, Hk=1, T=3, D=4).requires_grad_())
-    assert stream.gradients is not None
-    _, stream = stream.attend(q, k, v)
-    assert stream.reads == 1 and stream.gradients is not None
-    _, stream = stream.attend(q, k, v)
-    assert stream.reads == 2 and stream.gradients is None
-    assert stream.append(_entry(B=1, Hk=1, T=3, D=4), _entry(B=1, Hk=1, T=3, D=4)).gradients is None
-    with pytest.raises(ValueError, match="read by all its 2 readers"):
-        stream.attend(q, k, v)
-
-
 def test_append_errors_name_what_differs():
     stream = DepthStream(capacity=1)
     with pytest.raises(ValueError, match="k and v must match"):

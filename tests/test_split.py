@@ -1,4 +1,4 @@
-"""The split path against the float64 reference, its NaN rule, and where ``auto`` sends a call.
+"""The split path against the float64 reference, and where ``auto`` sends a call.
 
 On CPU the depth kernels run under the Triton interpreter and SDPA's CPU
 flash op stands in for the vendor's kernel (float32, small shapes); on a GPU
@@ -22,7 +22,6 @@ from moda_flex.backends.reference import reference_attention  # noqa: E402
 from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs, moda_shapes, relative_error, tolerance  # noqa: E402
 
 from budget import examples  # noqa: E402
-from test_nonfinite import NUMPY_NAN_WARNINGS, VALUES, _assert_reaches_only_its_rows, _entries  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = (torch.bfloat16, torch.float16) if DEVICE == "cuda" else (torch.float32,)
@@ -134,23 +133,6 @@ def test_two_slots_a_step(slots, variant, monkeypatch):
     assert_matches_reference(inputs, backend="split", variant=variant)
 
 
-# every place of a step (first (0, 1, 4, 2), second (0, 1, 4, 3), a lone last slot (0, 1, 4, 4)) with a key and
-# with a value, each value in every place and with either
-@NUMPY_NAN_WARNINGS
-@pytest.mark.parametrize("name, value, index", [
-    ("depth_k", float("nan"), (0, 1, 4, 2)), ("depth_k", float("-inf"), (0, 1, 4, 3)),
-    ("depth_k", float("nan"), (0, 1, 4, 4)), ("depth_v", float("-inf"), (0, 1, 4, 2)),
-    ("depth_v", float("nan"), (0, 1, 4, 3)), ("depth_v", float("-inf"), (0, 1, 4, 4)),
-], ids=["depth_k-nan-first-of-a-step", "depth_k--inf-second-of-a-step", "depth_k-nan-a-lone-last-slot",
-        "depth_v--inf-first-of-a-step", "depth_v-nan-second-of-a-step", "depth_v--inf-a-lone-last-slot"])  # fmt: skip
-def test_two_slots_a_step_keep_the_nan_rule(name, value, index, monkeypatch):
-    """A NaN or -Inf depth key or value in either place of a step (5 slots: steps (0, 1), (2, 3), (4, -)); a
-    -Inf key gives some rows a zero weight, which alone would leave them finite."""
-    _per_token_kernels(monkeypatch)
-    shape = MoDAShape(batch=1, q_heads=6, kv_heads=2, q_len=7, kv_len=7, slots=5, head_dim=16)
-    _assert_reaches_only_its_rows("split", shape, v.causal(), name, index, value, device=DEVICE, dtype=DTYPES[0])
-
-
 def _assert_gradients_match_reference(inputs: dict, out, lse, variant, loss) -> None:
     """Every input's gradient of ``loss(out, lse)`` against the float64 reference's; zero where the reference's
     loss does not depend on an input."""
@@ -236,75 +218,6 @@ def test_no_second_derivative():
     out = moda_attention(**inputs, backend="split")
     with pytest.raises(NotImplementedError, match="backend 'split' has no second derivative"):
         torch.autograd.grad(out.square().sum(), inputs["q"], create_graph=True)
-
-
-# ---- NaN and Inf ----------------------------------------------------------------------------------------------
-
-
-@NUMPY_NAN_WARNINGS
-@settings(max_examples=examples(16))
-@given(
-    shape=moda_shapes(max_batch=2, max_groups=8, max_kv_heads=2, max_kv_len=20, max_slots=4, head_dims=(8,)),
-    design=st.sampled_from(["tokens", "tiles"]),
-    data=st.data(),
-    value=VALUES,
-)
-def test_a_non_finite_entry_reaches_only_the_rows_that_see_it(shape, design, data, value):
-    """Zeroed keys and values for the vendor, dead rows silenced in its backward: bit for bit, in either design
-    of the depth kernels at any G (the Tensor Core tiles' step meets several tokens' slots)."""
-    variant = data.draw(_split_variants(shape))
-    name, index = data.draw(_entries(shape))
-    with pytest.MonkeyPatch.context() as patch:
-        _design(patch, design)
-        _assert_reaches_only_its_rows("split", shape, variant, name, index, value, device=DEVICE, dtype=DTYPES[0])
-
-
-@NUMPY_NAN_WARNINGS
-@pytest.mark.parametrize(
-    "case",
-    [
-        (v.causal(), "v", (0, 1, 8)),  # a future value: the vendor's diagonal tile would spread it
-        (v.causal(), "k", (0, 0, 2)),
-        (v.causal(), "depth_v", (0, 0, 2, 1)),  # another token's slot
-        (v.depth_window(1), "depth_k", (0, 1, 4, 0)),  # a slot outside the window
-        (v.full(), "q", (0, 3, 4)),
-    ],
-    ids=lambda case: f"{case[0].name}-{case[1]}",
-)
-def test_named_entries(case):
-    variant, name, index = case
-    shape = MoDAShape(batch=1, q_heads=4, kv_heads=2, q_len=9, kv_len=9, slots=3, head_dim=16)
-    _assert_reaches_only_its_rows("split", shape, variant, name, index, float("nan"), device=DEVICE, dtype=DTYPES[0])
-
-
-@NUMPY_NAN_WARNINGS
-@pytest.mark.parametrize("design", ["tokens", "tiles"])
-@pytest.mark.parametrize("value", [float("inf"), float("-inf")])
-@pytest.mark.parametrize("name", ["depth_k", "depth_v"])
-def test_an_infinite_depth_slot_kills_the_rows_that_see_it(name, value, design, monkeypatch):
-    """A depth key of +-Inf gives some of its token's rows a logit of -inf (a zero weight, which alone would
-    leave the row finite), a depth value of +-Inf an infinite output: both rows are dead, at G=1 and G=3, in
-    either design of the depth kernels."""
-    _design(monkeypatch, design)
-    for q_heads in (2, 6):
-        shape = MoDAShape(batch=1, q_heads=q_heads, kv_heads=2, q_len=7, kv_len=7, slots=3, head_dim=16)
-        _assert_reaches_only_its_rows("split", shape, v.causal(), name, (0, 1, 4, 2), value, device=DEVICE,
-                                      dtype=DTYPES[0])  # fmt: skip
-
-
-@NUMPY_NAN_WARNINGS
-@pytest.mark.parametrize("bad", [64 * 63 + 3, 64 * 64 + 4])
-def test_the_first_bad_key_is_found_past_many_blocks(bad):
-    """The sanitizing pass records each 64-token block's first non-finite key; the depth forward takes the
-    least of the records, 64 a load: a key in the last block of the first load, and one past it."""
-    T = 64 * 64 + 5
-    q, k, v_ = (torch.randn(1, 1, T, 8, device=DEVICE, dtype=DTYPES[0]) for _ in range(3))
-    depth = torch.randn(1, 1, T, 1, 8, device=DEVICE, dtype=DTYPES[0])
-    k[0, 0, bad, 0] = float("nan")
-    with torch.no_grad():
-        out = moda_attention(q, k, v_, depth, depth, variant="causal", backend="split")
-    dead = torch.isnan(out[0, 0]).any(-1)
-    assert dead[bad:].all() and not dead[:bad].any()
 
 
 # ---- auto's choice --------------------------------------------------------------------------------------------

@@ -1,11 +1,11 @@
 """The triton backend's Hopper path, forced on any device, against the float64 reference.
 
 The path (sm90 tiles, tensor descriptors for the tiles of the unmasked
-blocks, per-block dead-row flags) is chosen at launch; ``MODA_FLEX_TRITON_PATH``
+blocks) is chosen at launch; ``MODA_FLEX_TRITON_PATH``
 forces it, and on CPU the Triton interpreter runs its descriptors. What the
 interpreter cannot run, warp specialization and the TMA engine's reductions
 (``DQ_ATOMIC=2``), is checked on a GPU by benchmarks/bench_hopper.py. The whole
-of test_triton.py, test_nonfinite.py and test_scores.py also passes with
+of test_triton.py and test_scores.py also passes with
 ``MODA_FLEX_TRITON_PATH=hopper`` set.
 """
 
@@ -20,7 +20,6 @@ from moda_flex import variants as v  # noqa: E402
 from moda_flex.backends.triton import configs, triton_attention  # noqa: E402
 from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs  # noqa: E402
 
-from test_nonfinite import MASKED, SHAPE, _assert_reaches_only_its_rows  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # On a GPU the path takes 16-bit floats only; the interpreter runs them as float32 anyway.
@@ -69,27 +68,6 @@ def test_hopper_path_matches_reference(hopper, shape, variant, dq_atomic):
     inputs = make_inputs(shape, dtype=DTYPE, device=DEVICE, strided_depth=True, seed=2)
     assert_matches_reference(inputs, backend=run, variant=variant)
     assert sorted(seen) == [("dkdv", True), ("dq", True), ("fwd", True)]  # each kernel once, on the path
-
-
-# Lengths past two key blocks (16 on CPU), so that the dK/dV kernel has unmasked query blocks: a head with
-# dead rows reads them through masked loads, the other head through the descriptors.
-LONG = MoDAShape(1, 4, 2, 40, 40, 3, 16)
-DEAD = {
-    "k seen by later rows": (v.causal(), "k", (0, 1, 30)),
-    "q of one row": (v.causal(), "q", (0, 2, 25)),
-    "v seen by every row": (v.full(), "v", (0, 0, 5)),
-}
-
-
-@pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
-@pytest.mark.parametrize("case", sorted(MASKED) + sorted(DEAD))
-def test_dead_rows_on_the_hopper_path(hopper, case):
-    """The NaN rule holds bit for bit: rows that cannot see the entry are as if it were zero.
-
-    (float32 inputs: on a GPU the path declines them, and this runs the generic path.)
-    """
-    shape, (variant, name, index) = (SHAPE, MASKED[case]) if case in MASKED else (LONG, DEAD[case])
-    _assert_reaches_only_its_rows("triton", shape, variant, name, index, float("nan"), device=DEVICE)
 
 
 def test_auto_takes_the_hopper_path_on_hopper_for_large_calls_only(monkeypatch):

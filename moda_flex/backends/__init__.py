@@ -36,7 +36,6 @@ Whatever the name, a call with no output element (B, Hq or Tq is 0) runs on
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, Optional
 
 import torch.nn.functional as F
@@ -172,17 +171,6 @@ def reads_depth_entries(run: Backend) -> bool:
     entries into one (B, Hk, Tq, L, D) tensor.
     """
     return kernel_name(run) is not None
-
-
-def stream_reader(run: Backend) -> Optional[Callable]:
-    """How ``run`` reads a depth stream's entries adding their gradients into its gradient buffer
-    (:func:`moda_flex.backends.chain.read_stream`, with ``run``'s kernel bound), or None where it does not."""
-    kernel = kernel_name(run)
-    if kernel is None:
-        return None
-    from . import chain  # a kernel backend ran: triton is there
-
-    return functools.partial(chain.read_stream, kernel) if kernel in chain.KERNELS else None
 
 
 def _flex() -> Backend:

@@ -21,10 +21,8 @@ A kernel's first launch may not happen during a capture: it compiles and
 loads Triton's kernels and builds cuDNN's plan, work a capture does not
 allow (tried on an H200: "operation failed due to a previous error during
 capture"). So the first call of each layout that runs the fused kernel runs
-the split path's forward and backward once as well, uncaptured (the
-backward in each of its forms: returning the depth gradients, writing them
-into a depth stream's buffer, adding to it), and drops their results: a
-step's warm-up prepares its capture.
+the split path's forward and backward once as well, uncaptured, and drops
+their results: a step's warm-up prepares its capture.
 
 Compiled on CUDA with static shapes, the call is one traced op
 (:mod:`.traced`), ``moda_flex::capture_traced_forward`` and its backward,
@@ -44,13 +42,13 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from ..depth import DepthKV, as_list, grads_shape, slot_count
+from ..depth import DepthKV, as_list, slot_count
 from ..variants import Variant
 from .layouts import new_out, unit_last
-from .records import define, define_traced, define_traced_pair, unpack
+from .records import define, define_traced_pair, unpack
 from .split import ops as split_ops
 from .split import sequence
-from .split.ops import Addend, Grads, Inputs, Into, Options
+from .split.ops import Grads, Inputs, Options
 from .traced import traceable
 from .triton import ops as fused_ops
 from .triton import launch as fused_launch
@@ -104,11 +102,6 @@ def _prepare(inputs: Inputs, opts: Options) -> None:
             out, lse = split_ops._forward(*inputs, opts, route=route)
             grads = Grads(torch.zeros_like(out), None, out, lse)
             split_ops.backward_in_op_layouts(grads, inputs, opts, route)
-            buffer = inputs.q.new_zeros(2, *grads_shape(inputs.q, inputs.k, inputs.depth_k))
-            for add in (False, True):  # a depth stream's gradient buffer (chain.py), written first, then added to
-                split_ops.backward_into(grads, inputs, opts, Into(buffer, add), route)
-            for addend in (None, buffer):  # the traced ops' form: a fresh buffer, plus the later readers' or not
-                split_ops.backward_add(grads, inputs, opts, Addend(addend), route)
     _PREPARED.add(key)
 
 
@@ -139,45 +132,19 @@ def summed_dq(results: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     return dq + more, *rest
 
 
-def _backward_into(grads: Grads, inputs: Inputs, opts: Options, into: Into) -> tuple[Tensor, ...]:
-    """dq, dk, dv, contiguous, with the depth gradients put into ``into``, by the kernel of :func:`kernel_now`."""
-    if kernel_now(inputs.q.device) == "split":
-        return split_ops.backward_into(_split_grads(grads, opts), inputs, opts, into, split_ops.CAPTURED)
-    return _fused_backward(grads, inputs, opts, into=into.depth_grads, add=into.add)[:3]
-
-
-def _backward_add(grads: Grads, inputs: Inputs, opts: Options, addend: Addend) -> tuple[Tensor, ...]:
-    """dq in two parts (:func:`summed_dq`), dk, dv, contiguous, and a fresh buffer, the depth gradients plus
-    ``addend``, by the kernel of :func:`kernel_now`."""
-    if kernel_now(inputs.q.device) == "split":
-        return split_ops.backward_add(_split_grads(grads, opts), inputs, opts, addend, split_ops.CAPTURED,
-                                      dq_apart=True)  # fmt: skip
-    dq, *rest = _fused_backward_add(grads, inputs, opts, addend)
-    return *split_ops.DqParts(dq, None).apart(), *rest
-
-
 def _split_grads(grads: Grads, opts: Options) -> Grads:
     """``grads`` with the lse in the layout of the split path's vendor op."""
     return grads._replace(lse=sequence.lse_layout(opts.kernel, grads.lse))
 
 
-def _fused_backward(grads: Grads, inputs: Inputs, opts: Options, run_backward: Optional[Callable] = None,
-                    **depth) -> tuple[Tensor, ...]:  # fmt: skip
+def _fused_backward(grads: Grads, inputs: Inputs, opts: Options,
+                    run_backward: Optional[Callable] = None) -> tuple[Tensor, ...]:  # fmt: skip
     """The fused kernel's dq, dk, dv and depth gradients, by ``run_backward`` (:func:`.triton.launch.backward`'s
-    arguments; the eager path's where None), given ``depth``, its arguments ``into``, ``add``, ``addend``."""
+    arguments; the eager path's where None)."""
     grad_out = torch.zeros_like(grads.out) if grads.grad_out is None else unit_last(grads.grad_out)
     fused_inputs, fused_opts = fused_records(inputs, opts)
     fused_grads = fused_launch.Grads(grad_out, grads.grad_lse, grads.out, grads.lse, bias_grad=False)
-    return (run_backward or fused_ops._run_backward)(fused_grads, fused_inputs, fused_opts, **depth)[:5]
-
-
-def _fused_backward_add(grads: Grads, inputs: Inputs, opts: Options, addend: Addend,
-                        run_backward: Optional[Callable] = None) -> tuple[Tensor, ...]:  # fmt: skip
-    """:func:`_backward_add` on the fused kernel, by ``run_backward`` (as :func:`_fused_backward`)."""
-    buffer = split_ops.fresh_buffer(inputs, addend)
-    dq, dk, dv = _fused_backward(grads, inputs, opts, run_backward=run_backward, into=buffer,
-                                 addend=addend.depth_grads)[:3]  # fmt: skip
-    return dq, dk, dv, buffer
+    return (run_backward or fused_ops._run_backward)(fused_grads, fused_inputs, fused_opts)[:5]
 
 
 # ---- torch.library ops -------------------------------------------------------------------------
@@ -194,11 +161,6 @@ def _outputs(inputs: Inputs, opts: Options) -> tuple[Tensor, Tensor]:
 define("capture_forward", Inputs, Options, returns=2, run=_forward, fake=_outputs)
 define("capture_backward", Grads, Inputs, Options, returns=6, run=_backward,
        fake=functools.partial(split_ops.gradients_unwritten, dq_apart=True))  # fmt: skip
-define("capture_backward_into", Grads, Inputs, Options, Into, returns=3, run=_backward_into,
-       fake=lambda grads, inputs, opts, into: split_ops.gradients_unwritten(grads, inputs, opts)[:3])  # fmt: skip
-define("capture_backward_add", Grads, Inputs, Options, Addend, returns=5, run=_backward_add,
-       fake=lambda grads, inputs, opts, addend: (*split_ops.gradients_unwritten(grads, inputs, opts, True)[:4],
-                                                 split_ops.fresh_buffer(inputs, addend)))  # fmt: skip
 
 
 def _backward_by_op(grads: Grads, inputs: Inputs, opts: Options):
@@ -246,18 +208,6 @@ traced_forward, traced_backward = define_traced_pair(
     "capture_traced", Inputs, Grads, Options, forward=_traced_forward_body, backward=_traced_backward_body,
     returns=5, autograd_backward=_autograd_backward, setup_context=_setup_context,
 )
-
-
-def _traced_backward_add_body(grads: Grads, inputs: Inputs, opts: Options, addend: Addend):
-    if graphs_captured():
-        return summed_dq(torch.ops.moda_flex.capture_backward_add(*grads, *inputs, *opts, *addend))
-    return _fused_backward_add(grads, inputs, opts, addend, run_backward=functools.partial(
-        fused_launch.backward, route=fused_traced.TRACED))  # fmt: skip
-
-
-# A depth stream's reader (chain.py): the depth gradients into a fresh buffer, plus the later readers'.
-define_traced("capture_traced_backward_add", Grads, Inputs, Options, Addend, returns=4,
-              body=_traced_backward_add_body)  # fmt: skip
 
 
 def capture_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: DepthKV, depth_v: DepthKV, variant: Variant,

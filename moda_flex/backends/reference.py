@@ -15,8 +15,8 @@ When a variant reads only each token's own depth (all built-ins but
 ``chunk_depth``), the depth logits are the compact (Tq, L) products; otherwise
 the depth predicate is evaluated densely over every (token, slot) pair.
 
-A NaN or Inf reaches only the rows that see it: such a row returns NaN, every
-other row is exact (:mod:`moda_flex.nonfinite`).
+Non-finite inputs carry SDPA's promise, no more: a masked entry gets a zero
+weight, and ``0 * NaN`` is NaN.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from ..nonfinite import mark_rows, rows_seeing_dense, zero_nonfinite
 from ..variants import Variant, resolve
 
 
@@ -137,15 +136,6 @@ def _attention(q, k, v, depth_k, depth_v, variant: Variant, scale: float):
     G = Hq // Hk
     compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     q, k, v, depth_k, depth_v = (t.to(compute_dtype) for t in (q, k, v, depth_k, depth_v))
-    # A NaN or Inf must reach only the rows that see it, and a zero weight
-    # times NaN is NaN: compute on zeroed copies, then mark those rows NaN
-    # (moda_flex.nonfinite).
-    q, q_bad = zero_nonfinite(q)  # (B, Hq, Tq, D), (B, Hq, Tq)
-    k, k_bad = zero_nonfinite(k)  # (B, Hk, Tk, D), (B, Hk, Tk)
-    v, v_bad = zero_nonfinite(v)
-    depth_k, depth_k_bad = zero_nonfinite(depth_k)  # (B, Hk, Tq, L, D), (B, Hk, Tq, L)
-    depth_v, depth_v_bad = zero_nonfinite(depth_v)
-
     # Query head h reads KV head h // G: repeat each KV head G times.
     k = k.repeat_interleave(G, dim=1)  # (B, Hq, Tk, D)
     v = v.repeat_interleave(G, dim=1)  # (B, Hq, Tk, D)
@@ -187,10 +177,4 @@ def _attention(q, k, v, depth_k, depth_v, variant: Variant, scale: float):
         out = out + torch.einsum("bhtl,bhtld->bhtd", depth_probs, depth_v)
     else:
         out = out + depth_probs @ depth_v
-
-    seen = rows_seeing_dense(
-        seq_visible, depth_visible, q_bad, k_bad | v_bad, depth_k_bad | depth_v_bad, variant.own_depth_only
-    )  # (B, Hq, Tq)
-    out, lse = mark_rows(out, lse, seen)
-    probs, _ = mark_rows(probs, None, seen)
     return out, probs, lse

@@ -1,5 +1,4 @@
-"""The depth slots' base pointers, read from their address table (:mod:`moda_flex.backends.slots`) inside a kernel,
-and the depth gradients' pointers (:mod:`moda_flex.backends.grad_sides`).
+"""The depth slots' base pointers, read from their address table (:mod:`moda_flex.backends.slots`) inside a kernel.
 
 Both kernel backends read depth through it: the fused kernels of ``triton/`` and the split path's depth kernels.
 """
@@ -63,12 +62,3 @@ def depth_tables(TAB, keys, values, SLOTS: tl.constexpr):
     else:
         dk, dv = keys[0], values[0]
     return dk, dv
-
-
-@triton.jit
-def second_side(FIRST, SECOND, AT):
-    """The values' pointer of a pair of depth-gradient pointers (:func:`moda_flex.backends.grad_sides.side_arguments`):
-    ``SECOND``, or where it is None, ``AT`` elements past ``FIRST`` (one buffer)."""
-    if SECOND is None:
-        SECOND = FIRST + AT
-    return SECOND

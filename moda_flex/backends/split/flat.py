@@ -16,23 +16,12 @@ import triton.language as tl
 from ..slot_pointers import depth_tables
 from .kernels import (
     _depth_backward_kernel, _depth_backward_token_kernel, _depth_forward_kernel, _depth_forward_token_kernel,
-    _sanitize_kv_kernel,
 )  # fmt: skip
 
 
 @triton.jit
-def sanitize_kv_flat(
-    K, V, KO, VO, FIRST, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3, so0, so1, so2, so3, Hk, Tk,
-    D: tl.constexpr, BLOCK_T: tl.constexpr, DP: tl.constexpr,
-):  # fmt: skip
-    """:func:`.kernels._sanitize_kv_kernel`."""
-    _sanitize_kv_kernel(K, V, KO, VO, FIRST, (sk0, sk1, sk2, sk3), (sv0, sv1, sv2, sv3), (so0, so1, so2, so3),
-                        Hk, Tk, D=D, BLOCK_T=BLOCK_T, DP=DP)  # fmt: skip
-
-
-@triton.jit
 def depth_forward_flat(
-    Q, TAB, OS, LS, FIRST, O, LO,
+    Q, TAB, OS, LS, O, LO,
     DK0, DK1, DK2, DK3, DK4, DK5, DK6, DK7, DK8, DK9, DK10, DK11, DK12, DK13, DK14, DK15, DK16, DK17, DK18, DK19,
     DK20, DK21, DK22, DK23, DK24, DK25, DK26, DK27, DK28, DK29, DK30, DK31, DK32, DK33, DK34, DK35, DK36, DK37,
     DK38, DK39, DK40, DK41, DK42, DK43, DK44, DK45, DK46, DK47, DK48, DK49, DK50, DK51, DK52, DK53, DK54, DK55,
@@ -43,7 +32,7 @@ def depth_forward_flat(
     DV56, DV57, DV58, DV59, DV60, DV61, DV62, DV63,
     sq0, sq1, sq2, sq3, sdk0, sdk1, sdk2, sdk3, sdk4, sdv0, sdv1, sdv2, sdv3, sdv4, sos0, sos1, sos2, sos3,
     sls0, sls1, sls2, so0, so1, so2, so3, slo0, slo1, slo2,
-    Hk, Tq, Tk, L, depth_first, qk_scale, first_blocks,
+    Hk, Tq, L, depth_first, qk_scale,
     G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, D: tl.constexpr,
     DP: tl.constexpr, HAS_SEQ: tl.constexpr, CAUSAL: tl.constexpr, SLOTS: tl.constexpr, SLOT_PTRS: tl.constexpr,
     TOKENS: tl.constexpr,
@@ -64,23 +53,23 @@ def depth_forward_flat(
     )[:SLOT_PTRS], SLOTS=SLOTS)  # fmt: skip
     if TOKENS:
         _depth_forward_token_kernel(
-            Q, dk, dv, OS, LS, FIRST, O, LO, (sq0, sq1, sq2, sq3), (sdk0, sdk1, sdk2, sdk3, sdk4),
+            Q, dk, dv, OS, LS, O, LO, (sq0, sq1, sq2, sq3), (sdk0, sdk1, sdk2, sdk3, sdk4),
             (sdv0, sdv1, sdv2, sdv3, sdv4), (sos0, sos1, sos2, sos3), (sls0, sls1, sls2), (so0, so1, so2, so3),
-            (slo0, slo1, slo2), Hk, Tq, Tk, L, depth_first, tl.cast(qk_scale, tl.float32), first_blocks,
+            (slo0, slo1, slo2), Hk, Tq, L, depth_first, tl.cast(qk_scale, tl.float32),
             G=G, GP=GP, BLOCK_T=BLOCK_T, D=D, DP=DP, HAS_SEQ=HAS_SEQ, CAUSAL=CAUSAL, SLOTS=SLOTS,
         )  # fmt: skip
     else:
         _depth_forward_kernel(
-            Q, dk, dv, OS, LS, FIRST, O, LO, (sq0, sq1, sq2, sq3), (sdk0, sdk1, sdk2, sdk3, sdk4),
+            Q, dk, dv, OS, LS, O, LO, (sq0, sq1, sq2, sq3), (sdk0, sdk1, sdk2, sdk3, sdk4),
             (sdv0, sdv1, sdv2, sdv3, sdv4), (sos0, sos1, sos2, sos3), (sls0, sls1, sls2), (so0, so1, so2, so3),
-            (slo0, slo1, slo2), Hk, Tq, Tk, L, depth_first, tl.cast(qk_scale, tl.float32), first_blocks,
+            (slo0, slo1, slo2), Hk, Tq, L, depth_first, tl.cast(qk_scale, tl.float32),
             G=G, GP=GP, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, D=D, DP=DP, HAS_SEQ=HAS_SEQ, CAUSAL=CAUSAL, SLOTS=SLOTS,
         )  # fmt: skip
 
 
 @triton.jit
 def depth_backward_flat(
-    Q, TAB, O, DO, LSE, GLSE, DQ, DDK, DDV, ADK, ADV, QC, OC, DOC, LSEC, K, V, KO, VO,
+    Q, TAB, O, DO, LSE, GLSE, DQ, DDK, DDV,
     DK0, DK1, DK2, DK3, DK4, DK5, DK6, DK7, DK8, DK9, DK10, DK11, DK12, DK13, DK14, DK15, DK16, DK17, DK18, DK19,
     DK20, DK21, DK22, DK23, DK24, DK25, DK26, DK27, DK28, DK29, DK30, DK31, DK32, DK33, DK34, DK35, DK36, DK37,
     DK38, DK39, DK40, DK41, DK42, DK43, DK44, DK45, DK46, DK47, DK48, DK49, DK50, DK51, DK52, DK53, DK54, DK55,
@@ -91,12 +80,10 @@ def depth_backward_flat(
     DV56, DV57, DV58, DV59, DV60, DV61, DV62, DV63,
     sq0, sq1, sq2, sq3, sdk0, sdk1, sdk2, sdk3, sdk4, sdv0, sdv1, sdv2, sdv3, sdv4, so0, so1, so2, so3,
     sdo0, sdo1, sdo2, sdo3, sl0, sl1, sl2, sgl0, sgl1, sgl2, sdq0, sdq1, sdq2, sdq3,
-    sgk0, sgk1, sgk2, sgk3, sgk4, sgv0, sgv1, sgv2, sgv3, sgv4, sga0, sga1, sga2, sga3, sga4,
-    sqc0, sqc1, sqc2, sqc3, soc0, soc1, soc2, soc3, slc0, slc1, slc2, sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3,
-    sko0, sko1, sko2, sko3,
-    Hk, Tq, Tk, L, depth_first, scale, qk_scale, DDV_AT, ADV_AT,
+    sgk0, sgk1, sgk2, sgk3, sgk4, sgv0, sgv1, sgv2, sgv3, sgv4,
+    Hk, Tq, L, depth_first, scale, qk_scale,
     G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, D: tl.constexpr,
-    DP: tl.constexpr, HAS_GLSE: tl.constexpr, SLOTS: tl.constexpr, DEPTH_ADD: tl.constexpr, COPIES: tl.constexpr,
+    DP: tl.constexpr, HAS_GLSE: tl.constexpr, SLOTS: tl.constexpr,
     SLOT_PTRS: tl.constexpr, TOKENS: tl.constexpr,
 ):  # fmt: skip
     """:func:`.kernels._depth_backward_kernel`, or with ``TOKENS`` :func:`.kernels._depth_backward_token_kernel`
@@ -115,32 +102,26 @@ def depth_backward_flat(
     )[:SLOT_PTRS], SLOTS=SLOTS)  # fmt: skip
     if TOKENS:
         _depth_backward_token_kernel(
-            Q, dk, dv, O, DO, LSE, GLSE, DQ, DDK, DDV, ADK, ADV, QC, OC, DOC, LSEC, K, V, KO, VO,
+            Q, dk, dv, O, DO, LSE, GLSE, DQ, DDK, DDV,
             (sq0, sq1, sq2, sq3), (sdk0, sdk1, sdk2, sdk3, sdk4), (sdv0, sdv1, sdv2, sdv3, sdv4), (so0, so1, so2, so3),
             (sdo0, sdo1, sdo2, sdo3), (sl0, sl1, sl2), (sgl0, sgl1, sgl2), (sdq0, sdq1, sdq2, sdq3),
-            (sgk0, sgk1, sgk2, sgk3, sgk4), (sgv0, sgv1, sgv2, sgv3, sgv4), (sga0, sga1, sga2, sga3, sga4),
-            (sqc0, sqc1, sqc2, sqc3), (soc0, soc1, soc2, soc3), (slc0, slc1, slc2), (sk0, sk1, sk2, sk3),
-            (sv0, sv1, sv2, sv3), (sko0, sko1, sko2, sko3),
-            Hk, Tq, Tk, L, depth_first, tl.cast(scale, tl.float32), tl.cast(qk_scale, tl.float32), DDV_AT, ADV_AT,
-            G=G, GP=GP, BLOCK_T=BLOCK_T, D=D, DP=DP, HAS_GLSE=HAS_GLSE, SLOTS=SLOTS, DEPTH_ADD=DEPTH_ADD, COPIES=COPIES,
+            (sgk0, sgk1, sgk2, sgk3, sgk4), (sgv0, sgv1, sgv2, sgv3, sgv4),
+            Hk, Tq, L, depth_first, tl.cast(scale, tl.float32), tl.cast(qk_scale, tl.float32),
+            G=G, GP=GP, BLOCK_T=BLOCK_T, D=D, DP=DP, HAS_GLSE=HAS_GLSE, SLOTS=SLOTS,
         )  # fmt: skip
     else:
         _depth_backward_kernel(
-            Q, dk, dv, O, DO, LSE, GLSE, DQ, DDK, DDV, ADK, ADV, QC, OC, DOC, LSEC, K, V, KO, VO,
+            Q, dk, dv, O, DO, LSE, GLSE, DQ, DDK, DDV,
             (sq0, sq1, sq2, sq3), (sdk0, sdk1, sdk2, sdk3, sdk4), (sdv0, sdv1, sdv2, sdv3, sdv4), (so0, so1, so2, so3),
             (sdo0, sdo1, sdo2, sdo3), (sl0, sl1, sl2), (sgl0, sgl1, sgl2), (sdq0, sdq1, sdq2, sdq3),
-            (sgk0, sgk1, sgk2, sgk3, sgk4), (sgv0, sgv1, sgv2, sgv3, sgv4), (sga0, sga1, sga2, sga3, sga4),
-            (sqc0, sqc1, sqc2, sqc3), (soc0, soc1, soc2, soc3), (slc0, slc1, slc2), (sk0, sk1, sk2, sk3),
-            (sv0, sv1, sv2, sv3), (sko0, sko1, sko2, sko3),
-            Hk, Tq, Tk, L, depth_first, tl.cast(scale, tl.float32), tl.cast(qk_scale, tl.float32), DDV_AT, ADV_AT,
+            (sgk0, sgk1, sgk2, sgk3, sgk4), (sgv0, sgv1, sgv2, sgv3, sgv4),
+            Hk, Tq, L, depth_first, tl.cast(scale, tl.float32), tl.cast(qk_scale, tl.float32),
             G=G, GP=GP, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, D=D, DP=DP, HAS_GLSE=HAS_GLSE, SLOTS=SLOTS,
-            DEPTH_ADD=DEPTH_ADD, COPIES=COPIES,
         )  # fmt: skip
 
 
 # Each kernel's flat wrapper, and the constants the wrapper takes beyond the kernel's own.
 FLAT = {
-    _sanitize_kv_kernel: (sanitize_kv_flat, {}),
     _depth_forward_kernel: (depth_forward_flat, dict(TOKENS=False)),
     _depth_forward_token_kernel: (depth_forward_flat, dict(TOKENS=True, BLOCK_C=1)),
     _depth_backward_kernel: (depth_backward_flat, dict(TOKENS=False)),

@@ -1,4 +1,4 @@
-"""Triton kernels of the split path: the depth part, its merge with the sequence part, and the NaN rule. ``@triton.jit`` only.
+"""Triton kernels of the split path: the depth part and its merge with the sequence part. ``@triton.jit`` only.
 
 The depth kernels come in two designs, which ``ops._layout`` picks by G: Tensor Core tiles (described here),
 and per-token products on the CUDA cores for G <= 4 (their section, "Per-token products", below).
@@ -21,17 +21,9 @@ sequence part, ``m = lse_s``, ``l = 1``, ``acc = o_s``: after the last
 column, ``acc / l`` and ``m + log l`` are the output and lse of the one
 softmax over ``[sequence | depth]``.
 
-NaN and Inf (the rule of :mod:`moda_flex.nonfinite`): the vendor's kernels
-give a masked key a zero weight, and ``0 * NaN = NaN``, so they get keys and
-values with non-finite vectors zeroed (:func:`_sanitize_kv_kernel`, which
-also records the first such token of each block of a KV head's tokens), and the depth kernel
-marks the rows that *see* one: their output and lse are NaN. In the
-backward such a dead row gets ``q = o = dO = 0`` and ``lse = +inf``
-(:func:`_silenced`), so its p is zero and it sends no gradient, in the
-vendor's backward as in the depth kernel's. The depth backward runs first:
-it reads q, o, dO and the lse anyway, so it writes the silenced copies (and
-the keys and values, sanitized) that the vendor's backward then reads, and
-its dq goes apart, for the caller to add to the vendor's.
+The backward: the vendor's backward gives the sequence part's gradients from
+the merged out and lse, the depth kernel the depth slots' and the depth
+part of dq, which goes apart, for the caller to add to the vendor's.
 
 Strides arrive as one tuple per tensor, in its axis order: ``sq`` is
 ``q.stride()``, ``sgk`` a depth gradient's (b, h, t, l, d). The depth slots
@@ -42,31 +34,10 @@ are read where they lie, through their address table
 import triton
 import triton.language as tl
 
-from ..slot_pointers import second_side, slot_bases
+from ..slot_pointers import slot_bases
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
-
-
-@triton.jit
-def _finite(x):
-    """True where ``x`` is neither NaN nor Inf."""
-    return tl.abs(x) < float("inf")
-
-
-@triton.jit
-def _row_nans(x):
-    """NaN for each row of a tile (its last axis a row's lanes) that holds a NaN or Inf, else 0: ``x * 0`` is NaN
-    exactly at a non-finite entry and 0 elsewhere, and a row's sum carries it."""
-    return tl.sum(x * 0.0, -1)
-
-
-@triton.jit
-def _nonfinite_rows(x):
-    """Which rows of a tile hold a NaN or Inf (:func:`_row_nans`): one check a row instead of one an entry (the
-    per-token forward's instructions outside its loop 1173 -> 901 under Triton 3.6; H100, the Table 6 call:
-    1.1 us less a call)."""
-    return ~_finite(_row_nans(x))
 
 
 @triton.jit
@@ -86,67 +57,6 @@ def _program_rows(Hk, Tq, G: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constex
     row_ok = (r % GP < G) & (tok < Tq)
     d = tl.arange(0, DP)
     return b, hk, bhk, t0, rt, tok, h, row_ok, d, d < D
-
-
-@triton.jit
-def _token_block(bh, H, T, BLOCK_T: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
-    """An elementwise program's batch b and head h (``bh`` is b * H + h), its BLOCK_T tokens t (grid axis 0),
-    the head dim's lanes d, which tokens are real, and which (token, lane) entries are."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    d = tl.arange(0, DP)
-    t_ok = t < T
-    return bh // H, bh % H, t, d, t_ok, t_ok[:, None] & (d < D)[None, :]
-
-
-@triton.jit
-def _sanitize_kv_kernel(
-    K, V, KO, VO, FIRST,
-    sk, sv, so,
-    Hk, Tk,
-    D: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    DP: tl.constexpr,
-):  # fmt: skip
-    """k, v (B, Hk, Tk, D) with non-finite vectors zeroed into ``KO``, ``VO`` (contiguous), and
-    ``FIRST[b * Hk + hk, block]``, one a program, the first token of its block whose key or value holds a NaN
-    or Inf (Tk: none)."""
-    _sanitize_block(K, V, KO, VO, FIRST, sk, sv, so, tl.program_id(1), Hk, Tk, D, BLOCK_T, DP, True)
-
-
-@triton.jit
-def _sanitize_block(
-    K, V, KO, VO, FIRST,
-    sk, sv, so,
-    bh, Hk, Tk,
-    D: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    DP: tl.constexpr,
-    FIND_FIRST: tl.constexpr,
-):  # fmt: skip
-    """:func:`_sanitize_kv_kernel`'s work for batch and KV head ``bh`` (b * Hk + hk); ``FIRST`` is written only
-    with ``FIND_FIRST``."""
-    b, hk, t, d, _, live = _token_block(bh, Hk, Tk, BLOCK_T, D, DP)
-    k = tl.load(K + b * sk[0] + hk * sk[1] + t[:, None] * sk[2] + d[None, :], mask=live, other=0.0)
-    v = tl.load(V + b * sv[0] + hk * sv[1] + t[:, None] * sv[2] + d[None, :], mask=live, other=0.0)
-    k_ok = _finite(k)
-    v_ok = _finite(v)
-    out = b * so[0] + hk * so[1] + t[:, None] * so[2] + d[None, :]
-    tl.store(KO + out, tl.where(k_ok, k, 0.0), mask=live)
-    tl.store(VO + out, tl.where(v_ok, v, 0.0), mask=live)
-    if FIND_FIRST:
-        bad = tl.sum((~k_ok | ~v_ok).to(tl.int32), 1) > 0
-        tl.store(FIRST + bh * tl.num_programs(0) + tl.program_id(0), tl.min(tl.where(bad, t, Tk), 0))
-
-
-@triton.jit
-def _first_bad(FIRST, bhk, blocks, Tk):
-    """The first token of KV head ``bhk`` whose key or value holds a NaN or Inf (Tk: none), from the
-    sanitizing pass's ``blocks`` records (:func:`_sanitize_kv_kernel`)."""
-    first = tl.zeros((), tl.int32) + Tk  # a tensor whatever Tk's specialization: the loop carries it
-    for b0 in range(0, blocks, 64):
-        i = b0 + tl.arange(0, 64)
-        first = tl.minimum(first, tl.min(tl.load(FIRST + bhk * blocks + i, mask=i < blocks, other=Tk), 0))
-    return first
 
 
 @triton.jit
@@ -184,9 +94,9 @@ def _slot_tiles(DK_TAB, DV_TAB, slot, L, b, hk, tok, sdk, sdv, d, tile, ELEM: tl
 
 @triton.jit
 def _depth_forward_kernel(
-    Q, DK_TAB, DV_TAB, OS, LS, FIRST, O, LO,
+    Q, DK_TAB, DV_TAB, OS, LS, O, LO,
     sq, sdk, sdv, sos, sls, so, slo,
-    Hk, Tq, Tk, L, depth_first, qk_scale, first_blocks,
+    Hk, Tq, L, depth_first, qk_scale,
     G: tl.constexpr,
     GP: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -200,7 +110,7 @@ def _depth_forward_kernel(
     """out, lse of ``[sequence | depth]`` from the sequence part (``OS``, ``LS``) and the depth slots.
 
     Without ``HAS_SEQ`` the softmax is over the depth slots alone. A row that
-    sees nothing gets zeros and lse = -inf; a dead row NaN in both.
+    sees nothing gets zeros and lse = -inf.
     """
     R: tl.constexpr = BLOCK_T * GP
     b, hk, bhk, t0, rt, tok, h, row_ok, d, d_ok = _program_rows(Hk, Tq, G, GP, BLOCK_T, D, DP)
@@ -208,17 +118,11 @@ def _depth_forward_kernel(
     ninf = float("-inf")
 
     q = tl.load(Q + b * sq[0] + h[:, None] * sq[1] + tok[:, None] * sq[2] + d[None, :], mask=rows2, other=0.0)
-    dead = _nonfinite_rows(q)  # a dead row's results are NaN, whatever its logits
     if HAS_SEQ:
         m = tl.load(LS + b * sls[0] + h * sls[1] + tok * sls[2], mask=row_ok, other=ninf) * _LOG2E
         acc = tl.load(OS + b * sos[0] + h[:, None] * sos[1] + tok[:, None] * sos[2] + d[None, :], mask=rows2,
                       other=0.0).to(tl.float32)  # fmt: skip
         l_sum = tl.where(m == ninf, 0.0, 1.0)
-        first_bad = _first_bad(FIRST, bhk, first_blocks, Tk)
-        if CAUSAL:  # query i sits at position Tk - Tq + i
-            dead |= first_bad <= Tk - Tq + tok
-        else:
-            dead |= first_bad < Tk
     else:
         m = tl.full((R,), ninf, tl.float32)
         acc = tl.zeros((R, DP), tl.float32)
@@ -231,13 +135,7 @@ def _depth_forward_kernel(
         kd, vd = _slot_tiles(DK_TAB, DV_TAB, slot, L, b, hk, col_tok, sdk, sdv, d, tile, ELEM=Q.dtype.element_ty,
                              SLOTS=SLOTS)  # fmt: skip
         sees = (rt[:, None] == j[None, :]) & visible[None, :]
-        # A slot's non-finite key or value makes its logit NaN (``x * 0`` is NaN at a non-finite x, else 0: a
-        # logit of -inf too, which alone would weigh nothing), for the rows that see it to carry to their
-        # denominator (checked once at the end). The value is then read as zeros: every row meets it, with p = 0.
-        v_nan = _row_nans(vd)
-        vd = tl.where(v_nan[:, None] == 0.0, vd, 0.0)
-        s = tl.dot(q, tl.trans(kd)) * qk_scale
-        s = tl.where(sees, s + s * 0.0 + v_nan[None, :], ninf)
+        s = tl.where(sees, tl.dot(q, tl.trans(kd)) * qk_scale, ninf)
         # rescale the running max and denominator, as in a FlashAttention step
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == ninf, 0.0, m_new)
@@ -247,55 +145,18 @@ def _depth_forward_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(vd.dtype), vd)
         m = m_new
 
-    dead |= ~_finite(l_sum)
     seen = l_sum > 0.0
     lse = tl.where(seen, (m + tl.math.log2(tl.where(seen, l_sum, 1.0))) * _LN2, ninf)
     out = acc / tl.where(seen, l_sum, 1.0)[:, None]
-    lse = tl.where(dead, float("nan"), lse)
-    out = tl.where(dead[:, None], float("nan"), out)
     tl.store(O + b * so[0] + h[:, None] * so[1] + tok[:, None] * so[2] + d[None, :], out.to(O.dtype.element_ty), mask=rows2)
     tl.store(LO + b * slo[0] + h * slo[1] + tok * slo[2], lse, mask=row_ok)
 
 
 @triton.jit
-def _silenced(q, o, do, lse, dead_entries):
-    """A backward program's rows under the NaN rule, as both backwards read them: q with non-finite entries
-    zeroed, and a dead row's (lse NaN) o and dO zeroed and its lse +inf. ``dead_entries``: the lse's NaN
-    broadcast to the entries' shape (the caller's, by its layout)."""
-    q = tl.where(_finite(q), q, 0.0)
-    o = tl.where(dead_entries, 0.0, o)
-    do = tl.where(dead_entries, 0.0, do)
-    return q, o, do, tl.where(lse != lse, float("inf"), lse)
-
-
-@triton.jit
-def _copies(q, o, do, lse, QC, OC, DOC, LSEC, K, V, KO, VO, sk, sv, sko, bhk, Hk, Tk, qc_at, oc_at, lsec_at,
-            entries, rows, D: tl.constexpr, BLOCK_T: tl.constexpr, DP: tl.constexpr):  # fmt: skip
-    """What the vendor's backward reads, written by a depth backward program: its rows' silenced q, o, dO
-    and lse (``*_at``: their offsets in the copies; ``OC`` and ``DOC`` share a layout), and the keys and
-    values of its BLOCK_T tokens, sanitized as :func:`_sanitize_kv_kernel` gives them."""
-    tl.store(QC + qc_at, q.to(QC.dtype.element_ty), mask=entries)
-    tl.store(OC + oc_at, o.to(OC.dtype.element_ty), mask=entries)
-    tl.store(DOC + oc_at, do.to(DOC.dtype.element_ty), mask=entries)
-    tl.store(LSEC + lsec_at, lse, mask=rows)
-    _sanitize_block(K, V, KO, VO, None, sk, sv, sko, bhk, Hk, Tk, D, BLOCK_T, DP, False)
-
-
-@triton.jit
-def _store_gradient(ptr, addend, value, mask, ADD: tl.constexpr):
-    """Store a depth slot's gradient at ``ptr``; with ``ADD``, plus what ``addend`` holds (a depth stream's
-    gradient buffer, :mod:`moda_flex.backends.chain`: ``ptr`` itself, or a buffer read beside the one written),
-    in float32 before the one rounding."""
-    if ADD:
-        value += tl.load(addend, mask=mask, other=0.0).to(tl.float32)
-    tl.store(ptr, value.to(ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _depth_backward_kernel(
-    Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV, ADK, ADV, QC, OC, DOC, LSEC, K, V, KO, VO,
-    sq, sdk, sdv, so, sdo, sl, sgl, sdq, sgk, sgv, sga, sqc, soc, slc, sk, sv, sko,
-    Hk, Tq, Tk, L, depth_first, scale, qk_scale, DDV_AT, ADV_AT,
+    Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV,
+    sq, sdk, sdv, so, sdo, sl, sgl, sdq, sgk, sgv,
+    Hk, Tq, L, depth_first, scale, qk_scale,
     G: tl.constexpr,
     GP: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -304,17 +165,13 @@ def _depth_backward_kernel(
     DP: tl.constexpr,
     HAS_GLSE: tl.constexpr,
     SLOTS: tl.constexpr,
-    DEPTH_ADD: tl.constexpr,
-    COPIES: tl.constexpr,
 ):  # fmt: skip
-    """The depth part's gradients from the merged out and lse, the inputs silenced here (:func:`_silenced`).
+    """The depth part's gradients from the merged out and lse.
 
     ``P = exp(scale q . kd - lse)``, ``delta = rowsum(dO * O) - dLSE``,
     ``dS = P (dO . vd - delta)``: writes dK_d, dV_d of every slot (zero for
     slots before ``depth_first``) and the depth part's dQ into ``DQ``. dK_d, dV_d go to ``DDK``, ``DDV``
-    (strides ``sgk``, ``sgv``; ``DDV`` None: ``DDV_AT`` elements past ``DDK``, one buffer); with ``DEPTH_ADD``
-    plus what ``ADK``, ``ADV`` hold (strides ``sga``; ``ADV`` None: ``ADV_AT`` past ``ADK``), which may be
-    ``DDK``, ``DDV`` themselves. With ``COPIES`` it writes what the vendor's backward reads (:func:`_copies`).
+    (strides ``sgk``, ``sgv``).
     """
     R: tl.constexpr = BLOCK_T * GP
     b, hk, bhk, t0, rt, tok, h, row_ok, d, d_ok = _program_rows(Hk, Tq, G, GP, BLOCK_T, D, DP)
@@ -324,34 +181,21 @@ def _depth_backward_kernel(
     do = tl.load(DO + b * sdo[0] + h[:, None] * sdo[1] + tok[:, None] * sdo[2] + d[None, :], mask=rows2, other=0.0)
     o = tl.load(O + b * so[0] + h[:, None] * so[1] + tok[:, None] * so[2] + d[None, :], mask=rows2, other=0.0)
     lse = tl.load(LSE + b * sl[0] + h * sl[1] + tok * sl[2], mask=row_ok, other=float("inf"))
-    q, o, do, lse = _silenced(q, o, do, lse, (lse != lse)[:, None])
-    if COPIES:
-        _copies(q, o, do, lse, QC, OC, DOC, LSEC, K, V, KO, VO, sk, sv, sko, bhk, Hk, Tk,
-                b * sqc[0] + h[:, None] * sqc[1] + tok[:, None] * sqc[2] + d[None, :],
-                b * soc[0] + h[:, None] * soc[1] + tok[:, None] * soc[2] + d[None, :],
-                b * slc[0] + h * slc[1] + tok * slc[2], rows2, row_ok, D, BLOCK_T, DP)  # fmt: skip
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     if HAS_GLSE:  # d lse / d s = p: the lse's gradient enters as delta does, with the opposite sign
         delta -= tl.load(GLSE + b * sgl[0] + h * sgl[1] + tok * sgl[2], mask=row_ok, other=0.0)
     lse = lse * _LOG2E
     dq = tl.zeros((R, DP), tl.float32)
 
-    DDV, ADV = second_side(DDK, DDV, DDV_AT), second_side(ADK, ADV, ADV_AT)
     b64, hk64 = b.to(tl.int64), hk.to(tl.int64)  # a slab's offsets may pass 2**31
     gkbase = DDK + b64 * sgk[0] + hk64 * sgk[1]
     gvbase = DDV + b64 * sgv[0] + hk64 * sgv[1]
-    akbase = ADK + b64 * sga[0] + hk64 * sga[1]
-    avbase = ADV + b64 * sga[0] + hk64 * sga[1]
     for c0 in range(0, BLOCK_T * L, BLOCK_C):  # every slot's pair: those before depth_first get zeros
         j, col_tok, slot, stored = _pair_columns(c0, L, 0, t0, Tq, BLOCK_T, BLOCK_C)
         visible = stored & (slot >= depth_first)
         tile = visible[:, None] & d_ok[None, :]
         kd, vd = _slot_tiles(DK_TAB, DV_TAB, slot, L, b, hk, col_tok, sdk, sdv, d, tile, ELEM=Q.dtype.element_ty,
                              SLOTS=SLOTS)  # fmt: skip
-        # masked slots' products still meet other rows' p = 0: a slot holding a NaN or Inf is read as zeros (the
-        # rows that see it are dead: they send no gradient)
-        kd = tl.where(_nonfinite_rows(kd)[:, None], 0.0, kd)
-        vd = tl.where(_nonfinite_rows(vd)[:, None], 0.0, vd)
         s = tl.dot(q, tl.trans(kd)) * qk_scale
         sees = (rt[:, None] == j[None, :]) & row_ok[:, None] & visible[None, :]
         p = tl.where(sees, tl.math.exp2(s - lse[:, None]), 0.0)
@@ -362,11 +206,10 @@ def _depth_backward_kernel(
         ddk = tl.dot(tl.trans(ds), q) * scale
         col_tok64 = col_tok.to(tl.int64)
         out = stored[:, None] & d_ok[None, :]
-        added = (col_tok64 * sga[2] + slot * sga[3])[:, None] + d[None, :]
-        _store_gradient(gvbase + (col_tok64 * sgv[2] + slot * sgv[3])[:, None] + d[None, :], avbase + added, ddv,
-                        out, DEPTH_ADD)  # fmt: skip
-        _store_gradient(gkbase + (col_tok64 * sgk[2] + slot * sgk[3])[:, None] + d[None, :], akbase + added, ddk,
-                        out, DEPTH_ADD)  # fmt: skip
+        gv = gvbase + (col_tok64 * sgv[2] + slot * sgv[3])[:, None] + d[None, :]
+        gk = gkbase + (col_tok64 * sgk[2] + slot * sgk[3])[:, None] + d[None, :]
+        tl.store(gv, ddv.to(gv.dtype.element_ty), mask=out)
+        tl.store(gk, ddk.to(gk.dtype.element_ty), mask=out)
 
     dq = dq * scale
     tl.store(DQ + b * sdq[0] + h[:, None] * sdq[1] + tok[:, None] * sdq[2] + d[None, :], dq.to(DQ.dtype.element_ty),
@@ -381,10 +224,6 @@ def _depth_backward_kernel(
 # (BLOCK_T, GP, DP) tiles, slot by slot (the forward two a step): no product is wasted but the GP - G padding
 # rows.
 #
-# NaN and Inf cost no check per loaded element here: a non-finite depth key makes ``s`` non-finite (the row
-# marks itself dead), and a non-finite depth value makes the row's accumulator non-finite (checked once at the
-# end), since ``acc * alpha + p * vd`` keeps a NaN or Inf whatever alpha and p are. Rows of other tokens never
-# meet these slots.
 
 
 @triton.jit
@@ -428,18 +267,10 @@ def _token_slot(DK_TAB, DV_TAB, slot, L, b, hk, t, d, sdk, sdv, live, ELEM: tl.c
 
 
 @triton.jit
-def _token_addend(ak, av, slot, L, sga, t, live):
-    """What a depth gradient buffer holds at slot ``slot`` of each token (``ak``, ``av``: its slot 0 of the
-    program's (token, lane) entries, ``sga`` its strides), (BLOCK_T, 1, DP) a side; zeros past the last slot."""
-    there = live & ((t * 0 + slot) < L)[:, None, None]
-    return tl.load(ak + slot * sga[3], mask=there, other=0.0), tl.load(av + slot * sga[3], mask=there, other=0.0)
-
-
-@triton.jit
 def _depth_forward_token_kernel(
-    Q, DK_TAB, DV_TAB, OS, LS, FIRST, O, LO,
+    Q, DK_TAB, DV_TAB, OS, LS, O, LO,
     sq, sdk, sdv, sos, sls, so, slo,
-    Hk, Tq, Tk, L, depth_first, qk_scale, first_blocks,
+    Hk, Tq, L, depth_first, qk_scale,
     G: tl.constexpr,
     GP: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -454,18 +285,11 @@ def _depth_forward_token_kernel(
     b, hk, bhk, t, h, d, rows, rows3, slot_live = _token_rows(Hk, Tq, G, GP, BLOCK_T, D, DP)
     ninf = float("-inf")
 
-    q = tl.load(_rows_at(Q, sq, b, h, t, d), mask=rows3, other=0.0).to(tl.float32)
-    dead = _nonfinite_rows(q)
-    q = q * qk_scale  # logits in log2 units (a dead row's results are NaN, whatever its logits)
+    q = tl.load(_rows_at(Q, sq, b, h, t, d), mask=rows3, other=0.0).to(tl.float32) * qk_scale  # log2 units
     if HAS_SEQ:
         m = tl.load(LS + b * sls[0] + h[None, :] * sls[1] + t[:, None] * sls[2], mask=rows, other=ninf) * _LOG2E
         acc = tl.load(_rows_at(OS, sos, b, h, t, d), mask=rows3, other=0.0).to(tl.float32)
         l_sum = tl.where(m == ninf, 0.0, 1.0)
-        first_bad = _first_bad(FIRST, bhk, first_blocks, Tk)
-        if CAUSAL:  # query i sits at position Tk - Tq + i
-            dead |= (first_bad <= Tk - Tq + t)[:, None]
-        else:
-            dead |= first_bad < Tk
     else:
         m = tl.full((BLOCK_T, GP), ninf, tl.float32)
         acc = tl.zeros((BLOCK_T, GP, DP), tl.float32)
@@ -487,7 +311,6 @@ def _depth_forward_token_kernel(
         s = tl.sum(q * kd, 2)
         s2 = tl.sum(q * kd2, 2)
         second = slot + 1 < L  # an odd count's last step has one slot: its second weighs nothing
-        dead |= ~_finite(s) | (second & ~_finite(s2))
         s2 = tl.where(second, s2, ninf)
         m_new = tl.maximum(m, tl.maximum(s, s2))
         m_safe = tl.where(m_new == ninf, 0.0, m_new)
@@ -498,21 +321,18 @@ def _depth_forward_token_kernel(
         acc = acc * alpha[:, :, None] + p[:, :, None] * vd + p2[:, :, None] * vd2
         m = m_new
 
-    dead |= _nonfinite_rows(acc)
     seen = l_sum > 0.0
     lse = tl.where(seen, (m + tl.math.log2(tl.where(seen, l_sum, 1.0))) * _LN2, ninf)
     out = acc / tl.where(seen, l_sum, 1.0)[:, :, None]
-    lse = tl.where(dead, float("nan"), lse)
-    out = tl.where(dead[:, :, None], float("nan"), out)
     tl.store(_rows_at(O, so, b, h, t, d), out.to(O.dtype.element_ty), mask=rows3)
     tl.store(LO + b * slo[0] + h[None, :] * slo[1] + t[:, None] * slo[2], lse, mask=rows)
 
 
 @triton.jit
 def _depth_backward_token_kernel(
-    Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV, ADK, ADV, QC, OC, DOC, LSEC, K, V, KO, VO,
-    sq, sdk, sdv, so, sdo, sl, sgl, sdq, sgk, sgv, sga, sqc, soc, slc, sk, sv, sko,
-    Hk, Tq, Tk, L, depth_first, scale, qk_scale, DDV_AT, ADV_AT,
+    Q, DK_TAB, DV_TAB, O, DO, LSE, GLSE, DQ, DDK, DDV,
+    sq, sdk, sdv, so, sdo, sl, sgl, sdq, sgk, sgv,
+    Hk, Tq, L, depth_first, scale, qk_scale,
     G: tl.constexpr,
     GP: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -520,26 +340,14 @@ def _depth_backward_token_kernel(
     DP: tl.constexpr,
     HAS_GLSE: tl.constexpr,
     SLOTS: tl.constexpr,
-    DEPTH_ADD: tl.constexpr,
-    COPIES: tl.constexpr,
 ):  # fmt: skip
-    """:func:`_depth_backward_kernel`'s gradients, a token's rows against its own slots on the CUDA cores.
-
-    A silenced (dead) row has ``lse = +inf``: its p and dS are zero by selection, not by arithmetic, since
-    the slots it saw may hold NaN or Inf (no live row sees those).
-    """
+    """:func:`_depth_backward_kernel`'s gradients, a token's rows against its own slots on the CUDA cores."""
     b, hk, bhk, t, h, d, rows, rows3, slot_live = _token_rows(Hk, Tq, G, GP, BLOCK_T, D, DP)
 
     q = tl.load(_rows_at(Q, sq, b, h, t, d), mask=rows3, other=0.0)
     do = tl.load(_rows_at(DO, sdo, b, h, t, d), mask=rows3, other=0.0)
     o = tl.load(_rows_at(O, so, b, h, t, d), mask=rows3, other=0.0)
     lse = tl.load(LSE + b * sl[0] + h[None, :] * sl[1] + t[:, None] * sl[2], mask=rows, other=float("inf"))
-    q, o, do, lse = _silenced(q, o, do, lse, (lse != lse)[:, :, None])
-    if COPIES:
-        _copies(q, o, do, lse, QC, OC, DOC, LSEC, K, V, KO, VO, sk, sv, sko, bhk, Hk, Tk,
-                b * sqc[0] + h[None, :, None] * sqc[1] + t[:, None, None] * sqc[2] + d[None, None, :],
-                b * soc[0] + h[None, :, None] * soc[1] + t[:, None, None] * soc[2] + d[None, None, :],
-                b * slc[0] + h[None, :] * slc[1] + t[:, None] * slc[2], rows3, rows, D, BLOCK_T, DP)  # fmt: skip
     q, do = q.to(tl.float32), do.to(tl.float32)
     delta = tl.sum(do * o.to(tl.float32), 2)
     if HAS_GLSE:  # d lse / d s = p: the lse's gradient enters as delta does, with the opposite sign
@@ -548,29 +356,20 @@ def _depth_backward_token_kernel(
     live = lse < float("inf")
     dq = tl.zeros((BLOCK_T, GP, DP), tl.float32)
 
-    DDV, ADV = second_side(DDK, DDV, DDV_AT), second_side(ADK, ADV, ADV_AT)
     b64, hk64, t64 = b.to(tl.int64), hk.to(tl.int64), t.to(tl.int64)  # a slab's offsets may pass 2**31
     gk = DDK + b64 * sgk[0] + hk64 * sgk[1] + t64[:, None, None] * sgk[2] + d[None, None, :]
     gv = DDV + b64 * sgv[0] + hk64 * sgv[1] + t64[:, None, None] * sgv[2] + d[None, None, :]
-    ak = ADK + b64 * sga[0] + hk64 * sga[1] + t64[:, None, None] * sga[2] + d[None, None, :]
-    av = ADV + b64 * sga[0] + hk64 * sga[1] + t64[:, None, None] * sga[2] + d[None, None, :]
     for slot in range(0, depth_first):  # slots no row sees: a zero gradient
-        none_seen = tl.zeros((BLOCK_T, 1, DP), tl.float32)
-        _store_gradient(gk + slot * sgk[3], ak + slot * sga[3], none_seen, slot_live, DEPTH_ADD)
-        _store_gradient(gv + slot * sgv[3], av + slot * sga[3], none_seen, slot_live, DEPTH_ADD)
-    # the next slot's entries (and addend) loaded before this one's products, as in the forward: the addend
-    # loaded beside its store left each step waiting on it (H100, the Table 6 call at L=24: 279 -> 256 us)
+        none_seen = tl.zeros((BLOCK_T, 1, DP), gk.dtype.element_ty)
+        tl.store(gk + slot * sgk[3], none_seen, mask=slot_live)
+        tl.store(gv + slot * sgv[3], none_seen, mask=slot_live)
+    # the next slot's entries loaded before this one's products, as in the forward
     kd_next, vd_next = _token_slot(DK_TAB, DV_TAB, depth_first, L, b, hk, t, d, sdk, sdv, slot_live,
                                    ELEM=Q.dtype.element_ty, SLOTS=SLOTS)  # fmt: skip
-    if DEPTH_ADD:
-        ak_next, av_next = _token_addend(ak, av, depth_first, L, sga, t, slot_live)
     for slot in range(depth_first, L):
         kd, vd = kd_next.to(tl.float32), vd_next.to(tl.float32)
         kd_next, vd_next = _token_slot(DK_TAB, DV_TAB, slot + 1, L, b, hk, t, d, sdk, sdv, slot_live,
                                        ELEM=Q.dtype.element_ty, SLOTS=SLOTS)  # fmt: skip
-        if DEPTH_ADD:
-            ak_slot, av_slot = ak_next, av_next
-            ak_next, av_next = _token_addend(ak, av, slot + 1, L, sga, t, slot_live)
         s = tl.sum(q * kd, 2) * qk_scale
         p = tl.where(live, tl.math.exp2(s - lse), 0.0)
         dp = tl.sum(do * vd, 2)
@@ -578,13 +377,10 @@ def _depth_backward_token_kernel(
         dq += ds[:, :, None] * kd
         ddk = tl.sum(ds[:, :, None] * q, 1, keep_dims=True) * scale
         ddv = tl.sum(p[:, :, None] * do, 1, keep_dims=True)
-        if DEPTH_ADD:  # in float32 before the one rounding, as _store_gradient adds
-            ddk += ak_slot.to(tl.float32)
-            ddv += av_slot.to(tl.float32)
         tl.store(gk + slot * sgk[3], ddk.to(gk.dtype.element_ty), mask=slot_live)
         tl.store(gv + slot * sgv[3], ddv.to(gv.dtype.element_ty), mask=slot_live)
 
-    dq = tl.where(live[:, :, None], dq * scale, 0.0)  # a dead row's products met its non-finite slots
+    dq = dq * scale
     tl.store(_rows_at(DQ, sdq, b, h, t, d), dq.to(DQ.dtype.element_ty), mask=rows3)
 
 

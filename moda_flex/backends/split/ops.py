@@ -6,7 +6,7 @@ depth part on ours::
 
     forward   (o_s, lse_s) = vendor attention over the sequence        (sequence.py)
               out, lse     = the depth slots folded into (o_s, lse_s)  (one depth kernel: the merge is fused)
-    backward  dq_d, dK_d, dV_d, and the inputs silenced under the NaN rule  (one depth kernel, first)
+    backward  dq_d, dK_d, dV_d                                         (one depth kernel)
               dq, dk, dv   = the vendor's backward, given them and the MERGED out and lse
               dq + dq_d    (by the caller: a compiled graph adds where it reads dq)
 
@@ -37,20 +37,18 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.library import wrap_triton
 
-from ...depth import as_list, empty_grads, grads_like, grads_shape, slot_count
+from ...depth import as_list, empty_grads, grads_like, slot_count
 from ..blocks import cdiv, next_pow2
 from ..first_order import refuse_create_graph
-from ..grad_sides import side_arguments
 from ..launcher import launch
 from ..layouts import new_out, unit_last
-from ..records import ATTENTION, Written, define, define_traced, define_traced_pair, restored, saved, unpack
+from ..records import ATTENTION, define, define_traced_pair, restored, saved, unpack
 from ..slots import depth_args
 from ..traced import launch_flat, pointer_depth, traceable
 from . import sequence
 
 _LOG2E = math.log2(math.e)
 _MIN_DOT_ROWS = 16  # the least M of a Tensor Core dot
-_BLOCK_T_ELEMENTWISE = 64
 
 
 # A call's tensors, in the order the ops take them: those of every kernel call (records.ATTENTION).
@@ -66,18 +64,7 @@ class Grads(NamedTuple):
     lse: Tensor
 
 
-class Into(NamedTuple):
-    """Where a backward op puts the depth gradients rather than returning them (:mod:`moda_flex.backends.chain`)."""
 
-    depth_grads: Written  # (2, B, Hk, Tq, L, D), any strides: the keys' gradients in [0], the values' in [1]
-    add: bool  # add to what it holds; else it is unwritten
-
-
-class Addend(NamedTuple):
-    """What a backward op that returns a fresh gradient buffer adds the depth gradients to
-    (:mod:`moda_flex.backends.chain`)."""
-
-    depth_grads: Optional[Tensor]  # (2, B, Hk, Tq, L, D), any strides, keys' then values'; None: nothing
 
 
 class DqParts(NamedTuple):
@@ -166,25 +153,6 @@ def _has_sequence(k: Tensor, opts: Options) -> bool:
     return opts.sequence and k.shape[2] > 0
 
 
-def _sanitized_kv(k: Tensor, v: Tensor, route: Route) -> tuple[Tensor, Tensor, Tensor]:
-    """k, v (B, Hk, Tk, D) with non-finite vectors zeroed, and the first token holding one in each block of
-    :data:`_BLOCK_T_ELEMENTWISE` tokens, (B * Hk, blocks) int32 (Tk: none), each block's written by its own
-    program: no fill before, no atomics."""
-    from . import kernels
-
-    B, Hk, Tk, D = k.shape
-    k0 = torch.empty(k.shape, device=k.device, dtype=k.dtype)
-    v0 = torch.empty_like(k0)
-    grid = (cdiv(Tk, _BLOCK_T_ELEMENTWISE), B * Hk)
-    first = torch.empty((B * Hk, grid[0]), device=k.device, dtype=torch.int32)
-    route.launch(kernels._sanitize_kv_kernel, grid, k.device,
-        K=k, V=v, KO=k0, VO=v0, FIRST=first,
-        sk=k.stride(), sv=v.stride(), so=k0.stride(),
-        Hk=Hk, Tk=Tk, D=D, BLOCK_T=_BLOCK_T_ELEMENTWISE, DP=max(16, next_pow2(D)),
-    )  # fmt: skip
-    return k0, v0, first
-
-
 def _outputs(q: Tensor, k: Tensor, opts: Options) -> tuple[Tensor, Tensor]:
     """A call's out and lse, unwritten, as the forward op and its fake both return them: out (B, Hq, Tq, D) in
     the layout of :func:`..layouts.new_out`, lse float32, contiguous, in the vendor's shape (cuDNN's
@@ -207,10 +175,9 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
     Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
     has_sequence = _has_sequence(k, opts)
     if has_sequence:
-        k0, v0, first = _sanitized_kv(k, v, route)
-        out_s, lse_s = sequence.forward(opts.kernel, q, k0, v0, opts.causal, opts.scale)
+        out_s, lse_s = sequence.forward(opts.kernel, q, k, v, opts.causal, opts.scale)
     else:  # nothing of the sequence is read
-        out_s, lse_s, first = out, lse, lse  # first: unread
+        out_s, lse_s = out, lse
     if out.numel() == 0:
         return out, lse
     (ls, sls), (lo, slo) = sequence.lse_argument(lse_s), sequence.lse_argument(lse)
@@ -218,32 +185,19 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
     grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
     depth, _held = route.depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
     route.launch(kernel, grid, q.device,
-        Q=q, OS=out_s, LS=ls, FIRST=first, O=out, LO=lo, **depth, first_blocks=first.shape[-1],
+        Q=q, OS=out_s, LS=ls, O=out, LO=lo, **depth,
         sq=q.stride(), sos=out_s.stride(), sls=sls, so=out.stride(), slo=slo,
-        Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, qk_scale=opts.scale * _LOG2E,
+        Hk=Hk, Tq=Tq, L=L, depth_first=opts.depth_first, qk_scale=opts.scale * _LOG2E,
         **layout, HAS_SEQ=has_sequence, CAUSAL=opts.causal,
     )  # fmt: skip
     return out, lse
 
 
-class Silenced(NamedTuple):
-    """The backward's inputs under the NaN rule, as the vendor's backward reads them (written by the depth
-    backward kernel): dead rows' q, o, dO zeroed and their lse +inf, q's non-finite entries zeroed, and k, v
-    with non-finite vectors zeroed."""
-
-    q: Tensor
-    out: Tensor
-    grad_out: Tensor
-    lse: Tensor  # the vendor's layout
-    k: Tensor
-    v: Tensor
-
-
-def _silenced_unwritten(q: Tensor, out: Tensor, lse: Tensor, k: Tensor) -> Silenced:
-    """:class:`Silenced`, unwritten: q and k, v contiguous, o and dO in out's layout."""
-    k0 = torch.empty(k.shape, device=k.device, dtype=k.dtype)
-    return Silenced(torch.empty(q.shape, device=q.device, dtype=q.dtype), torch.empty_like(out),
-                    torch.empty_like(out), torch.empty_like(lse), k0, torch.empty_like(k0))  # fmt: skip
+def _like_out(grad_out: Tensor, out: Tensor) -> Tensor:
+    """dO in out's layout, which the vendor's backward reads alike: itself where it has it, else a copy."""
+    if grad_out.stride() == out.stride():
+        return grad_out
+    return torch.empty_like(out).copy_(grad_out)
 
 
 def _sequence_backward_with_lse(q, k, v, out, grad_out, lse, grad_lse, opts: Options):
@@ -272,66 +226,47 @@ def _sequence_backward_with_lse(q, k, v, out, grad_out, lse, grad_lse, opts: Opt
 
 
 def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Options,
-              into: Optional[Tensor] = None, add: bool = False, addend: Optional[Tensor] = None,
               route: Route = EAGER):  # fmt: skip
     """dq (B, Hq, Tq, D) as :class:`DqParts`, dk, dv (B, Hk, Tk, D), and the depth gradients, two
     (B, Hk, Tq, L, D) tensors.
 
     ``grad_out`` or ``grad_lse`` may be None (no gradient reached that output). dq's parts, dk, dv are in
-    the vendor's layouts (the op makes them contiguous, as its fake says). ``into``: a (2, B, Hk, Tq, L, D)
-    buffer, any strides, that gets the depth gradients (returned as its halves), plus what it holds with
-    ``add``, or plus what ``addend``, a buffer of its shape, holds.
+    the vendor's layouts (the op makes them contiguous, as its fake says).
 
-    The depth kernel runs first and writes the silenced inputs the vendor's backward reads
-    (:class:`Silenced`); its dq cannot be added into the vendor's, which comes later and fresh, so the two
-    parts are returned apart: a compiled graph adds them where it reads dq anyway.
+    The depth kernel's dq cannot be added into the vendor's, which comes later and fresh, so the two parts
+    are returned apart: a compiled graph adds them where it reads dq anyway.
     """
     from . import kernels
 
     q, k, v = (unit_last(t) for t in (q, k, v))
     B, Hq, Tq, D = q.shape
     Hk, L = k.shape[1], slot_count(depth_k)
-    # dO in any layout: the depth kernel copies it, silenced, into out's, which the vendor's backward reads
-    grad_out = torch.zeros_like(out) if grad_out is None else unit_last(grad_out)
-    sides = empty_grads(q, k, depth_k) if into is None else into
-    ddk, ddv = sides  # a buffer's halves
+    grad_out = torch.zeros_like(out) if grad_out is None else _like_out(grad_out, out)
+    ddk, ddv = empty_grads(q, k, depth_k)
     if q.numel() == 0:
-        if addend is not None:
-            into.copy_(addend)
-        elif not add:
-            ddk.zero_()
-            ddv.zero_()
+        ddk.zero_()
+        ddv.zero_()
         return DqParts(q.new_zeros(q.shape), None), k.new_zeros(k.shape), v.new_zeros(v.shape), ddk, ddv
     has_sequence = _has_sequence(k, opts)
-    # without a sequence part nothing is written for a vendor: the originals stand in, unread
-    c = _silenced_unwritten(q, out, lse, k) if has_sequence else Silenced(q, out, grad_out, lse, k, v)
-    (lv, sl), (lcv, slc) = sequence.lse_argument(lse), sequence.lse_argument(c.lse)
+    lv, sl = sequence.lse_argument(lse)
     glse, sgl = (lv, sl) if grad_lse is None else sequence.lse_argument(grad_lse.float())
     dq_depth = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     kernel, layout = _depth_kernel(kernels.BACKWARD, _layout(q, Hk, L, True))
-    # the programs also cover the keys' tokens past the queries' (a full mask's longer keys), to sanitize them
-    Tk = k.shape[2]
-    grid = (cdiv(max(Tq, Tk if has_sequence else 0), layout["BLOCK_T"]), B * Hk)
+    grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
     depth, _held = route.depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
-    gk, gv, gv_at, sgk, sgv = side_arguments(sides)
-    added = unit_last(addend) if addend is not None else sides  # what the kernel adds to the gradients
-    ak, av, av_at, sga, _ = side_arguments(added)
     route.launch(kernel, grid, q.device,
-        Q=q, O=out, DO=grad_out, LSE=lv, GLSE=glse, DQ=dq_depth, DDK=gk, DDV=gv, ADK=ak, ADV=av,
-        QC=c.q, OC=c.out, DOC=c.grad_out, LSEC=lcv, K=k, V=v, KO=c.k, VO=c.v, **depth,
+        Q=q, O=out, DO=grad_out, LSE=lv, GLSE=glse, DQ=dq_depth, DDK=ddk, DDV=ddv, **depth,
         sq=q.stride(), so=out.stride(), sdo=grad_out.stride(),
-        sl=sl, sgl=sgl, sdq=dq_depth.stride(), sgk=sgk, sgv=sgv, sga=sga,
-        sqc=c.q.stride(), soc=c.out.stride(), slc=slc, sk=k.stride(), sv=v.stride(), sko=c.k.stride(),
-        Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, scale=opts.scale, qk_scale=opts.scale * _LOG2E,
-        DDV_AT=gv_at, ADV_AT=av_at, **layout, HAS_GLSE=grad_lse is not None, DEPTH_ADD=add or addend is not None,
-        COPIES=has_sequence,
+        sl=sl, sgl=sgl, sdq=dq_depth.stride(), sgk=ddk.stride(), sgv=ddv.stride(),
+        Hk=Hk, Tq=Tq, L=L, depth_first=opts.depth_first, scale=opts.scale, qk_scale=opts.scale * _LOG2E,
+        **layout, HAS_GLSE=grad_lse is not None,
     )  # fmt: skip
     if not has_sequence:
         return DqParts(dq_depth, None), k.new_zeros(k.shape), v.new_zeros(v.shape), ddk, ddv
     if grad_lse is None:
-        dq, dk, dv = sequence.backward(opts.kernel, c.grad_out, c.q, c.k, c.v, c.out, c.lse, opts.causal, opts.scale)
+        dq, dk, dv = sequence.backward(opts.kernel, grad_out, q, k, v, out, lse, opts.causal, opts.scale)
     else:
-        dq, dk, dv = _sequence_backward_with_lse(c.q, c.k, c.v, c.out, c.grad_out, c.lse, grad_lse, opts)
+        dq, dk, dv = _sequence_backward_with_lse(q, k, v, out, grad_out, lse, grad_lse, opts)
     return DqParts(dq, dq_depth), dk, dv, ddk, ddv
 
 
@@ -339,11 +274,9 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
 # The arguments are the records above, field by field. The ops run on CUDA, and on CPU under
 # Triton's interpreter (the tests), with SDPA's CPU flash op as the vendor.
 
-def _backward_without_dispatch(grads: Grads, inputs: Inputs, opts: Options, into: Optional[Into] = None,
-                               route: Route = EAGER):  # fmt: skip
+def _backward_without_dispatch(grads: Grads, inputs: Inputs, opts: Options, route: Route = EAGER):
     """:func:`_backward` of the records the backward ops take: what the ops and the eager path run."""
-    depth = dict(into=into.depth_grads, add=into.add) if into is not None else {}
-    return _backward(grads.grad_out, grads.grad_lse, *inputs, grads.out, grads.lse, opts, **depth, route=route)
+    return _backward(grads.grad_out, grads.grad_lse, *inputs, grads.out, grads.lse, opts, route=route)
 
 
 def _dq_returned(dq: DqParts, apart: bool) -> tuple[Tensor, ...]:
@@ -362,29 +295,6 @@ def backward_in_op_layouts(grads: Grads, inputs: Inputs, opts: Options, route: R
     return *_dq_returned(dq, dq_apart), dk.contiguous(), dv.contiguous(), ddk, ddv
 
 
-def backward_into(grads: Grads, inputs: Inputs, opts: Options, into: Into, route: Route = EAGER):
-    """dq, dk, dv, contiguous, with the depth gradients put into ``into``."""
-    dq, dk, dv, _, _ = _backward_without_dispatch(grads, inputs, opts, into, route)
-    return dq.summed().contiguous(), dk.contiguous(), dv.contiguous()
-
-
-def backward_add(grads: Grads, inputs: Inputs, opts: Options, addend: Addend, route: Route = EAGER,
-                 dq_apart: bool = False):  # fmt: skip
-    """dq (two tensors with ``dq_apart``), dk, dv, contiguous, and a fresh (2, B, Hk, Tq, L, D) buffer: the
-    depth gradients plus ``addend``."""
-    buffer = fresh_buffer(inputs, addend)
-    dq, dk, dv, _, _ = _backward(grads.grad_out, grads.grad_lse, *inputs, grads.out, grads.lse, opts, into=buffer,
-                                 addend=addend.depth_grads, route=route)  # fmt: skip
-    return *_dq_returned(dq, dq_apart), dk.contiguous(), dv.contiguous(), buffer
-
-
-def fresh_buffer(inputs: Inputs, addend: Addend) -> Tensor:
-    """The unwritten (2, B, Hk, Tq, L, D) buffer, contiguous, that a call's depth gradients plus ``addend`` go
-    to: in the addend's dtype, or without one, q's."""
-    like = inputs.q if addend.depth_grads is None else addend.depth_grads
-    return like.new_empty((2, *grads_shape(inputs.q, inputs.k, inputs.depth_k)))
-
-
 def gradients_unwritten(grads: Grads, inputs: Inputs, opts: Options, dq_apart: bool = False):
     """The backward op's results, unwritten (its fake): :func:`backward_in_op_layouts`'s shapes and layouts."""
     q, k, v, depth_k, _ = inputs
@@ -396,8 +306,6 @@ def gradients_unwritten(grads: Grads, inputs: Inputs, opts: Options, dq_apart: b
 define("split_forward", Inputs, Options, returns=2, run=lambda inputs, opts: _forward(*inputs, opts),
        fake=lambda inputs, opts: _outputs(inputs.q, inputs.k, opts))  # fmt: skip
 define("split_backward", Grads, Inputs, Options, returns=5, run=backward_in_op_layouts, fake=gradients_unwritten)
-define("split_backward_into", Grads, Inputs, Options, Into, returns=3, run=backward_into,
-       fake=lambda grads, inputs, opts, into: gradients_unwritten(grads, inputs, opts)[:3])  # fmt: skip
 
 
 def _save(ctx, inputs: Inputs, opts: Options, output: tuple) -> None:
@@ -474,14 +382,6 @@ traced_forward, traced_backward = define_traced_pair(
 )
 
 
-def _traced_backward_add_body(grads: Grads, inputs: Inputs, opts: Options, addend: Addend):
-    return backward_add(grads, inputs, opts, addend, route=TRACED)
-
-
-# A depth stream's reader (chain.py): the depth gradients into a fresh buffer, plus the later readers'.
-define_traced("split_traced_backward_add", Grads, Inputs, Options, Addend, returns=4, body=_traced_backward_add_body)
-
-
 def _eager_backward(grads: Grads, inputs: Inputs, opts: Options):
     dq, *rest = _backward_without_dispatch(grads, inputs, opts)
     return dq.summed(), *rest
@@ -532,7 +432,7 @@ def split_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: T
 
     Returns:
         out (B, Hq, Tq, D) and lse (B, Hq, Tq) float32, natural log; both
-        differentiable. The NaN rule of :mod:`moda_flex.nonfinite` holds.
+        differentiable.
         Under ``torch.compile`` on CUDA (static shapes) the compiled graph
         launches the kernels itself, each entry one of the depth kernels'
         own pointer arguments (:mod:`moda_flex.backends.traced`).

@@ -25,7 +25,6 @@ from torch import Tensor
 
 from ...depth import empty_grads, is_slab, slot_count
 from ..blocks import cdiv
-from ..grad_sides import Sides, side_arguments
 from ..launcher import Fixed, launch_fixed
 from ..layouts import new_out
 from ..records import ATTENTION
@@ -153,15 +152,15 @@ def outputs(inputs: Inputs) -> tuple[Tensor, Tensor]:
     return new_out(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-def gradients(inputs: Inputs, bias_grad: bool, depth_grads: Optional[tuple[Tensor, Tensor]] = None) -> tuple:
+def gradients(inputs: Inputs, bias_grad: bool) -> tuple:
     """The backward's results, unwritten (the launch's and the op's fake): dq (B, Hq, Tq, D), dk, dv
-    (B, Hk, Tk, D), contiguous, the depth gradients as two (B, Hk, Tq, L, D) tensors whatever the depth form
-    (``depth_grads`` where given), and the bias's gradient in its shape and dtype with ``bias_grad``, else an
+    (B, Hk, Tk, D), contiguous, the depth gradients as two (B, Hk, Tq, L, D) tensors whatever the depth form,
+    and the bias's gradient in its shape and dtype with ``bias_grad``, else an
     empty tensor."""
     q, k, v, depth_k, _, _, bias = inputs
     fmt = torch.contiguous_format
     return (torch.empty_like(q, memory_format=fmt), torch.empty_like(k, memory_format=fmt),
-            torch.empty_like(v, memory_format=fmt), *(depth_grads or empty_grads(q, k, depth_k)),
+            torch.empty_like(v, memory_format=fmt), *empty_grads(q, k, depth_k),
             torch.empty_like(bias) if bias_grad else q.new_empty(0))  # fmt: skip
 
 
@@ -219,48 +218,36 @@ def forward(inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None,
 
 
 def backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None,
-             into: Optional[Tensor] = None, add: bool = False, addend: Optional[Tensor] = None,
              route: Route = EAGER) -> tuple[Tensor, ...]:  # fmt: skip
     """Launch the backward, the dQ kernel then the dK/dV kernel: the results of :func:`gradients`, written.
 
-    ``into``: a (2, B, Hk, Tq, L, D) buffer, any strides, that gets the depth gradients (returned as its
-    halves), plus what it holds with ``add``, or plus what ``addend``, a buffer of its shape, holds.
     ``route``: how the kernels are reached.
     """
     q, k, v, depth_k, _, documents, bias = inputs
     B, Hq, Tq, D = q.shape
     Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
-    halves = None if into is None else into.unbind(0)
-    dq, dk, dv, ddk, ddv, dbias = results = gradients(inputs, grads.bias_grad, halves)
+    dq, dk, dv, ddk, ddv, dbias = results = gradients(inputs, grads.bias_grad)
     if q.numel() == 0 or k.numel() == 0:
-        for g in (dq, dk, dv, dbias) if add or addend is not None else results:
+        for g in results:
             g.zero_()
-        if addend is not None:
-            into.copy_(addend)
         return results
-    if opts.depth_first > 0 and not add:  # masked slots get a zero gradient, plus the addend's
-        first = slice(0, opts.depth_first)
-        if addend is None:
-            ddk[..., first, :].zero_()
-            ddv[..., first, :].zero_()
-        else:
-            into[..., first, :].copy_(addend[..., first, :])
+    if opts.depth_first > 0:  # masked slots get a zero gradient
+        ddk[..., : opts.depth_first, :].zero_()
+        ddv[..., : opts.depth_first, :].zero_()
     hopper, G = route.hopper(q, k, v, grads.grad_out), Hq // Hk
     layout = (q.device, D, G, B, Hk, Tq, Tk, opts, documents is not None, hopper)
     dkdv_fixed = _fixed(_dkdv_fixed, config, *layout)
     sequence = opts.sequence and Tk > 0
     atomic = sequence and dkdv_fixed.arguments["DQ_ATOMIC"]
-    # The dQ kernel runs first: it also writes delta = rowsum(dO * O) - dLSE, which the dK/dV kernel reads,
-    # and for its descriptors, which blocks of rows have a dead one. With DQ_ATOMIC it writes only the depth
-    # part of dQ, as float32 sums to which the dK/dV kernel adds the sequence part.
+    # The dQ kernel runs first: it also writes delta = rowsum(dO * O) - dLSE, which the dK/dV kernel reads.
+    # With DQ_ATOMIC it writes only the depth part of dQ, as float32 sums to which the dK/dV kernel adds the
+    # sequence part.
     dq_out = torch.empty_like(dq, dtype=torch.float32) if atomic and dq.dtype != torch.float32 else dq
-    dq_fixed = _fixed(_dq_fixed, config, *layout, L, bool(dkdv_fixed.arguments["TMA"]), bool(atomic),
-                      grads.grad_lse is not None, grads.bias_grad, add or addend is not None)  # fmt: skip
-    sides = (ddk, ddv) if into is None else into
-    added = sides if addend is None else addend  # what the kernel adds to the gradients
-    delta, gbias, dead = _launch_dq(grads, inputs, dq_fixed, dq_out, sides, added, route)
+    dq_fixed = _fixed(_dq_fixed, config, *layout, L, bool(atomic),
+                      grads.grad_lse is not None, grads.bias_grad)  # fmt: skip
+    delta, gbias = _launch_dq(grads, inputs, dq_fixed, dq_out, ddk, ddv, route)
     if sequence:
-        _launch_dkdv(grads.grad_out, q, k, v, grads.lse, delta, dead, documents, dk, dv,
+        _launch_dkdv(grads.grad_out, q, k, v, grads.lse, delta, documents, dk, dv,
                      dq_out if atomic else None, dkdv_fixed, route)  # fmt: skip
     else:
         dk.zero_()
@@ -273,20 +260,19 @@ def backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[Confi
 
 
 @functools.lru_cache(maxsize=_KEPT_LAYOUTS)
-def _dq_fixed(device, D, G, B, Hk, Tq, Tk, opts: Options, documents: bool, hopper: bool, L: int, dead_flags: bool,
-              sums: bool, glse: bool, bias_grad: bool, depth_add: bool, config) -> Fixed:  # fmt: skip
-    """The dQ launch's grid and fixed arguments for a call of this layout: with ``dead_flags`` it flags the
-    blocks of rows that have a dead one; with ``sums`` it writes only dQ's depth part (as float32 sums)."""
+def _dq_fixed(device, D, G, B, Hk, Tq, Tk, opts: Options, documents: bool, hopper: bool, L: int, sums: bool,
+              glse: bool, bias_grad: bool, config) -> Fixed:  # fmt: skip
+    """The dQ launch's grid and fixed arguments for a call of this layout: with ``sums`` it writes only dQ's
+    depth part (as float32 sums)."""
     layout = _layout(G, D)
     has_depth = L > opts.depth_first
     cfg = launch_config(device, D, G, "dq", config, has_depth=has_depth, hopper=hopper)
     arguments = dict(
-        DEAD_FLAGS=dead_flags, Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, scale=opts.scale,
+        Hk=Hk, Tq=Tq, Tk=Tk, L=L, depth_first=opts.depth_first, scale=opts.scale,
         qk_scale=opts.scale * _LOG2E, softcap=opts.softcap,
         **layout, DEPTH_ROWS=max(layout["GP"], MIN_DOT_ROWS), **_mask_flags(opts, documents),
         HAS_SEQ=opts.sequence and Tk > 0 and not sums, HAS_DEPTH=has_depth, HAS_GLSE=glse,
         HAS_SOFTCAP=opts.softcap > 0, BIAS_FIRST=opts.bias_first, BIAS_GRAD=bias_grad and has_depth,
-        DEPTH_ADD=depth_add,
         **cfg,
     )  # fmt: skip
     if not cfg["TMA"]:
@@ -294,11 +280,9 @@ def _dq_fixed(device, D, G, B, Hk, Tq, Tk, opts: Options, documents: bool, hoppe
     return Fixed((cdiv(Tq, cfg["BLOCK_M"] // layout["GP"]), B * Hk), arguments)
 
 
-def _launch_dq(grads: Grads, inputs: Inputs, fixed: Fixed, dq: Tensor, sides: Sides, added: Sides, route: Route):
-    """The dQ kernel as ``fixed`` says, writing ``dq`` and the depth gradients into ``sides``, plus what
-    ``added`` holds with ``DEPTH_ADD`` (:mod:`..grad_sides`; sides that share their strides): returns delta for
-    the dK/dV kernel, the bias's gradient in parts or None, and with ``DEAD_FLAGS`` whether each block of rows
-    has a dead one, (B * Hk, blocks) int8, else None."""
+def _launch_dq(grads: Grads, inputs: Inputs, fixed: Fixed, dq: Tensor, ddk: Tensor, ddv: Tensor, route: Route):
+    """The dQ kernel as ``fixed`` says, writing ``dq`` and the depth gradients ``ddk``, ``ddv`` (which share
+    their strides): returns delta for the dK/dV kernel, and the bias's gradient in parts or None."""
     from . import kernels
 
     grad_out, grad_lse, out, lse, _ = grads
@@ -308,8 +292,6 @@ def _launch_dq(grads: Grads, inputs: Inputs, fixed: Fixed, dq: Tensor, sides: Si
     delta = torch.empty_like(lse)
     glse = delta if grad_lse is None else grad_lse.float().contiguous()
     depth, _held = route.depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
-    gk, gv, gv_at, sgd, _ = side_arguments(sides)
-    ak, av, av_at, sga, _ = side_arguments(added)
     blocks = fixed.grid[0]
     tiles = {}
     if arguments["TMA"]:
@@ -317,15 +299,14 @@ def _launch_dq(grads: Grads, inputs: Inputs, fixed: Fixed, dq: Tensor, sides: Si
     # Each program's part of the bias gradient, summed over its tokens, (B * Hk, blocks, GP, L).
     with_bias_grad = arguments["BIAS_GRAD"]
     gbias = q.new_zeros((B * Hk, blocks, arguments["GP"], L) if with_bias_grad else (0,), dtype=torch.float32)
-    dead = torch.empty((B * Hk, blocks), device=q.device, dtype=torch.int8) if arguments["DEAD_FLAGS"] else None
     route.launch(kernels.dq_kernel, fixed, q.device,
-        Q=q, K=k, V=v, O=out, DO=grad_out, LSE=lse, GLSE=glse, DELTA=delta, DEAD=dead,
-        DQO=dq, DDKO=gk, DDVO=gv, ADK=ak, ADV=av, GBIAS=gbias,
+        Q=q, K=k, V=v, O=out, DO=grad_out, LSE=lse, GLSE=glse, DELTA=delta,
+        DQO=dq, DDKO=ddk, DDVO=ddv, GBIAS=gbias,
         **tiles, **depth, **_mask_tensors(documents, q), **_bias_args(bias, q),
         sq=q.stride(), so=out.stride(), sk=k.stride(), sv=v.stride(), sdo=grad_out.stride(), sl=lse.stride(),
-        sgq=dq.stride(), sgd=sgd, sga=sga, DDVO_AT=gv_at, ADV_AT=av_at,
+        sgq=dq.stride(), sgd=ddk.stride(),
     )  # fmt: skip
-    return delta, gbias if with_bias_grad else None, dead
+    return delta, gbias if with_bias_grad else None
 
 
 @functools.lru_cache(maxsize=_KEPT_LAYOUTS)
@@ -339,13 +320,12 @@ def _dkdv_fixed(device, D, G, B, Hk, Tq, Tk, opts: Options, documents: bool, hop
         **cfg,
     )  # fmt: skip
     if not cfg["TMA"]:
-        arguments.update(QD=None, DOD=None, DEAD=None, dead_blocks=0)
+        arguments.update(QD=None, DOD=None)
     return Fixed((cdiv(Tk, cfg["BLOCK_N"]), B * Hk), arguments)
 
 
-def _launch_dkdv(grad_out, q, k, v, lse, delta, dead, documents, dk, dv, dq_sums, fixed: Fixed, route: Route):
-    """The dK/dV kernel as ``fixed`` says: writes dk, dv (B, Hk, Tk, D), contiguous, from delta and (with
-    ``TMA``) the dead-row flags of the dQ kernel; with ``DQ_ATOMIC`` also adds the sequence part of dQ to
+def _launch_dkdv(grad_out, q, k, v, lse, delta, documents, dk, dv, dq_sums, fixed: Fixed, route: Route):
+    """The dK/dV kernel as ``fixed`` says: writes dk, dv (B, Hk, Tk, D), contiguous, from the dQ kernel's delta; with ``DQ_ATOMIC`` also adds the sequence part of dQ to
     ``dq_sums`` (B, Hq, Tq, D) float32."""
     from . import kernels
 
@@ -353,8 +333,7 @@ def _launch_dkdv(grad_out, q, k, v, lse, delta, dead, documents, dk, dv, dq_sums
     G, GP, block_t = arguments["G"], arguments["GP"], arguments["BLOCK_M"] // arguments["GP"]
     tiles = {}
     if arguments["TMA"]:
-        tiles = dict(QD=_row_descriptor(q, G, GP, block_t), DOD=_row_descriptor(grad_out, G, GP, block_t),
-                     DEAD=dead, dead_blocks=dead.shape[1])  # fmt: skip
+        tiles = dict(QD=_row_descriptor(q, G, GP, block_t), DOD=_row_descriptor(grad_out, G, GP, block_t))
     sums = dict(DQA=_placeholder(q.device), DQD=None, sa=(0, 0, 0))
     if dq_sums is not None:
         sums = dict(DQA=dq_sums, DQD=None, sa=dq_sums.stride()[:3])

@@ -50,10 +50,9 @@ def _run_forward(inputs: Inputs, opts: Options, config: Optional[ConfigHook] = N
     return (out if cast is None else out.to(cast)), lse
 
 
-def _run_backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None,
-                  into: Optional[Tensor] = None, add: bool = False, addend: Optional[Tensor] = None):  # fmt: skip
+def _run_backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None):
     inputs, (grad_out, out), cast = _interpreter_upcast(inputs, grads.grad_out, grads.out)
-    *result, dbias = backward(grads._replace(grad_out=grad_out, out=out), inputs, opts, config, into, add, addend)
+    *result, dbias = backward(grads._replace(grad_out=grad_out, out=out), inputs, opts, config)
     return (*result, dbias) if cast is None else (*(g.to(cast) for g in result), dbias)
 
 

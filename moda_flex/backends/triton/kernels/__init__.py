@@ -44,27 +44,12 @@ two inside the kernels (:func:`.common.head_lanes`). The backward
 runs the dQ kernel first: it also writes ``delta = rowsum(dO * O) - dLSE``,
 which the dK/dV kernel reads.
 
-NaN and Inf (the rule of ``moda_flex.nonfinite``), inside the kernels with no
-extra pass and no host sync: a masked entry still enters the dots with
-``p = 0``, and ``0 * NaN = NaN``, so every tile with masked entries (edge
-blocks, depth tiles) reads its non-finite values as zero, and a row that
-*sees* a non-finite query, key or value adds NaN to its softmax denominator
-(``x * 0`` is NaN exactly for a non-finite logit ``x``), which makes its out
-and lse NaN. Unmasked interior blocks are read as they are: a non-finite value
-there reaches every row through ``acc`` (folded into the denominator at the
-end), a non-finite key through ``x * 0``. The backward treats a row with
-``lse = NaN`` as dead: its p, delta and dq are zero and its q and dO are read
-as zero, so it sends no gradient, and every other row's gradients are those of
-the inputs with the non-finite entries zeroed, bit for bit.
-
 The Hopper path (launch flag ``TMA``): the tiles of the unmasked blocks,
 the part of the work that grows as T^2, come through tensor descriptors
 (the TMA copy engine, pipelined ``LOOP_STAGES`` deep): K and V in the
 forward and dQ kernels, q and dO in the dK/dV kernel, where a descriptor
 over Q (or dO) seen as (B, Hk, T, G, D) gives a block's rows in the order
-above. A copy cannot leave a dead row's q and dO out, so the dQ kernel flags
-the blocks of rows that have one and the dK/dV kernel reads the heads with a
-flag through masked loads. Masked blocks and the depth phase read as on the
+above. Masked blocks and the depth phase read as on the
 generic path. ``DQ_ATOMIC`` (either path) lets the dK/dV kernel add
 ``dS K`` to float32 dQ sums instead of the dQ kernel recomputing ``QK^T``
 and ``dO V^T``: five matrix products instead of seven, and a dQ whose last

@@ -1,4 +1,4 @@
-"""What the three kernels share: programs and rows, key ranges and masks, depth tiles, NaN and Inf, fused scores.
+"""What the three kernels share: programs and rows, key ranges and masks, depth tiles, fused scores.
 
 Strides arrive as one tuple per tensor, in the tensor's axis order: ``sq`` is
 ``q.stride()``, (b, h, t, d).
@@ -236,37 +236,15 @@ def depth_offsets(b, hk, col_token, offs_d, strides, KEYS_T: tl.constexpr):
     return offs
 
 
-# ---- NaN and Inf ---------------------------------------------------------------------------------
-
-
-@triton.jit
-def zero_nonfinite(v, D_AXIS: tl.constexpr):
-    """``v`` with its NaN and Inf entries zeroed, and per vector (summed over ``D_AXIS``) NaN if it held one, else 0.
-
-    A masked column still multiplies its value by ``p = 0``, and ``0 * NaN = NaN``:
-    its non-finite entries must be zeroed before a dot; the rows that may see
-    it add the returned NaN to their denominator instead.
-    """
-    v_nan = v * 0.0  # NaN exactly at the non-finite entries
-    return tl.where(v_nan == 0.0, v, 0.0), tl.sum(v_nan.to(tl.float32), D_AXIS)
-
-
-@triton.jit
-def finite(x):
-    """``x`` with its NaN and Inf entries read as zero (for the products of masked entries in the backward)."""
-    return tl.where(x * 0.0 == 0.0, x, 0.0)
+# ---- the backward's rows --------------------------------------------------------------------------
 
 
 @triton.jit
 def row_lse2(lse_ptrs, row_ok):
-    """The rows' lse in base 2 for recomputing ``p = exp2(s - lse)``, and which rows are dead.
-
-    A row that saw no key (lse = -inf) and a dead row, one that saw a NaN or
-    Inf (lse = NaN) and sends no gradient, both get lse = +inf, so p = 0.
-    """
+    """The rows' lse in base 2 for recomputing ``p = exp2(s - lse)``; a row that saw no key (lse = -inf) gets
+    +inf, so that its p = 0."""
     lse = tl.load(lse_ptrs, mask=row_ok, other=float("inf"))
-    dead = lse != lse
-    return tl.where((lse == float("-inf")) | dead, float("inf"), lse) * LOG2E, dead
+    return tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
 
 
 # ---- fused scores --------------------------------------------------------------------------------

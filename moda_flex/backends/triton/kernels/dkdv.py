@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 
 from .common import (
-    batch_head, block_rows, documents, finite, head_lanes, load_rows, query_ranges, row_lse2, sequence_score, visible,
+    batch_head, block_rows, documents, head_lanes, load_rows, query_ranges, row_lse2, sequence_score, visible,
 )  # fmt: skip
 
 
@@ -36,10 +36,8 @@ def _blocks(
     offs_d, d_ok = head_lanes(HEAD_DIM=HEAD_DIM, D_REAL=D_REAL)
     for t0 in range(start, end, BLOCK_T):
         tok, grp, row_ok = block_rows(t0, Tq, G=G, ROW_G=ROW_G, BLOCK_M=BLOCK_M)
-        lse, dead = row_lse2(LSE + grp * sl[1] + tok * sl[2], row_ok)
-        # a dead row's q and dO may hold NaN: zero them, so that its p = 0 and it adds exact zeros
-        live = row_ok & ~dead
-        q = load_rows(Q, sq, tok, grp, live, offs_d, d_ok, HEAD_DIM=HEAD_DIM, D_REAL=D_REAL)
+        lse = row_lse2(LSE + grp * sl[1] + tok * sl[2], row_ok)
+        q = load_rows(Q, sq, tok, grp, row_ok, offs_d, d_ok, HEAD_DIM=HEAD_DIM, D_REAL=D_REAL)
         sT, dcapT = sequence_score(tl.dot(k, tl.trans(q)) * qk_scale, softcap, HAS_SOFTCAP=HAS_SOFTCAP)
         pT = tl.math.exp2(sT - lse[None, :])  # (BLOCK_N, BLOCK_M)
         if MASKED:
@@ -53,7 +51,7 @@ def _blocks(
             if DOC:
                 vis = vis & (k_doc[:, None] == q_doc[None, :])
             pT = tl.where(vis, pT, 0.0)
-        do = load_rows(DO, sdo, tok, grp, live, offs_d, d_ok, HEAD_DIM=HEAD_DIM, D_REAL=D_REAL)
+        do = load_rows(DO, sdo, tok, grp, row_ok, offs_d, d_ok, HEAD_DIM=HEAD_DIM, D_REAL=D_REAL)
         dv += tl.dot(pT.to(do.dtype), do)
         delta = tl.load(DELTA + grp * sl[1] + tok * sl[2], mask=row_ok, other=0.0)
         dpT = tl.dot(v, tl.trans(do))
@@ -77,8 +75,7 @@ def _interior_tma(
 
     ``QD``, ``DOD``: descriptors with (1, 1, BLOCK_T, GP, D) boxes over Q and
     dO seen as (B, Hk, Tq, G, D); a box is the block's rows in their order,
-    rows past Tq or G read as zeros. No row may be dead: a copy cannot leave
-    its q and dO out, and zeroing them after the copy spills registers.
+    rows past Tq or G read as zeros.
     ``DQ_ATOMIC == 2`` adds the block's part of dQ with one bulk reduction of
     the TMA engine per tile, through ``DQD`` (a descriptor like ``QD`` over
     the float32 sums ``DQA``), instead of one atomic per element (the
@@ -87,7 +84,7 @@ def _interior_tma(
     BLOCK_T: tl.constexpr = BLOCK_M // GP
     for t0 in tl.range(start, end, BLOCK_T, num_stages=LOOP_STAGES):
         tok, grp, row_ok = block_rows(t0, Tq, G=G, ROW_G=GP, BLOCK_M=BLOCK_M)
-        lse, _ = row_lse2(LSE + grp * sl[1] + tok * sl[2], row_ok)
+        lse = row_lse2(LSE + grp * sl[1] + tok * sl[2], row_ok)
         q = QD.load([b, hk, t0, 0, 0]).reshape(BLOCK_M, HEAD_DIM)
         do = DOD.load([b, hk, t0, 0, 0]).reshape(BLOCK_M, HEAD_DIM)
         sT, dcapT = sequence_score(tl.dot(k, q.T) * qk_scale, softcap, HAS_SOFTCAP=HAS_SOFTCAP)
@@ -109,20 +106,10 @@ def _interior_tma(
 
 
 @triton.jit
-def _any_flag(FLAGS, n):
-    """Whether any of the ``n`` int8 flags at ``FLAGS`` is set."""
-    seen = tl.zeros((1024,), tl.int8)
-    for i in range(0, n, 1024):
-        offs = i + tl.arange(0, 1024)
-        seen = tl.maximum(seen, tl.load(FLAGS + offs, mask=offs < n, other=0))
-    return tl.max(seen, 0) > 0
-
-
-@triton.jit
 def dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DKO, DVO, QD, DOD, DEAD, DOC_IDS, DOC_LO, DOC_HI, DQA, DQD,
+    Q, K, V, DO, LSE, DELTA, DKO, DVO, QD, DOD, DOC_IDS, DOC_LO, DOC_HI, DQA, DQD,
     sq, sk, sv, sdo, sl, sg, sa, sdoc,
-    Hk, Tq, Tk, window, scale, qk_scale, softcap, dead_blocks,
+    Hk, Tq, Tk, window, scale, qk_scale, softcap,
     G: tl.constexpr, GP: tl.constexpr, ROW_G: tl.constexpr, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -136,9 +123,7 @@ def dkdv_kernel(
 
     ``sg``: the strides of dK and dV (allocated alike). ``TMA`` (Hopper): the
     unmasked query blocks come through the descriptors ``QD``, ``DOD``
-    (:func:`_interior_tma`), and ``DEAD`` holds the dQ kernel's
-    ``dead_blocks`` flags per (batch, KV head): whether a block of rows has a
-    dead one. Else the three are None. ``DQ_ATOMIC``: also add the block's
+    (:func:`_interior_tma`); else they are None. ``DQ_ATOMIC``: also add the block's
     part of dQ to ``DQA``, (B, Hq, Tq, D) float32 sums with unit last stride
     (strides ``sa``), which the dQ kernel began with the depth part
     (:func:`_add_dq`); 2: in the unmasked blocks by bulk reductions through
@@ -160,10 +145,8 @@ def dkdv_kernel(
     k_ok = k_pos < Tk
     K += b * sk[0] + hk * sk[1]
     V += b * sv[0] + hk * sv[1]
-    # A live row never sees a non-finite key or value, but masked ones still enter its products (0 * NaN):
-    # read the block as if they were zero, once.
-    k = finite(tl.load(K + k_pos[:, None] * sk[2] + offs_d[None, :] * sk[3], mask=k_ok[:, None], other=0.0))
-    v = finite(tl.load(V + k_pos[:, None] * sv[2] + offs_d[None, :] * sv[3], mask=k_ok[:, None], other=0.0))
+    k = tl.load(K + k_pos[:, None] * sk[2] + offs_d[None, :] * sk[3], mask=k_ok[:, None], other=0.0)
+    v = tl.load(V + k_pos[:, None] * sv[2] + offs_d[None, :] * sv[3], mask=k_ok[:, None], other=0.0)
     if DOC:
         k_doc = tl.load(DOC_IDS + k_pos, mask=k_ok, other=0)
     else:
@@ -179,8 +162,7 @@ def dkdv_kernel(
         start=lo, end=a, MASKED=True, CAUSAL=CAUSAL, WINDOW=WINDOW, DOC=DOC, G=G, ROW_G=ROW_G, HEAD_DIM=HEAD_DIM,
         D_REAL=D_REAL, BLOCK_M=BLOCK_M, HAS_SOFTCAP=HAS_SOFTCAP, DQ_ATOMIC=DQ_ATOMIC,
     )
-    # A copy cannot leave a dead row out (its q and dO may hold NaN): heads that have one take the masked loads.
-    if TMA and not _any_flag(DEAD + (b * Hk + hk) * dead_blocks, dead_blocks):
+    if TMA:
         dk, dv = _interior_tma(
             dk, dv, k, v, QD, DOD, LSE, DELTA, DQA, DQD, b=b.to(tl.int32), hk=hk.to(tl.int32), sl=sl, sa=sa,
             Tq=Tq, scale=scale, qk_scale=qk_scale, softcap=softcap, start=a, end=b_, G=G, GP=GP,

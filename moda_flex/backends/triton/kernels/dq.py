@@ -3,9 +3,9 @@
 import triton
 import triton.language as tl
 
-from ...slot_pointers import second_side, slot_bases
+from ...slot_pointers import slot_bases
 from .common import (
-    batch_head, bias_tile, block_rows, depth_offsets, depth_tiles, documents, finite, head_lanes,
+    batch_head, bias_tile, block_rows, depth_offsets, depth_tiles, documents, head_lanes,
     key_columns,
     load_rows, query_block, query_keys, row_lse2, score, sequence_score, store_rows, visible,
 )  # fmt: skip
@@ -23,10 +23,6 @@ def _seq_blocks(
         k_pos = start_n + offs_n
         kT = key_columns(k_ptrs, k_pos, skt, Tk, MASKED=MASKED)
         vT = key_columns(v_ptrs, k_pos, svt, Tk, MASKED=MASKED)
-        if MASKED:
-            # a masked non-finite key or value would reach a live row through 0 * NaN: read it as zero.
-            # (Unmasked, every row sees these keys: a non-finite one only reaches dead rows, whose dq is zeroed.)
-            kT, vT = finite(kT), finite(vT)
         s, dcap = sequence_score(tl.dot(q, kT) * qk_scale, softcap, HAS_SOFTCAP=HAS_SOFTCAP)
         p = tl.math.exp2(s - lse[:, None])  # (BLOCK_M, BLOCK_N)
         if MASKED:
@@ -117,22 +113,19 @@ def _store_bias_grad(GBIAS, ds, l0, L, G: tl.constexpr, GP: tl.constexpr, DEPTH_
 
 @triton.jit
 def _depth(
-    dq, q, do, lse, delta, DK_TAB, DV_TAB, DDKO, DDVO, ADK, ADV, BIAS, GBIAS, b, hk, t0, offs_d, d_ok, sdk, sdv, sgd,
-    sga, sbias,
+    dq, q, do, lse, delta, DK_TAB, DV_TAB, DDKO, DDVO, BIAS, GBIAS, b, hk, t0, offs_d, d_ok, sdk, sdv, sgd, sbias,
     Tq, L, depth_first, scale, qk_scale, softcap,
     G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_FIRST: tl.constexpr, BIAS_GRAD: tl.constexpr,
-    SLOTS: tl.constexpr, DEPTH_ADD: tl.constexpr,
+    SLOTS: tl.constexpr,
 ):  # fmt: skip
     """The depth phase of the backward in the forward's tiles: dQ, and the depth (and bias) gradients written.
 
     ``DDKO``, ``DDVO`` point at this program's head of the (B, Hk, Tq, L, D)
     gradients (strides ``sgd``). A token's depth entries are read only by its
     own G rows, which all live in this block, so its depth gradients are
-    written once, without atomics; with ``DEPTH_ADD`` plus what ``ADK``,
-    ``ADV`` hold there (strides ``sga``): a depth stream's gradient buffer
-    (:mod:`moda_flex.backends.chain`), which may be ``DDKO``, ``DDVO`` themselves.
+    written once, without atomics.
     """
     U: tl.constexpr = BLOCK_M // DEPTH_ROWS
     BLOCK_S: tl.constexpr = BLOCK_C // (DEPTH_ROWS // GP)
@@ -150,14 +143,8 @@ def _depth(
         col_ok = ((col_token < Tq) & (slot < L)[None, :])[:, :, None]  # (U, BLOCK_C, 1)
         store_ok = col_ok & d_ok[None, None, :]
         dk_slot, dv_slot = slot_bases(DK_TAB, DV_TAB, slot, L, sdk, sdv, ELEM=q.dtype, SLOTS=SLOTS)
-        # every depth column is masked for most rows of a tile: read non-finite entries as zero
-        kd = finite(tl.load(dk_slot[None, :, None] + dk_offs, mask=col_ok, other=0.0))  # (U, BLOCK_C, D)
-        vd = finite(tl.load(dv_slot[None, :, None] + dv_offs, mask=col_ok, other=0.0))
-        if DEPTH_ADD:  # loaded before the products, which hide their latency
-            added = (col_token.to(tl.int64)[:, :, None] * sga[2] + slot[None, :, None] * sga[3]
-                     + offs_d[None, None, :] * sga[4])  # fmt: skip
-            gk_added = tl.load(ADK + added, mask=store_ok, other=0.0).to(tl.float32)
-            gv_added = tl.load(ADV + added, mask=store_ok, other=0.0).to(tl.float32)
+        kd = tl.load(dk_slot[None, :, None] + dk_offs, mask=col_ok, other=0.0)  # (U, BLOCK_C, D)
+        vd = tl.load(dv_slot[None, :, None] + dv_offs, mask=col_ok, other=0.0)
         bias = 0.0
         if HAS_BIAS:
             bias = bias_tile(BIAS, sbias, slot, L, G=G, GP=GP, DEPTH_ROWS=DEPTH_ROWS)
@@ -177,9 +164,6 @@ def _depth(
         # a column's gradient sums over its own token's G rows (p and ds are zero elsewhere)
         gv = tl.dot(tl.permute(p, (0, 2, 1)).to(do3.dtype), do3)  # (U, BLOCK_C, D)
         gk = tl.dot(tl.permute(ds, (0, 2, 1)).to(q3.dtype), q3) * scale
-        if DEPTH_ADD:
-            gk += gk_added
-            gv += gv_added
         slot_offs = grad_offs + slot[None, :, None] * sgd[3]
         tl.store(DDKO + slot_offs, gk.to(DDKO.dtype.element_ty), mask=store_ok)
         tl.store(DDVO + slot_offs, gv.to(DDVO.dtype.element_ty), mask=store_ok)
@@ -188,17 +172,16 @@ def _depth(
 
 @triton.jit
 def dq_kernel(
-    Q, K, V, O, DO, LSE, GLSE, DELTA, DQO, DDKO, DDVO, ADK, ADV, GBIAS, DEAD, KD, VD, DK_TAB, DV_TAB, DOC_IDS, DOC_LO,
+    Q, K, V, O, DO, LSE, GLSE, DELTA, DQO, DDKO, DDVO, GBIAS, KD, VD, DK_TAB, DV_TAB, DOC_IDS, DOC_LO,
     DOC_HI, BIAS,
-    sq, sk, sv, so, sdo, sl, sgq, sgd, sga, sdk, sdv, sdoc, sbias,
-    Hk, Tq, Tk, L, depth_first, window, scale, qk_scale, softcap, DDVO_AT, ADV_AT,
+    sq, sk, sv, so, sdo, sl, sgq, sgd, sdk, sdv, sdoc, sbias,
+    Hk, Tq, Tk, L, depth_first, window, scale, qk_scale, softcap,
     G: tl.constexpr, GP: tl.constexpr, DEPTH_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOC: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_DEPTH: tl.constexpr, HAS_GLSE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_FIRST: tl.constexpr, BIAS_GRAD: tl.constexpr,
-    TMA: tl.constexpr, LOOP_STAGES: tl.constexpr, DEAD_FLAGS: tl.constexpr, SLOTS: tl.constexpr,
-    DEPTH_ADD: tl.constexpr,
+    TMA: tl.constexpr, LOOP_STAGES: tl.constexpr, SLOTS: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query block, the depth gradients of its tokens, and DELTA of its rows for the dK/dV kernel.
 
@@ -209,11 +192,8 @@ def dq_kernel(
     gradient, summed over its tokens: row ``(b, hk, block)`` of GBIAS
     (B * Hk, blocks, GP, L) float32, which the launcher reduces. ``TMA``
     (Hopper): the unmasked key blocks come through the descriptors ``KD``,
-    ``VD`` (:func:`_interior_tma`), else they are None. With
-    ``DEAD_FLAGS``, the program also writes whether its block has a dead row
-    to ``DEAD`` (B * Hk, blocks) int8, for the dK/dV kernel's descriptors. The depth gradients go to
-    ``DDKO``, ``DDVO`` (``DDVO`` None: ``DDVO_AT`` elements past ``DDKO``, one buffer); with ``DEPTH_ADD``
-    plus what ``ADK``, ``ADV`` hold (strides ``sga``; ``ADV`` None: ``ADV_AT`` past ``ADK``).
+    ``VD`` (:func:`_interior_tma`), else they are None. The depth gradients go to
+    ``DDKO``, ``DDVO`` (strides ``sgd``).
     """
     BLOCK_T: tl.constexpr = BLOCK_M // GP
     b, hk = batch_head(Hk)
@@ -226,21 +206,15 @@ def dq_kernel(
 
     offs_d, d_ok = head_lanes(HEAD_DIM=HEAD_DIM, D_REAL=D_REAL)
     tok, grp, row_ok = block_rows(t0, Tq, G=G, ROW_G=GP, BLOCK_M=BLOCK_M)
-    lse, dead = row_lse2(LSE + grp * sl[1] + tok * sl[2], row_ok)
-    # A dead row (it saw a NaN or Inf) sends no gradient: zero q and dO, so that its p = 0 and its
-    # terms in the depth gradients are exact zeros, and give it delta = 0.
-    live = row_ok & ~dead
-    q = load_rows(Q + b * sq[0] + hk * G * sq[1], sq, tok, grp, live, offs_d, d_ok, HEAD_DIM=HEAD_DIM, D_REAL=D_REAL)
-    do = load_rows(DO + b * sdo[0] + hk * G * sdo[1], sdo, tok, grp, live, offs_d, d_ok,
+    lse = row_lse2(LSE + grp * sl[1] + tok * sl[2], row_ok)
+    q = load_rows(Q + b * sq[0] + hk * G * sq[1], sq, tok, grp, row_ok, offs_d, d_ok, HEAD_DIM=HEAD_DIM, D_REAL=D_REAL)
+    do = load_rows(DO + b * sdo[0] + hk * G * sdo[1], sdo, tok, grp, row_ok, offs_d, d_ok,
                    HEAD_DIM=HEAD_DIM, D_REAL=D_REAL)  # fmt: skip
-    o = load_rows(O + b * so[0] + hk * G * so[1], so, tok, grp, live, offs_d, d_ok, HEAD_DIM=HEAD_DIM, D_REAL=D_REAL)
+    o = load_rows(O + b * so[0] + hk * G * so[1], so, tok, grp, row_ok, offs_d, d_ok, HEAD_DIM=HEAD_DIM, D_REAL=D_REAL)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     if HAS_GLSE:
         delta -= tl.load(GLSE + grp * sl[1] + tok * sl[2], mask=row_ok, other=0.0)
-    delta = tl.where(dead, 0.0, delta)
     tl.store(DELTA + grp * sl[1] + tok * sl[2], delta, mask=row_ok)
-    if DEAD_FLAGS:
-        tl.store(DEAD + (b * Hk + hk) * tl.num_programs(0) + block, tl.max(dead.to(tl.int8), 0))
 
     dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     if HAS_SEQ:
@@ -256,18 +230,14 @@ def dq_kernel(
             TMA=TMA, LOOP_STAGES=LOOP_STAGES,
         )
     if HAS_DEPTH:
-        DDVO, ADV = second_side(DDKO, DDVO, DDVO_AT), second_side(ADK, ADV, ADV_AT)
         dq = _depth(
             dq, q, do, lse, delta, DK_TAB=DK_TAB, DV_TAB=DV_TAB, DDKO=DDKO + b * sgd[0] + hk * sgd[1],
-            DDVO=DDVO + b * sgd[0] + hk * sgd[1], ADK=ADK + b * sga[0] + hk * sga[1],
-            ADV=ADV + b * sga[0] + hk * sga[1], BIAS=BIAS + hk * G * sbias[0],
+            DDVO=DDVO + b * sgd[0] + hk * sgd[1], BIAS=BIAS + hk * G * sbias[0],
             GBIAS=GBIAS + ((b * Hk + hk) * tl.num_programs(0) + block) * GP * L, b=b, hk=hk, t0=t0,
-            offs_d=offs_d, d_ok=d_ok, sdk=sdk, sdv=sdv, sgd=sgd, sga=sga, sbias=sbias, Tq=Tq, L=L, depth_first=depth_first,
+            offs_d=offs_d, d_ok=d_ok, sdk=sdk, sdv=sdv, sgd=sgd, sbias=sbias, Tq=Tq, L=L, depth_first=depth_first,
             scale=scale, qk_scale=qk_scale, softcap=softcap, G=G, GP=GP, DEPTH_ROWS=DEPTH_ROWS, HEAD_DIM=HEAD_DIM,
             BLOCK_M=BLOCK_M, BLOCK_C=BLOCK_C, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, BIAS_FIRST=BIAS_FIRST,
-            BIAS_GRAD=BIAS_GRAD, SLOTS=SLOTS, DEPTH_ADD=DEPTH_ADD,
+            BIAS_GRAD=BIAS_GRAD, SLOTS=SLOTS,
         )
 
-    # a dead row's dq took NaN from the unmasked blocks (unsanitized keys): it sends no gradient
-    dq = tl.where(dead[:, None], 0.0, dq)
     store_rows(DQO + b * sgq[0] + hk * G * sgq[1], sgq, dq * scale, tok, grp, row_ok, offs_d, d_ok)

@@ -5,9 +5,8 @@ import triton.language as tl
 
 from ...slot_pointers import slot_bases
 from .common import (
-    LN2, batch_head, bias_tile, block_rows, depth_offsets, depth_tiles, documents, head_lanes,
-    key_columns,
-    load_rows, query_block, query_keys, score, sequence_score, store_rows, visible, zero_nonfinite,
+    LN2, batch_head, bias_tile, block_rows, depth_offsets, depth_tiles, documents, head_lanes, key_columns,
+    load_rows, query_block, query_keys, score, sequence_score, store_rows, visible,
 )  # fmt: skip
 
 
@@ -46,15 +45,9 @@ def _seq_blocks(
         m_new, p, alpha = _softmax_step(m_i, s, AXIS=1)
         if MASKED:
             v = tl.load(v_ptrs + k_pos[:, None] * svt, mask=k_pos[:, None] < Tk, other=0.0)
-            v, v_nan = zero_nonfinite(v, D_AXIS=1)
-            # a row that sees a non-finite key (x * 0 is NaN) or value gets NaN in its denominator
-            poison = tl.where(vis, x * 0.0 + v_nan[None, :], 0.0)
         else:
             v = tl.load(v_ptrs + k_pos[:, None] * svt)
-            # every row sees every column: a bad value reaches acc by itself; a bad key may give
-            # x = -inf (p = 0, hidden) or be capped, so add the raw x * 0, which is NaN there
-            poison = x * 0.0
-        l_i = l_i * alpha + tl.sum(p + poison, 1)
+        l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     return acc, m_i, l_i
@@ -78,8 +71,7 @@ def _interior_tma(
         x = tl.dot(q, k.T) * qk_scale  # (BLOCK_M, BLOCK_N), base-2 logits
         s, _ = sequence_score(x, softcap, HAS_SOFTCAP=HAS_SOFTCAP)
         m_new, p, alpha = _softmax_step(m_i, s, AXIS=1)
-        # the poison of the unmasked generic blocks: x * 0 is NaN exactly at a non-finite key's logits
-        l_i = l_i * alpha + tl.sum(p + x * 0.0, 1)
+        l_i = l_i * alpha + tl.sum(p, 1)
         v = VD.load([b, hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
@@ -162,9 +154,7 @@ def _depth(
         s = tl.where(vis, s, float("-inf"))
         m_new, p, alpha = _softmax_step(m3, s, AXIS=2)
         dv = tl.load(dv_slot[None, :, None] + dv_offs, mask=col_ok[:, :, None], other=0.0)
-        dv, dv_nan = zero_nonfinite(dv, D_AXIS=2)
-        # as in the masked sequence blocks: only a row that sees a non-finite entry gets NaN
-        l3 = l3 * alpha + tl.sum(p + tl.where(vis, x * 0.0 + dv_nan[:, None, :], 0.0), 2)
+        l3 = l3 * alpha + tl.sum(p, 2)
         acc3 = acc3 * alpha[:, :, None] + tl.dot(p.to(dv.dtype), dv)
         m3 = m_new
     return tl.reshape(acc3, (BLOCK_M, HEAD_DIM)), tl.reshape(m3, (BLOCK_M,)), tl.reshape(l3, (BLOCK_M,))
@@ -210,8 +200,7 @@ def forward_kernel(
                       HEAD_DIM=HEAD_DIM, D_REAL=D_REAL)  # fmt: skip
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    # a non-finite query makes its row NaN, even when the row sees no key
-    l_i = tl.sum((q * 0.0).to(tl.float32), 1)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     if HAS_SEQ:
         q_pos, q_doc, lo, a, b_, hi = query_keys(
@@ -233,9 +222,6 @@ def forward_kernel(
             HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, BIAS_FIRST=BIAS_FIRST, SLOTS=SLOTS,
         )
 
-    # A non-finite value in an unmasked block reached acc unsanitized (p * NaN, 0 * Inf):
-    # fold it into l too, so that such a row stores NaN in out and lse.
-    l_i += tl.sum(acc * 0.0, 1)
     # normalize once and store O and LSE (Alg. 1 lines 30-31); an empty row gives 0 and -inf
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_i)) * LN2)
