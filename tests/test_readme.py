@@ -37,6 +37,13 @@ def _blocks() -> list[tuple[str, str]]:
 BLOCKS = _blocks()
 
 
+def _opening_commands() -> tuple[str, str]:
+    """The README's opening commands, comments dropped: (the main job's, the tests')."""
+    block = README.split("```bash\n", 1)[1].split("```", 1)[0]
+    main_job, tests = (line.split("#", 1)[0].strip() for line in block.splitlines())
+    return main_job, tests
+
+
 def _promised(code: str) -> list[str]:
     """What the block's ``print(...)  # text`` lines promise, in order."""
     return [line.split("# ", 1)[1] for line in code.splitlines() if line.strip().startswith("print(") and "# " in line]
@@ -68,3 +75,16 @@ def test_block_runs_as_printed(heading, code, tmp_path, capsys):
                 value()
         printed = capsys.readouterr().out.splitlines()
     assert printed == _promised(code)
+
+
+def test_ci_runs_the_readmes_test_command_as_printed():
+    _, tests = _opening_commands()
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1] == tests
+
+
+def test_the_main_job_installs_what_the_tests_install():
+    main_job, tests = _opening_commands()
+    assert main_job.endswith("&& python examples/train_gpt.py") and tests.endswith("&& python -m pytest -q")
+    assert main_job.rsplit("&&", 1)[0] == tests.rsplit("&&", 1)[0]
+    assert '".[test,plot]"' in tests  # the examples need hypothesis and matplotlib
