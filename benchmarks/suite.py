@@ -237,6 +237,14 @@ def compiled(model: nn.Module, mode: str) -> Callable:
     return torch.compile(model, fullgraph=True, options=options)
 
 
+def warm_compiler(device: torch.device) -> None:
+    """Compile a small network's forward and backward once, so that the compiler's one-time costs (its imports,
+    its pool of compile workers) fall on no row."""
+    net = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1)).to(device)
+    compiled(net, "default")(torch.randn(8, 64, device=device)).sum().backward()
+    torch._dynamo.reset()
+
+
 @dataclasses.dataclass
 class Row:
     """One model of a (shape, mode) group: its step, and what was measured of it."""
@@ -545,6 +553,8 @@ def main(argv=None) -> None:
               f"L={call.slots} D={call.head_dim}", flush=True)  # fmt: skip
         tables.append("\n".join(kernel_lines(lengths, call, device, args.rounds)))
     model_rows = []
+    if shapes and any(mode != "eager" for mode in modes):
+        warm_compiler(device)
     for shape in shapes:
         arms = [arm for arm in args.arms if arm in shape.arms]
         for mode in modes:

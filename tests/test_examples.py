@@ -133,60 +133,18 @@ def test_custom_variant_learns_its_depth_bias(capsys):
     assert int(bias.argmax()) == 2 and "loss" in capsys.readouterr().out
 
 
-def test_host_split_times_both_ways_and_restores_the_kernels(monkeypatch, capsys):
-    """benchmarks/host_split.py stubs both paths' launches for its timing only: the kernels are back after."""
-    pytest.importorskip("triton")
-    from moda_flex.backends.split import kernels
-    from moda_flex.backends.triton import kernels as fused
-
-    def kernels_now():
-        return (kernels._sanitize_kv_kernel, dict(kernels.FORWARD),
-                dict(kernels.BACKWARD), fused.forward_kernel, fused.dq_kernel, fused.dkdv_kernel)  # fmt: skip
-
-    before = kernels_now()
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    importlib.import_module("host_split").main(["--slots", "1,3", "--repeats", "1"])
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 |", "| 3 |"))]
-    assert len(rows) == 2 and all(len(row.split("|")) == 11 and "| stubbed |" in row for row in rows)
-    # the fused ops, their forward through its op and called directly, timed too
-    assert all(cell.strip().isdigit() for row in rows for cell in row.split("|")[-4:-1])
-    assert kernels_now() == before
-
-
-def test_host_step_times_both_arms_and_restores_the_kernels(monkeypatch, capsys):
-    """benchmarks/host_step.py: a compiled (aot_eager) step of each arm with the launches stubbed, the MoDA
-    arm's growth by function; the kernels are back after."""
-    pytest.importorskip("triton")
-    from moda_flex.backends.triton import kernels
-
-    before = kernels.forward_kernel, kernels.dq_kernel, kernels.dkdv_kernel
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    importlib.import_module("host_step").main(["--layers", "2", "--steps", "1", "--warmup", "1",
-                                               "--compiler", "aot_eager", "--profile"])  # fmt: skip
-    out = capsys.readouterr().out
-    (attn,) = [line for line in out.splitlines() if line.startswith("| attn |")]
-    assert float(attn.split("|")[2]) > 0 and "launch.py" in out  # the fused launches' Python, profiled
-    assert (kernels.forward_kernel, kernels.dq_kernel, kernels.dkdv_kernel) == before
-
-
 # Every command line: --help exits 0 and gives each option a description and a default.
 SCRIPTS = [
     "examples/gpt.py", "examples/train_gpt.py", "examples/visualize_attention.py", "examples/custom_variant.py",
-    "examples/compare_models.py", "benchmarks/ablation.py", "benchmarks/bench_call.py",
-    "benchmarks/bench_context_parallel.py", "benchmarks/bench_model.py", "benchmarks/bench_moda.py",
-    "benchmarks/flex_block_mask.py", "benchmarks/tune_moda.py", "benchmarks/bench_data_parallel.py",
-    "benchmarks/bench_hopper.py", "benchmarks/count_kernels.py", "benchmarks/tune_split.py",
-    "benchmarks/bench_split.py", "benchmarks/bench_flex.py", "benchmarks/bench_score.py", "benchmarks/host_split.py",
-    "benchmarks/launch_split.py", "benchmarks/host_step.py", "benchmarks/kernel_registers.py",
-    "benchmarks/bench_depth_kernels.py", "moda_flex.visualize",
+    "examples/compare_models.py", "benchmarks/ablation.py", "benchmarks/bench_context_parallel.py",
+    "benchmarks/flex_block_mask.py", "benchmarks/bench_data_parallel.py", "benchmarks/bench_hopper.py",
+    "benchmarks/bench_flex.py", "benchmarks/bench_score.py", "benchmarks/kernel_registers.py", "benchmarks/suite.py",
+    "moda_flex.visualize",
 ]  # fmt: skip
 WITH_DEVICE = ["examples/gpt.py", "examples/train_gpt.py", "examples/compare_models.py", "benchmarks/ablation.py",
                "benchmarks/bench_context_parallel.py", "benchmarks/flex_block_mask.py",
-               "benchmarks/bench_hopper.py", "benchmarks/count_kernels.py", "benchmarks/host_split.py"]  # fmt: skip
-CUDA_ONLY = ["benchmarks/bench_call.py", "benchmarks/bench_model.py",
-             "benchmarks/bench_moda.py", "benchmarks/tune_moda.py", "benchmarks/bench_data_parallel.py",
-             "benchmarks/tune_split.py", "benchmarks/bench_split.py", "benchmarks/launch_split.py",
-             "benchmarks/bench_depth_kernels.py"]  # fmt: skip
+               "benchmarks/bench_hopper.py"]  # fmt: skip
+CUDA_ONLY = ["benchmarks/bench_data_parallel.py", "benchmarks/suite.py"]
 
 
 def _run_cli(script: str, args: list[str], monkeypatch) -> int:
@@ -370,12 +328,7 @@ USAGE_ERRORS = [
     ("examples/visualize_attention.py", ["--ckpt", "x.pt", "--tokens", "0"], "argument --tokens: must be >= 1"),
     ("examples/custom_variant.py", ["--examples", "0"], "argument --examples: must be >= 1, got 0"),
     # a comma-separated choice list, checked before the GPU is asked for
-    ("benchmarks/bench_model.py", ["--arms", "none,bogus"], "argument --arms: 'bogus' is not one of none, attn, attn+ffn"),
-    ("benchmarks/bench_model.py", ["--entry-gradients", "sum"], "argument --entry-gradients: 'sum' is not one of auto,"),
-    ("benchmarks/host_calls.py", ["--arms", ","], "argument --arms: give at least one of none, attn, attn+ffn"),
-    ("benchmarks/host_calls.py", ["--backend", "fused"], "argument --backend: invalid choice: 'fused'"),
-    ("benchmarks/tune_moda.py", ["--kernels", "fwd,dkv"], "argument --kernels: 'dkv' is not one of fwd, dq, dkdv"),
-    ("benchmarks/ab_nn.py", ["--old", "no-such/nn.py"], "--old no-such/nn.py: no such file"),
+    ("benchmarks/suite.py", ["--arms", "attn,bogus"], "argument --arms: 'bogus' is not one of attn, attn+ffn"),
 ]  # fmt: skip
 
 
