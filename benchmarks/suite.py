@@ -543,8 +543,8 @@ def main(argv=None) -> None:
 
     bandwidth = copy_bandwidth(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"device: {name}, torch {torch.__version__}, moda_flex {moda_flex.__file__}, "
-          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)  # fmt: skip
+    print(f"device: {name}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
+          f"moda_flex {moda_flex.__file__}, copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)  # fmt: skip
     print(f"rounds {args.rounds}, steps a round {args.steps}, warm-up {args.warmup} steps after the first", flush=True)
 
     tables = []
