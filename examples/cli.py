@@ -18,6 +18,7 @@ traceback from deep inside the run.
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 from typing import Callable
 
@@ -85,6 +86,14 @@ def require_cuda(parser: argparse.ArgumentParser, what: str) -> None:
     """A usage error (exit 2) unless a CUDA device is present: for scripts that only run on a GPU."""
     if not torch.cuda.is_available():
         parser.error(f"{what} needs a CUDA GPU, and none is available (torch {torch.__version__})")
+
+
+def require_extra(parser: argparse.ArgumentParser, module: str, extra: str) -> None:
+    """A one-line usage error (exit 2) naming the extra to install when ``module`` cannot be imported."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        parser.error(f"needs {module}, from the {extra} extra: pip install -e \".[{extra}]\" (or pip install {module})")
 
 
 def at_least(minimum: int) -> Callable[[str], int]:

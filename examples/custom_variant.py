@@ -8,16 +8,21 @@ A learned depth bias (one logit offset per slot, an ``nn.Parameter``) then
 lets the model weigh the slots it reads: trained for a few steps here, and
 property-tested, its gradient included, against the reference.
 
+To keep only each token's last N depth slots, intersect with the built-in that
+is given L (a predicate is not): ``attention_slots_only() & depth_window(N)``
+reads the attention slots among the last N.
+
     python examples/custom_variant.py            # mask picture, property tests, a few training steps
     python examples/custom_variant.py --examples 200
+
+Needs hypothesis, from the test extra (pip install -e ".[test]"): the property
+tests and moda_flex.testing are written with it.
 """
 
 import cli
 import torch
-from hypothesis import given, settings
 
 from moda_flex import Variant, depth_bias, moda_attention
-from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs, moda_shapes
 from moda_flex.visualize import MaskView
 
 
@@ -35,6 +40,9 @@ def attention_slots_only() -> Variant:
 
 def check_against_reference(examples: int) -> None:
     """Output, lse and all five gradients on the flex backend against the float64 reference."""
+    from hypothesis import given, settings
+
+    from moda_flex.testing import assert_matches_reference, make_inputs, moda_shapes
 
     @settings(max_examples=examples, deadline=None)
     @given(shape=moda_shapes(max_kv_len=32, max_slots=6, head_dims=(8, 16)))
@@ -47,6 +55,9 @@ def check_against_reference(examples: int) -> None:
 
 def check_learned_bias(examples: int) -> None:
     """The variant with a learned (L,) depth bias: output, lse, all gradients and the bias's gradient."""
+    from hypothesis import given, settings
+
+    from moda_flex.testing import assert_matches_reference, make_inputs, moda_shapes
 
     @settings(max_examples=examples, deadline=None)
     @given(shape=moda_shapes(max_kv_len=32, max_slots=6, head_dims=(8, 16)))
@@ -60,6 +71,8 @@ def check_learned_bias(examples: int) -> None:
 
 def train_bias(steps: int = 30) -> torch.Tensor:
     """Fit a depth bias so that attention lands on slot 2: the bias of slot 2 must grow."""
+    from moda_flex.testing import MoDAShape, make_inputs
+
     shape = MoDAShape(batch=2, q_heads=4, kv_heads=2, q_len=8, kv_len=8, slots=6, head_dim=16)
     inputs = make_inputs(shape, requires_grad=False)
     target = inputs["depth_v"][:, :, :, 2].repeat_interleave(2, dim=1)  # (B, Hq, Tq, D): slot 2's values
@@ -81,6 +94,7 @@ def main(argv=None) -> None:
     parser = cli.parser(__doc__)
     parser.add_argument("--examples", type=cli.at_least(1), default=20, help="hypothesis examples to check")
     args = parser.parse_args(argv)
+    cli.require_extra(parser, "hypothesis", "test")
     print(MaskView(attention_slots_only(), q_len=5, kv_len=8, slots=6).text())
     check_against_reference(args.examples)
     check_learned_bias(args.examples)

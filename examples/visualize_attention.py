@@ -6,22 +6,27 @@
 Writes three PNGs beside the checkpoint (or into ``--out-dir``), named after
 it (``moda-pre-attention.png`` and so on):
 
-- ``-attention.png``: for uniformly sampled layers (columns) and heads (rows),
-  each query token's attention weights over its layer's sequence keys, then
-  over its own depth slots (numbered from 0 again); a dashed line marks the
-  boundary, one colorbar serves every panel. Layer 0 has no depth slots yet.
+- ``-attention.png``: for uniformly sampled layers (columns) and the first
+  ``--heads`` query heads (rows; the title says which), each query token's
+  attention weights over its layer's sequence keys, then over its own depth
+  entries, each labelled with the layer that wrote it and whether that
+  layer's attention or FFN did (``layer 1 FFN``). Every column is one unit
+  wide, keys and entries alike; a dashed line marks the boundary. The colour
+  is the square root of the weight (most weights are small), one colourbar,
+  in weights, serves every panel. Layer 0 has no depth entries yet.
 - ``-mask.png``: the element mask of the last layer (the one that reads the
   most depth), as the fused kernels see it: the G query heads that share a
-  KV head folded into rows (row ``r`` is token ``r // G``), columns
-  ``[sequence keys | depth slots of every token]``, token after token.
+  KV head folded into rows (each labelled with its token and head), columns
+  ``[sequence keys | depth slots of every token]``, token after token, each
+  token's group named above the picture.
 - ``-block-mask.png``: the flex backend's real ``BlockMask`` for the same
   layout at ``--block-tokens`` tokens: which 128 x 128 blocks it computes in
   full, computes under the mask, or skips. Because the G heads of a token sit
   in adjacent rows and a token's L slots in adjacent columns, a block of rows
   reads one narrow band of depth columns (chunk- and group-aware layout).
 
-Needs matplotlib (``pip install matplotlib``); ``python -m moda_flex.visualize``
-prints the masks as text without it.
+Needs matplotlib, from the plot extra (pip install -e ".[plot]"); ``python -m
+moda_flex.visualize`` prints the masks as text without it.
 """
 
 from __future__ import annotations
@@ -36,19 +41,7 @@ from training import load_text, split
 
 from moda_flex.visualize import MaskView
 
-
-def _pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit(
-            "visualize_attention.py needs matplotlib: pip install matplotlib "
-            "(python -m moda_flex.visualize prints the masks as text without it)"
-        ) from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+COLUMN_INCHES = 0.1  # one key or depth column in the attention picture: wide enough for its label, upright
 
 
 @torch.no_grad()
@@ -69,52 +62,90 @@ def attention_maps(model: GPT, idx: torch.Tensor) -> list[torch.Tensor]:
     return maps
 
 
-def _column_edges(T: int, L: int) -> torch.Tensor:
-    """x edges of a panel's columns: keys one unit wide, depth slots wider, so that a few slots stay visible."""
-    slot_width = max(1.0, T / (3 * L)) if L else 1.0
-    widths = torch.cat([torch.ones(T), torch.full((L,), slot_width)])
-    return torch.cat([torch.zeros(1), widths.cumsum(0)])  # (T + L + 1,)
+def depth_writers(config, slots: int) -> list[str]:
+    """Who wrote each of the first ``slots`` depth entries a layer reads: ``"layer 0 attn"``, ``"layer 0 FFN"``, ...
+
+    Each block appends its attention's entry and then (``depth_kv="attn+ffn"``)
+    its FFN's, so entry ``l`` comes from layer ``l // writes``.
+    """
+    kinds = ("attn", "FFN")[: config.depth_writes]
+    return [f"layer {slot // len(kinds)} {kinds[slot % len(kinds)]}" for slot in range(slots)]
 
 
-def plot_attention(maps: list[torch.Tensor], n_layers: int, n_heads: int, path: Path) -> None:
-    """A grid of heatmaps: sampled layers as columns, heads as rows, one shared colour scale."""
-    plt = _pyplot()
+def _span(shown: list[int], total: int) -> str:
+    """``"heads 0-2 of 4"``, ``"head 0 of 4"`` or ``"all 4 heads"`` for the consecutive heads ``shown``."""
+    if len(shown) == total:
+        return f"all {total} heads"
+    if len(shown) == 1:
+        return f"head {shown[0]} of {total}"
+    return f"heads {shown[0]}-{shown[-1]} of {total}"
+
+
+def plot_attention(maps: list[torch.Tensor], config, n_layers: int, n_heads: int, path: Path | None = None):
+    """A grid of heatmaps: sampled layers as columns, query heads as rows, one shared colour scale.
+
+    Every column of every panel is one unit wide, keys and depth entries
+    alike; each depth column is labelled with the layer and the block part
+    (attention or FFN) that wrote it.
+
+    Args:
+        maps: per layer, (Hq, T, T + L_layer) weights, from :func:`attention_maps`.
+        config: the model's config (its depth writes name the entries).
+        n_layers, n_heads: how many layers (sampled uniformly) and heads (the first ones) to show.
+        path: where the PNG goes, if given.
+
+    Returns:
+        the matplotlib ``Figure``.
+    """
     from matplotlib.colors import PowerNorm
+    from matplotlib.figure import Figure
 
     layers = sorted({round(i * (len(maps) - 1) / max(1, n_layers - 1)) for i in range(n_layers)})
     heads = list(range(min(n_heads, maps[0].shape[0])))
+    T = maps[0].shape[1]
+    widths = [maps[layer].shape[2] for layer in layers]  # T + L of each sampled layer
     # A square-root scale: most weights are small, and a linear one shows only the largest few.
     norm = PowerNorm(0.5, vmin=0.0, vmax=max(float(maps[layer][heads].max()) for layer in layers))
-    fig, axes = plt.subplots(len(heads), len(layers), figsize=(3.4 * len(layers) + 1.2, 2.9 * len(heads)),
-                             squeeze=False, layout="constrained")  # fmt: skip
+    # Within a panel every column is COLUMN_INCHES wide; a narrow panel is widened whole, for its title.
+    panel_inches = [max(3.0, COLUMN_INCHES * width) for width in widths]
+    size = (max(8.0, sum(panel_inches) + 2.5), max(2.0, 0.07 * T) * len(heads) + 2.4)  # inches
+    fig = Figure(figsize=size, layout="constrained")
+    axes = fig.subplots(len(heads), len(layers), sharex="col", squeeze=False, width_ratios=panel_inches)
     for col, layer in enumerate(layers):
-        weights = maps[layer]  # (Hq, T, T + L)
-        T = weights.shape[1]
-        L = weights.shape[2] - T
-        x = _column_edges(T, L)
-        centers = (x[:-1] + x[1:]) / 2
-        keys = list(range(0, T, max(1, T // 6)))
-        slots = list(range(0, L, max(1, L // 4)))
         for row, head in enumerate(heads):
-            ax = axes[row][col]
-            image = ax.pcolormesh(x.numpy(), torch.arange(T + 1).numpy() - 0.5, weights[head].float().numpy(),
-                                  cmap="viridis", norm=norm)  # fmt: skip
-            ax.invert_yaxis()  # query 0 at the top, as in the mask pictures
-            if L:
-                ax.axvline(float(x[T]), color="red", linestyle="--", linewidth=1.2)
-            ax.set_title(f"layer {layer}, head {head}" + (f", {L} depth slots" if L else ""), fontsize=9)
-            ax.set_xticks([float(centers[c]) for c in keys] + [float(centers[T + s]) for s in slots],
-                          [str(c) for c in keys] + [str(s) for s in slots], fontsize=7)  # fmt: skip
-            query_ticks = range(0, T, max(1, T // 6))
-            ax.set_yticks(query_ticks, [str(t) for t in query_ticks], fontsize=7)
-            if row == len(heads) - 1:
-                ax.set_xlabel("sequence key | depth slot" if L else "sequence key", fontsize=8)
-            if col == 0:
-                ax.set_ylabel("query position", fontsize=8)
-    fig.suptitle("MoDA attention: one softmax over sequence and depth")
-    fig.colorbar(image, ax=axes, label="attention weight (square-root scale)", shrink=0.9)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+            image = _panel(axes[row][col], maps[layer][head], depth_writers(config, widths[col] - T), norm, layer, head)
+        axes[-1][col].set_xlabel("sequence key | depth entry (who wrote it)" if widths[col] > T else "sequence key",
+                                 fontsize=8)  # fmt: skip
+    for row in axes:
+        row[0].set_ylabel("query token", fontsize=8)
+    fig.suptitle(
+        "MoDA attention: one softmax over a layer's sequence keys and the depth entries earlier layers wrote\n"
+        f"rows: query {_span(heads, maps[0].shape[0])}; columns: layers {', '.join(map(str, layers))} of {len(maps)}\n"
+        "colour: sqrt(attention weight), the colourbar in weights",
+        fontsize=10,
+    )
+    fig.colorbar(image, ax=axes, label="attention weight (colour: sqrt(weight))", shrink=0.9)
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def _panel(ax, weights: torch.Tensor, writers: list[str], norm, layer: int, head: int):
+    """One layer's and head's (T, T + L) weights, keys then depth entries, the boundary dashed; returns the image."""
+    T, L = weights.shape[0], len(writers)
+    image = ax.imshow(weights.float().numpy(), cmap="viridis", norm=norm, aspect="auto", interpolation="nearest")
+    keys = list(range(0, T, max(1, T // 6)))
+    ax.set_xticks(keys + list(range(T, T + L)), [str(k) for k in keys] + writers, fontsize=7)
+    for label in ax.get_xticklabels()[len(keys):]:
+        label.set_rotation(90)
+    queries = range(0, T, max(1, T // 6))
+    ax.set_yticks(queries, [str(t) for t in queries], fontsize=7)
+    if L:
+        ax.axvline(T - 0.5, color="red", linestyle="--", linewidth=1.2)
+        ax.set_title(f"layer {layer}, head {head}\n{T} keys | {L} depth entries", fontsize=9)
+    else:
+        ax.set_title(f"layer {layer}, head {head}\n{T} keys, no depth entries yet", fontsize=9)
+    return image
 
 
 def mask_views(config, mask_tokens: int, block_tokens: int) -> tuple[MaskView, MaskView]:
@@ -134,19 +165,19 @@ def main(argv=None) -> list[Path]:
     p = cli.parser(__doc__)
     p.add_argument("--ckpt", required=True, help="a checkpoint written by train_gpt.py")
     p.add_argument("--data", default=None, help="text to take the tokens from (default: pydoc topics)")
-    p.add_argument("--tokens", type=cli.at_least(1), default=48, help="query tokens shown")
+    p.add_argument("--tokens", type=cli.at_least(1), default=32, help="query tokens shown")
     p.add_argument("--layers", type=cli.at_least(1), default=4, help="layers sampled uniformly")
-    p.add_argument("--heads", type=cli.at_least(1), default=3, help="heads shown per layer")
+    p.add_argument("--heads", type=cli.at_least(1), default=3, help="query heads shown per layer, the first ones")
     p.add_argument("--mask-tokens", type=cli.at_least(1), default=8, help="tokens in the element-mask picture")
     p.add_argument("--block-tokens", type=cli.at_least(1), default=512, help="tokens in the BlockMask picture")
     p.add_argument("--out-dir", help="where the PNGs go (default: the checkpoint's folder)")
     args = p.parse_args(argv)
+    cli.require_extra(p, "matplotlib", "plot")  # before any work
     if not Path(args.ckpt).is_file():
         p.error(f"--ckpt {args.ckpt}: no such file")
     if args.data is not None and not Path(args.data).is_file():
         p.error(f"--data {args.data}: no such file")
 
-    _pyplot()  # fail early, before any work, if matplotlib is missing
     model = load_checkpoint(args.ckpt)
     if args.tokens > model.config.block_size:
         p.error(f"--tokens {args.tokens}: the model was trained on {model.config.block_size} tokens at most")
@@ -157,7 +188,7 @@ def main(argv=None) -> list[Path]:
 
     _, val = split(load_text(args.data))
     idx = val[: args.tokens].view(1, -1)
-    plot_attention(attention_maps(model, idx), args.layers, args.heads, paths[0])
+    plot_attention(attention_maps(model, idx), model.config, args.layers, args.heads, paths[0])
 
     elements, blocks = mask_views(model.config, args.mask_tokens, args.block_tokens)
     elements.plot(path=str(paths[1]))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -531,11 +532,21 @@ class Builtin:
     make: Callable[..., Variant]
     argument: Optional[str] = None
 
+    @property
+    def call(self) -> str:
+        """How a user builds one: ``"moda_flex.sliding_window(window)"``, ``"moda_flex.causal()"``."""
+        return f"moda_flex.{self.make.__name__}({', '.join(inspect.signature(self.make).parameters)})"
+
+    @property
+    def example_note(self) -> str:
+        """In words, the argument :meth:`example` fills in (empty for a family without one)."""
+        return _EXAMPLE_NOTES[self.argument]
+
     def example(self, kv_len: int, slots: int) -> Variant:
         """One instance for ``kv_len`` keys and ``slots`` depth slots, as pictures show it.
 
         A third of the keys, half the slots, or three contiguous documents
-        under :func:`causal` (how packed sequences use them).
+        under :func:`causal` (how packed sequences use them): :attr:`example_note`.
         """
         if self.argument == "tokens":
             return self.make(max(1, kv_len // 3))
@@ -546,8 +557,16 @@ class Builtin:
         return self.make()
 
 
-# Every built-in family by name: what the test strategies, the pictures and
-# the tests enumerate.
+# What Builtin.example fills in, by the kind of argument, in the words of the command line's help.
+_EXAMPLE_NOTES = {
+    None: "",
+    "tokens": "a third of the keys",
+    "slots": "half the depth slots",
+    "doc_ids": "three contiguous documents, under causal",
+}
+
+# Every built-in family by name: what the test strategies, the pictures, the
+# tests and the variant names that ``resolve`` accepts are drawn from.
 BUILTINS = {
     "causal": Builtin(causal),
     "full": Builtin(full),
@@ -558,15 +577,33 @@ BUILTINS = {
     "document": Builtin(document, "doc_ids"),
 }
 
+# The variants a string names, made once (resolving a name costs a lookup on
+# every call): the built-ins that take no argument.
+NAMED = {name: builtin.make() for name, builtin in BUILTINS.items() if builtin.argument is None}
+
 
 def resolve(variant) -> Variant:
-    """Turn ``"causal"`` / ``"full"`` / a :class:`Variant` into a :class:`Variant`."""
+    """Turn a name of :data:`NAMED` (``"causal"``, ``"full"``, ``"depth_only"``) or a :class:`Variant` into a Variant.
+
+    Raises:
+        ValueError: naming ``variant``, what is accepted, and for a built-in
+            that takes an argument (``"sliding_window"``), the call that makes it.
+    """
     if isinstance(variant, Variant):
         return variant
-    if isinstance(variant, str) and variant in _NAMED:
-        return _NAMED[variant]
-    raise ValueError(f"variant must be 'causal', 'full' or a moda_flex Variant, got {variant!r}")
+    if isinstance(variant, str) and variant in NAMED:
+        return NAMED[variant]
+    if isinstance(variant, str) and variant in BUILTINS:
+        raise ValueError(
+            f"variant {variant!r} takes an argument: pass {BUILTINS[variant].call} "
+            f"(a string names only the built-ins without one: {_quoted(NAMED)})"
+        )
+    made = ", ".join(builtin.call for builtin in BUILTINS.values() if builtin.argument is not None)
+    raise ValueError(
+        f"variant must be one of {_quoted(NAMED)} or a moda_flex Variant, got {variant!r}; "
+        f"the built-ins with an argument are made by calling {made}"
+    )
 
 
-# The variants named by a string, made once: resolving a name costs a lookup on every call.
-_NAMED = {"causal": causal(), "full": full()}
+def _quoted(names) -> str:
+    return ", ".join(repr(name) for name in names)

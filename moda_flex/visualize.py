@@ -5,6 +5,7 @@ boundary marked (``|`` in text, a dashed line in the PNG)::
 
     >>> print(MaskView(causal(), q_len=4, kv_len=6, slots=2).text())
     causal: Tq=4 Tk=6 L=2 G=1, query head 0; columns: key k | depth slot l (█ visible, · masked)
+    Tq < Tk: the queries are the last 4 of 6 positions (bottom-right aligned): query i at Tk - Tq + i = 2 + i, so rows start at 2
        p  012345|01
        2  ███···|██
        3  ████··|██
@@ -13,7 +14,7 @@ boundary marked (``|`` in text, a dashed line in the PNG)::
 
 ``folded=True`` shows the rows the flex and triton backends see: the ``G``
 query heads of one KV head folded into rows, row ``r`` being token ``r // G``
-of query head ``kv_head * G + r % G``.
+of query head ``kv_head * G + r % G`` (each row labelled with its token and head).
 
 Depth columns are the query's own ``L`` slots when the variant reads only its
 own token's depth, else the chunk-packed depth of every query token
@@ -35,9 +36,11 @@ Command line::
     python -m moda_flex.visualize examples/custom_variant.py:attention_slots_only
     python -m moda_flex.visualize causal --blocks --q-len 512 --kv-len 512 --slots 16 --groups 8
 
-A variant is a built-in's name (:data:`moda_flex.variants.BUILTINS`, sized to the picture) or
-``module:attribute`` (a module name or a ``.py`` file), where the attribute
-is a :class:`~moda_flex.Variant` or a function of no arguments that returns one.
+A variant is a built-in's name (:data:`moda_flex.variants.BUILTINS`) or ``module:attribute`` (a
+module name or a ``.py`` file), where the attribute is a :class:`~moda_flex.Variant` or a function
+of no arguments that returns one. The built-ins without an argument are the names
+``moda_attention(variant=...)`` accepts too; for one with an argument the picture fills in a demo
+value (``sliding_window``: a third of the keys), where a call needs ``moda_flex.sliding_window(window)``.
 """
 
 from __future__ import annotations
@@ -80,7 +83,8 @@ class MaskView:
     size, in its own layout (folded rows, every token's depth).
 
     Attributes:
-        variant: ``"causal"``, ``"full"`` or a :class:`~moda_flex.Variant`.
+        variant: a name of :data:`moda_flex.variants.NAMED` (``"causal"``,
+            ``"full"``, ``"depth_only"``) or a :class:`~moda_flex.Variant`.
         q_len, kv_len: Tq <= Tk; query ``i`` sits at position ``Tk - Tq + i``.
         slots: L, depth slots per token.
         groups: G, query heads per KV head (the predicates see the query head).
@@ -180,22 +184,24 @@ class MaskView:
         """The mask as text: one line per query, ``█`` visible, ``·`` masked, ``|`` before the depth columns.
 
         Rows are labelled with the query's absolute position ``p`` (and,
-        folded, the row ``r``).
+        folded, its query head ``h``); with ``Tq < Tk`` a line under the title
+        says why the rows start at ``Tk - Tq``.
         """
         mask, packed = self._dense()
-        q_len, kv_len, groups = self.q_len, self.kv_len, self.groups
+        kv_len = self.kv_len
         packed_note = ", depth of every query token" if packed else ""
         if self.folded:
-            view = f"folded rows r = t * G + g of KV head {self.kv_head}"
-            labels = [f"{r:>4} {kv_len - q_len + r // groups:>4}" for r in range(self.rows)]
-            header = f"{'r':>4} {'p':>4}"
+            view = f"rows: query token p and head h (the {self.groups} heads of KV head {self.kv_head} folded)"
+            labels = [f"{p:>4} {h:>4}" for p, h in self._rows()]
+            header = f"{'p':>4} {'h':>4}"
         else:
             view = f"query head {self.head}"
-            labels = [f"{kv_len - q_len + i:>4}" for i in range(self.rows)]
+            labels = [f"{p:>4}" for p, _ in self._rows()]
             header = f"{'p':>4}"
         lines = [
             f"{self._title()}, {view}{packed_note}; "
             f"columns: key k {BOUNDARY} depth slot l ({VISIBLE} visible, {MASKED} masked)",
+            *([self._alignment()] if self.q_len < kv_len else []),
             f"{header}  {_digits(range(kv_len))}{BOUNDARY}{_digits(range(mask.shape[1] - kv_len), self.slots)}",
         ]
         for label, row in zip(labels, mask.tolist()):
@@ -206,10 +212,11 @@ class MaskView:
     def plot(self, path: Optional[str] = None, ax=None):
         """The mask as a matplotlib picture, the sequence/depth boundary a dashed line.
 
-        Columns are labelled like the text: key positions, then depth slots
-        from 0 again (per token when packed); rows by the query's absolute
-        position (or, folded, the row ``r``). Needs matplotlib (``pip install
-        moda_flex[plot]``).
+        Rows are labelled in words (``token 4``, folded ``token 4, head 1``);
+        columns by key position, then by depth slot from 0 again, with the
+        token whose depth they are named above the picture (``depth of token
+        4`` when packed). With ``Tq < Tk`` the title says why the rows start at
+        position ``Tk - Tq``. Needs matplotlib (``pip install moda_flex[plot]``).
 
         Args:
             path: if given, save the figure there (PNG for a ``.png`` name).
@@ -222,28 +229,66 @@ class MaskView:
         mask, packed = self._dense()
         kv_len, slots = self.kv_len, self.slots
         rows, columns = mask.shape
-        size = (min(16.0, max(4.0, 0.25 * columns + 3.0)), min(12.0, max(3.0, 0.25 * rows + 1.2)))  # inches
+        size = (min(16.0, max(4.0, 0.25 * columns + 3.0)), min(12.0, max(3.0, 0.25 * rows + 1.6)))  # inches
         figure, ax = _figure(Figure, ax, size)
         image = ax.imshow(mask.numpy(), cmap="Blues", vmin=0, vmax=1.25, interpolation="nearest", aspect="auto")
         step = -(-columns // 40)  # at most about 40 labels; depth labels start again at slot 0
         x_ticks, y_ticks = list(range(0, kv_len, step)) + list(range(kv_len, columns, step)), _ticks(rows)
         ax.set_xticks(x_ticks, [_column_label(c, kv_len, slots) for c in x_ticks])
-        ax.set_yticks(y_ticks, [str(r if self.folded else kv_len - self.q_len + r) for r in y_ticks])
-        ax.set_title(self._title())
+        row_labels = [f"token {p}, head {h}" if self.folded else f"token {p}" for p, h in self._rows()]
+        ax.set_yticks(y_ticks, [row_labels[r] for r in y_ticks])
+        title = self._title() + (f"\n{self._alignment()}" if self.q_len < kv_len else "")
+        ax.set_title(title, fontsize=10)
         if slots:
             ax.axvline(kv_len - 0.5, color="black", linestyle="--", linewidth=1.2)
-            depth = "depth slot l of every query token (token-major)" if packed else "depth slot l"
-            ax.set_xlabel(f"sequence key k | {depth}")
+            self._label_depth_groups(ax, packed)
+            ax.set_xlabel("sequence key position k | depth slot l")
         else:
-            ax.set_xlabel("sequence key k (no depth slots)")
+            ax.set_xlabel("sequence key position k (no depth slots)")
         if self.folded:
-            ax.set_ylabel(f"folded row r = t * {self.groups} + g, KV head {self.kv_head}")
+            ax.set_ylabel(f"query token and head\n(the {self.groups} heads of KV head {self.kv_head}, folded)")
         else:
-            ax.set_ylabel(f"query position p, head {self.head}")
+            ax.set_ylabel(f"query token (its position), head {self.head}")
         colors = {True: image.cmap(image.norm(1)), False: image.cmap(image.norm(0))}
         handles = [Patch(facecolor=colors[True], label="visible"),
                    Patch(facecolor=colors[False], edgecolor="0.6", label="masked")]  # fmt: skip
         return _finish(figure, ax, handles, path)
+
+    def _rows(self) -> list:
+        """Each row's query: (absolute position p, query head h)."""
+        first = self.kv_len - self.q_len
+        if self.folded:
+            G = self.groups
+            return [(first + r // G, self.kv_head * G + r % G) for r in range(self.rows)]
+        return [(first + i, self.head) for i in range(self.q_len)]
+
+    def _alignment(self) -> str:
+        """Why the rows start at ``Tk - Tq`` (said only when ``Tq < Tk``)."""
+        first = self.kv_len - self.q_len
+        return (
+            f"Tq < Tk: the queries are the last {self.q_len} of {self.kv_len} positions (bottom-right aligned): "
+            f"query i at Tk - Tq + i = {first} + i, so rows start at {first}"
+        )
+
+    def _label_depth_groups(self, ax, packed: bool) -> None:
+        """Above the picture, whose depth each group of slots is: every query token's (packed) or the row's own."""
+        kv_len, slots = self.kv_len, self.slots
+        ticks, labels = [(kv_len - 1) / 2], ["sequence keys"]
+        if packed:
+            first = kv_len - self.q_len
+            starts = [kv_len + t * slots for t in range(self.q_len)]
+            for start in starts[1:]:
+                ax.axvline(start - 0.5, color="0.55", linestyle=":", linewidth=0.8)
+            ticks += [start + (slots - 1) / 2 for start in starts]
+            labels += [f"depth of\ntoken {first + t}" for t in range(self.q_len)]
+        else:
+            ticks.append(kv_len + (slots - 1) / 2)
+            labels.append("depth of the\nrow's own token")
+        top = ax.secondary_xaxis("top")
+        top.set_xticks(ticks, labels, fontsize=8)
+        if packed and slots < 3:  # a group narrower than its label: the labels stand upright
+            for label in top.get_xticklabels()[1:]:
+                label.set_rotation(90)
 
     def blocks(self) -> Tensor:
         """Which blocks of the flex backend's ``BlockMask`` are full, partial or skipped.
@@ -450,6 +495,17 @@ def _select(specs: Sequence[str], kv_len: int, slots: int) -> list:
     return selected
 
 
+def _variant_help() -> str:
+    """The VARIANT argument's help: every built-in, and the demo argument the picture gives those that take one."""
+    plain = [name for name, builtin in BUILTINS.items() if builtin.argument is None]
+    demos = [f"{name} ({builtin.example_note}; in a call {builtin.call})"
+             for name, builtin in BUILTINS.items() if builtin.argument is not None]  # fmt: skip
+    return (
+        f"a built-in: {', '.join(plain)} (the names moda_attention(variant=...) accepts), or, drawn with a demo "
+        f"argument, {', '.join(demos)}; or module:attribute (default: every built-in)"
+    )
+
+
 def _has_matplotlib() -> bool:
     try:
         import matplotlib.figure  # noqa: F401
@@ -472,10 +528,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         description=main.__doc__ + "\n\n" + __doc__[__doc__.index("Command line::") :],
         formatter_class=_HelpFormatter,
     )
-    parser.add_argument(
-        "variants", nargs="*", metavar="VARIANT",
-        help=f"a built-in ({', '.join(BUILTINS)}) or module:attribute (default: every built-in)",
-    )  # fmt: skip
+    parser.add_argument("variants", nargs="*", metavar="VARIANT", help=_variant_help())
     parser.add_argument("--q-len", type=int, default=6, help="query tokens Tq")
     parser.add_argument("--kv-len", type=int, default=9, help="sequence keys Tk (>= Tq; queries sit at the end)")
     parser.add_argument("--slots", type=int, default=3, help="depth slots L per token")

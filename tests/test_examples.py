@@ -4,7 +4,10 @@ progress output, the kernel ablation."""
 
 import importlib
 import io
+import json
+import re
 import runpy
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -97,6 +100,71 @@ def test_train_compare_checkpoint_and_heatmaps(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[-3:] == [f"wrote {path}" for path in paths]
 
 
+def _mixed_model_maps():
+    """A 3-layer attn+ffn config (layers read 0, 2, 4 depth entries) and its maps, random weights that sum to 1."""
+    config = GPTConfig(n_embd=16, n_head=4, n_kv_head=2, n_layer=3, depth_kv="attn+ffn")
+    T = 5
+    generator = torch.Generator().manual_seed(0)
+    maps = [torch.rand(4, T, T + slots, generator=generator).softmax(-1) for slots in (0, 2, 4)]  # (Hq, T, T + L)
+    return config, maps
+
+
+def test_depth_writers_name_layer_and_kind():
+    config, _ = _mixed_model_maps()
+    assert visualize_attention.depth_writers(config, 4) == ["layer 0 attn", "layer 0 FFN", "layer 1 attn", "layer 1 FFN"]
+    attn_only = GPTConfig(n_embd=16, n_head=4, n_kv_head=2, n_layer=3, depth_kv="attn")
+    assert visualize_attention.depth_writers(attn_only, 2) == ["layer 0 attn", "layer 1 attn"]
+
+
+def test_depth_writers_follow_the_stream_a_model_writes():
+    """Each label names the entry the model really appended: the last layer's entries, by the object written."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_embd=16, n_head=4, n_kv_head=2, n_layer=3, depth_kv="attn+ffn", vocab_size=32,
+                          block_size=8)).eval()  # fmt: skip
+    written, read = {}, []
+
+    def keep(label):
+        def hook(module, args, output):
+            stream = output[1] if isinstance(output, tuple) else output
+            written[label] = stream.keys[-1]
+
+        return hook
+
+    hooks = []
+    for i, block in enumerate(model.blocks[:-1]):
+        hooks += [block.attn.register_forward_hook(keep(f"layer {i} attn")),
+                  block.ffn_kv.register_forward_hook(keep(f"layer {i} FFN"))]  # fmt: skip
+    hooks.append(model.blocks[-1].attn.register_forward_pre_hook(lambda module, args: read.extend(args[1].keys)))
+    with torch.no_grad():
+        model(torch.randint(0, 32, (1, 6)))
+    for hook in hooks:
+        hook.remove()
+    labels = visualize_attention.depth_writers(model.config, len(read))
+    assert [written[label] is entry for label, entry in zip(labels, read)] == [True] * 4
+
+
+def test_attention_picture_names_entries_heads_and_colour_scale():
+    pytest.importorskip("matplotlib")
+    config, maps = _mixed_model_maps()
+    figure = visualize_attention.plot_attention(maps, config, n_layers=3, n_heads=2)
+    assert figure.get_suptitle().splitlines()[1:] == [
+        "rows: query heads 0-1 of 4; columns: layers 0, 1, 2 of 3",
+        "colour: sqrt(attention weight), the colourbar in weights",
+    ]
+    panels = [ax for ax in figure.axes if ax.get_images()]
+    assert [ax.get_title() for ax in panels[:3:2]] == ["layer 0, head 0\n5 keys, no depth entries yet",
+                                                      "layer 2, head 0\n5 keys | 4 depth entries"]  # fmt: skip
+    figure.canvas.draw()
+    last = panels[-1]  # layer 2, head 1: the bottom row carries the labels
+    labels = [t.get_text() for t in last.get_xticklabels()]
+    assert labels[-4:] == ["layer 0 attn", "layer 0 FFN", "layer 1 attn", "layer 1 FFN"]
+    # One unit per column, keys and depth entries alike: a plain image of T + L columns.
+    assert [ax.get_images()[0].get_array().shape for ax in panels[-3:]] == [(5, 5), (5, 7), (5, 9)]
+    assert all(ax.get_xlim() == (-0.5, ax.get_images()[0].get_array().shape[1] - 0.5) for ax in panels)
+    colourbar = [ax for ax in figure.axes if ax.get_ylabel().startswith("attention weight")]
+    assert colourbar[0].get_ylabel() == "attention weight (colour: sqrt(weight))"
+
+
 def test_folded_mask_matches_the_paper():
     # The mask of visualize_attention's picture: query groups folded into rows, every token's depth.
     T, G, L = 3, 2, 2
@@ -131,6 +199,69 @@ def test_custom_variant_learns_its_depth_bias(capsys):
     custom_variant.check_learned_bias(examples=3)
     bias = custom_variant.train_bias(steps=12)
     assert int(bias.argmax()) == 2 and "loss" in capsys.readouterr().out
+
+
+# What an example needs beyond the core install: (module, the extra of pyproject.toml that brings it). The others
+# run with the core install alone (matplotlib, where they draw, is optional: they say so and skip the picture).
+NEEDS_EXTRA = {
+    "examples/custom_variant.py": ("hypothesis", "test"),
+    "examples/visualize_attention.py": ("matplotlib", "plot"),
+}
+
+
+def _extras() -> dict:
+    """pyproject.toml's extras: {extra: [module, ...]} (a requirement's name, its markers left off)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    return {extra: [re.split(r"[;<>=\[ ]", req)[0] for req in reqs] for extra, reqs in optional.items()}
+
+
+def _example_scripts() -> list[str]:
+    """Every example that is a command line."""
+    return sorted(f"examples/{path.name}" for path in (ROOT / "examples").glob("*.py")
+                  if 'if __name__ == "__main__":' in path.read_text())  # fmt: skip
+
+
+def test_every_example_helps_with_the_core_install_alone():
+    """Where no extra is installed, every example still imports and prints its --help (exit 0)."""
+    blocked = sorted({module for modules in _extras().values() for module in modules})
+    child = (
+        "import json, runpy, sys\n"
+        f"for name in {blocked!r}: sys.modules[name] = None  # as where it is not installed\n"
+        f"sys.path.insert(0, {str(ROOT / 'examples')!r})\n"
+        "codes = {}\n"
+        f"for script in {_example_scripts()!r}:\n"
+        "    sys.argv = [script, '--help']\n"
+        "    try:\n"
+        "        runpy.run_path(script, run_name='__main__')\n"
+        "    except SystemExit as exit:\n"
+        "        codes[script] = exit.code\n"
+        "    except Exception as error:\n"
+        "        codes[script] = repr(error)\n"
+        "print(json.dumps(codes))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr
+    codes = json.loads(result.stdout.splitlines()[-1])
+    assert codes == {script: 0 for script in _example_scripts()}
+
+
+@pytest.mark.parametrize("script", NEEDS_EXTRA)
+def test_an_example_that_needs_an_extra_says_which(script, monkeypatch, capsys):
+    module, extra = NEEDS_EXTRA[script]
+    assert module in _extras()[extra]
+    assert _run_cli(script, ["--help"], monkeypatch) == 0
+    assert f'from the {extra} extra (pip install -e ".[{extra}]")' in " ".join(capsys.readouterr().out.split())
+    monkeypatch.setitem(sys.modules, module, None)  # as where it is not installed
+    args = {"examples/visualize_attention.py": ["--ckpt", "x.pt"]}.get(script, [])
+    last = _one_line_usage_error(script, args, monkeypatch, capsys)
+    assert last.endswith(f'needs {module}, from the {extra} extra: pip install -e ".[{extra}]" (or pip install {module})')
+
+
+def test_the_main_job_install_brings_every_extra_an_example_needs():
+    (main_job,) = [line for line in (ROOT / "README.md").read_text().splitlines() if "# main job" in line]
+    installed = re.search(r'pip install -e "\.\[([\w,]+)\]"', main_job).group(1).split(",")
+    assert {extra for _, extra in NEEDS_EXTRA.values()} <= set(installed)
 
 
 # Every command line: --help exits 0 and gives each option a description and a default.

@@ -320,6 +320,33 @@ def test_named_variants_resolve():
     assert v.resolve(custom) is custom
 
 
+@pytest.mark.parametrize("name", BUILTINS)
+def test_every_builtin_name_runs_or_says_how_to_make_it(name):
+    """The names the picture's command line takes: the function runs those without an argument, and for the
+    others says which call makes one."""
+    inputs = make_inputs(MoDAShape(1, 2, 1, 3, 5, 2, 8), requires_grad=False)
+    if BUILTINS[name].argument is None:
+        expected = moda_attention(**inputs, variant=BUILTINS[name].make(), backend="reference")
+        torch.testing.assert_close(moda_attention(**inputs, variant=name, backend="reference"), expected)
+        assert name in v.NAMED
+        return
+    argument = {"sliding_window": "window", "depth_window": "slots", "chunk_depth": "chunk", "document": "doc_ids"}
+    with pytest.raises(ValueError, match=re.escape(f"variant {name!r} takes an argument: pass "
+                                                   f"moda_flex.{name}({argument[name]})")):  # fmt: skip
+        moda_attention(**inputs, variant=name)
+
+
+@pytest.mark.parametrize("name", ["sliding", "Causal", None, 3])
+def test_an_unknown_name_lists_what_is_accepted(name):
+    with pytest.raises(ValueError) as error:
+        v.resolve(name)
+    assert str(error.value) == (
+        f"variant must be one of 'causal', 'full', 'depth_only' or a moda_flex Variant, got {name!r}; "
+        "the built-ins with an argument are made by calling moda_flex.sliding_window(window), "
+        "moda_flex.depth_window(slots), moda_flex.chunk_depth(chunk), moda_flex.document(doc_ids)"
+    )
+
+
 # --- documents ------------------------------------------------------------------------
 
 

@@ -72,15 +72,27 @@ def test_text_marks_cells_and_the_boundary():
     text = MaskView(depth_window(1), q_len=3, kv_len=5, slots=2).text()
     lines = text.splitlines()
     assert lines[0].startswith("depth_window(1): Tq=3 Tk=5 L=2 G=1")
-    assert lines[1].split() == ["p", "01234|01"]
-    assert [line.split()[1] for line in lines[2:]] == ["███··|·█", "████·|·█", "█████|·█"]
-    assert [line.split()[0] for line in lines[2:]] == ["2", "3", "4"]
+    assert lines[2].split() == ["p", "01234|01"]
+    assert [line.split()[1] for line in lines[3:]] == ["███··|·█", "████·|·█", "█████|·█"]
+    assert [line.split()[0] for line in lines[3:]] == ["2", "3", "4"]
 
 
-def test_text_of_folded_rows_labels_row_and_position():
-    lines = MaskView(full(), q_len=2, kv_len=2, slots=1, groups=2, folded=True).text().splitlines()
-    assert "folded rows" in lines[0]
-    assert [line.split()[:2] for line in lines[2:]] == [["0", "0"], ["1", "0"], ["2", "1"], ["3", "1"]]
+def test_text_says_why_the_rows_start_late():
+    lines = MaskView(chunk_depth(3), q_len=6, kv_len=9, slots=3).text().splitlines()
+    assert lines[1] == (
+        "Tq < Tk: the queries are the last 6 of 9 positions (bottom-right aligned): "
+        "query i at Tk - Tq + i = 3 + i, so rows start at 3"
+    )
+    assert lines[3].split()[0] == "3"
+    # With Tq == Tk the rows start at 0 and nothing needs saying.
+    assert MaskView(causal(), q_len=3, kv_len=3, slots=1).text().splitlines()[1].split() == ["p", "012|0"]
+
+
+def test_text_of_folded_rows_labels_token_and_head():
+    lines = MaskView(full(), q_len=2, kv_len=2, slots=1, groups=2, folded=True, kv_head=1).text().splitlines()
+    assert "rows: query token p and head h (the 2 heads of KV head 1 folded)" in lines[0]
+    assert lines[1].split() == ["p", "h", "01|0"]
+    assert [line.split()[:2] for line in lines[2:]] == [["0", "2"], ["0", "3"], ["1", "2"], ["1", "3"]]
     assert all(line.split()[2] == "██|█" for line in lines[2:])
 
 
@@ -119,15 +131,46 @@ def test_png_has_the_dashed_boundary(tmp_path):
     assert image.shape == (3, 7) and image[:, :5].sum() == 0 and image[:, 5:].all()
 
 
+def _labels(ticks) -> list:
+    return [t.get_text() for t in ticks]
+
+
 def test_png_labels_like_the_text(tmp_path):
     pytest.importorskip("matplotlib")
     figure = MaskView(causal(), q_len=3, kv_len=5, slots=2).plot()
     ax = figure.axes[0]
     figure.canvas.draw()  # tick labels are formatted at drawing time
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "1", "2", "3", "4", "0", "1"]  # slots from 0
-    assert [t.get_text() for t in ax.get_yticklabels()] == ["2", "3", "4"]  # absolute positions
-    assert ax.get_ylabel().startswith("query position p")
+    assert _labels(ax.get_xticklabels()) == ["0", "1", "2", "3", "4", "0", "1"]  # slots from 0
+    assert _labels(ax.get_yticklabels()) == ["token 2", "token 3", "token 4"]  # absolute positions, in words
+    assert ax.get_ylabel() == "query token (its position), head 0"
+    assert _labels(ax.child_axes[0].get_xticklabels()) == ["sequence keys", "depth of the\nrow's own token"]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["visible", "masked"]
+
+
+def test_png_says_why_the_rows_start_late():
+    pytest.importorskip("matplotlib")
+    title = MaskView(chunk_depth(3), q_len=6, kv_len=9, slots=3).plot().axes[0].get_title()
+    assert title.splitlines() == [
+        "chunk_depth(3): Tq=6 Tk=9 L=3 G=1",
+        "Tq < Tk: the queries are the last 6 of 9 positions (bottom-right aligned): "
+        "query i at Tk - Tq + i = 3 + i, so rows start at 3",
+    ]
+    assert MaskView(causal(), q_len=3, kv_len=3).plot().axes[0].get_title() == "causal: Tq=3 Tk=3 L=0 G=1"
+
+
+def test_png_of_folded_rows_names_token_and_head_and_each_depth_group():
+    pytest.importorskip("matplotlib")
+    figure = MaskView(causal(), q_len=2, kv_len=3, slots=3, groups=2, folded=True, kv_head=1, packed=True).plot()
+    ax = figure.axes[0]
+    figure.canvas.draw()
+    assert _labels(ax.get_yticklabels()) == ["token 1, head 2", "token 1, head 3", "token 2, head 2", "token 2, head 3"]
+    assert ax.get_ylabel() == "query token and head\n(the 2 heads of KV head 1, folded)"
+    # packed depth: slots from 0 for each token, the token named above its group, a dotted line between groups
+    assert _labels(ax.get_xticklabels())[3:] == ["0", "1", "2", "0", "1", "2"]
+    top = ax.child_axes[0]
+    assert _labels(top.get_xticklabels()) == ["sequence keys", "depth of\ntoken 1", "depth of\ntoken 2"]
+    assert list(top.get_xticks()) == [1.0, 4.0, 7.0]  # the groups' centres
+    assert [list(line.get_xdata()) for line in ax.get_lines() if line.get_linestyle() == ":"] == [[5.5, 5.5]]
 
 
 def test_png_draws_into_a_given_axes():
@@ -156,6 +199,15 @@ def test_command_line_prints_every_builtin(capsys, tmp_path):
     assert sorted(line.split()[1] for line in out.splitlines() if line.startswith("wrote ")) == sorted(
         str(path) for path in written
     )
+
+
+def test_command_line_help_says_which_names_take_a_demo_argument(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "a built-in: causal, full, depth_only (the names moda_attention(variant=...) accepts)" in help_text
+    assert "sliding_window (a third of the keys; in a call moda_flex.sliding_window(window))" in help_text
+    assert "depth_window (half the depth slots; in a call moda_flex.depth_window(slots))" in help_text
 
 
 def test_command_line_selects_builtins_by_name(capsys):
