@@ -28,7 +28,6 @@ on the eager path too. The depth products apply it to their logits directly.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -36,6 +35,8 @@ from torch import Tensor
 
 from ...variants import Variant
 from .block_mask import Layout, moda_block_mask
+from .compiled import Kind
+from .compiled import call as compiled_call
 from .run import run_flex
 from . import scoring
 from .scoring import copies_of, probe_score, reads_by_index, score_mod, spread
@@ -50,21 +51,21 @@ DESIGN = "concat"
 def flex_attention_backend(
     q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: Tensor, variant: Variant, scale: float
 ) -> tuple[Tensor, Tensor]:
-    """MoDA through FlexAttention; compiled on CUDA, eager elsewhere.
+    """MoDA through FlexAttention: compiled (never eagerly, :mod:`.compiled`), but on CPU, where it runs eagerly.
 
     Args and returns as :func:`moda_flex.backends.reference.reference_attention`.
     Supports first derivatives only.
     """
-    if q.is_cuda:
-        return flex_moda(q, k, v, depth_k, depth_v, variant, scale, compiled=True)
-    return _eager_flex_moda(q, k, v, depth_k, depth_v, variant, scale)
+    if q.device.type == "cpu":
+        return _eager_flex_moda(q, k, v, depth_k, depth_v, variant, scale)
+    return flex_moda(q, k, v, depth_k, depth_v, variant, scale, compiled=True)
 
 
 # Inductor compiles FlexAttention on CPU for inference only and without the
 # lse, so a compiled model runs this backend eagerly there, through a graph
 # break; fullgraph=True stops here with this reason.
 @torch.compiler.disable(
-    reason="moda_flex backend 'flex' runs FlexAttention eagerly off CUDA (inductor compiles it on CPU for "
+    reason="moda_flex backend 'flex' runs FlexAttention eagerly on CPU (inductor compiles it there for "
     "inference only, without the lse); under torch.compile(fullgraph=True) on CPU use backend='auto' or "
     "'reference', which compile, training included"
 )
@@ -162,19 +163,14 @@ def flex_moda(
         return_lse=return_lse,
         kernel_options=dict(scoring.LEARNED_SCORE_KERNEL_OPTIONS) if learns and q.is_cuda and compiled else None,
     )
-    core = _moda_core
-    if compiled and not torch.compiler.is_compiling():  # inside a compiled model the model's graph holds it
-        core = _compiled_core("inductor" if compiled is True else compiled)
-    out, lse = core(q, k, v, depth_k, depth_v, tuple(params), masks, variant, scale, plan)
+    args = (q, k, v, depth_k, depth_v, tuple(params), masks, variant, scale, plan)
+    if not compiled or torch.compiler.is_compiling():  # inside a compiled model the model's graph holds the call
+        out, lse = _moda_core(*args)
+    else:
+        kind = Kind(q.dtype, D, G, variant.name, None if variant.score is None else variant.score.name, parts,
+                    return_lse, learns)  # fmt: skip
+        out, lse = compiled_call(_moda_core, kind, "inductor" if compiled is True else compiled, *args)
     return (out, lse) if return_lse else out
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled_core(backend: str):
-    # Compiled once per backend, on first use, never at import time. Dynamic
-    # shapes (after the first new length) and tensor-held lengths in the masks
-    # keep one compiled graph for many lengths instead of one per length.
-    return torch.compile(_moda_core, backend=backend)
 
 
 def _moda_core(q, k, v, depth_k, depth_v, params: tuple, masks: tuple, variant: Variant, scale: float, plan: _Plan):
