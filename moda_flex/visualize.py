@@ -5,7 +5,7 @@ boundary marked (``|`` in text, a dashed line in the PNG)::
 
     >>> print(MaskView(causal(), q_len=4, kv_len=6, slots=2).text())
     causal: Tq=4 Tk=6 L=2 G=1, query head 0; columns: key k | depth slot l (█ visible, · masked)
-    Tq < Tk: the queries are the last 4 of 6 positions (bottom-right aligned): query i at Tk - Tq + i = 2 + i, so rows start at 2
+    Tq < Tk, bottom-right aligned: query i sits at position Tk - Tq + i = 2 + i, so rows start at 2
        p  012345|01
        2  ███···|██
        3  ████··|██
@@ -265,10 +265,8 @@ class MaskView:
     def _alignment(self) -> str:
         """Why the rows start at ``Tk - Tq`` (said only when ``Tq < Tk``)."""
         first = self.kv_len - self.q_len
-        return (
-            f"Tq < Tk: the queries are the last {self.q_len} of {self.kv_len} positions (bottom-right aligned): "
-            f"query i at Tk - Tq + i = {first} + i, so rows start at {first}"
-        )
+        where = f"query i sits at position Tk - Tq + i = {first} + i"
+        return f"Tq < Tk, bottom-right aligned: {where}, so rows start at {first}"
 
     def _label_depth_groups(self, ax, packed: bool) -> None:
         """Above the picture, whose depth each group of slots is: every query token's (packed) or the row's own."""

@@ -111,7 +111,8 @@ def _mixed_model_maps():
 
 def test_depth_writers_name_layer_and_kind():
     config, _ = _mixed_model_maps()
-    assert visualize_attention.depth_writers(config, 4) == ["layer 0 attn", "layer 0 FFN", "layer 1 attn", "layer 1 FFN"]
+    expected = ["layer 0 attn", "layer 0 FFN", "layer 1 attn", "layer 1 FFN"]
+    assert visualize_attention.depth_writers(config, 4) == expected
     attn_only = GPTConfig(n_embd=16, n_head=4, n_kv_head=2, n_layer=3, depth_kv="attn")
     assert visualize_attention.depth_writers(attn_only, 2) == ["layer 0 attn", "layer 1 attn"]
 
@@ -255,7 +256,8 @@ def test_an_example_that_needs_an_extra_says_which(script, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, module, None)  # as where it is not installed
     args = {"examples/visualize_attention.py": ["--ckpt", "x.pt"]}.get(script, [])
     last = _one_line_usage_error(script, args, monkeypatch, capsys)
-    assert last.endswith(f'needs {module}, from the {extra} extra: pip install -e ".[{extra}]" (or pip install {module})')
+    assert last.endswith(f'needs {module}, from the {extra} extra: pip install -e ".[{extra}]" '
+                         f"(or pip install {module})")  # fmt: skip
 
 
 def test_the_main_job_install_brings_every_extra_an_example_needs():

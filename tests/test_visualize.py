@@ -79,10 +79,7 @@ def test_text_marks_cells_and_the_boundary():
 
 def test_text_says_why_the_rows_start_late():
     lines = MaskView(chunk_depth(3), q_len=6, kv_len=9, slots=3).text().splitlines()
-    assert lines[1] == (
-        "Tq < Tk: the queries are the last 6 of 9 positions (bottom-right aligned): "
-        "query i at Tk - Tq + i = 3 + i, so rows start at 3"
-    )
+    assert lines[1] == "Tq < Tk, bottom-right aligned: query i sits at position Tk - Tq + i = 3 + i, so rows start at 3"
     assert lines[3].split()[0] == "3"
     # With Tq == Tk the rows start at 0 and nothing needs saying.
     assert MaskView(causal(), q_len=3, kv_len=3, slots=1).text().splitlines()[1].split() == ["p", "012|0"]
@@ -152,8 +149,7 @@ def test_png_says_why_the_rows_start_late():
     title = MaskView(chunk_depth(3), q_len=6, kv_len=9, slots=3).plot().axes[0].get_title()
     assert title.splitlines() == [
         "chunk_depth(3): Tq=6 Tk=9 L=3 G=1",
-        "Tq < Tk: the queries are the last 6 of 9 positions (bottom-right aligned): "
-        "query i at Tk - Tq + i = 3 + i, so rows start at 3",
+        "Tq < Tk, bottom-right aligned: query i sits at position Tk - Tq + i = 3 + i, so rows start at 3",
     ]
     assert MaskView(causal(), q_len=3, kv_len=3).plot().axes[0].get_title() == "causal: Tq=3 Tk=3 L=0 G=1"
 
