@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from moda_flex import variants
-from moda_flex.backends.flex.block_mask import mask_mod as _mask_mod, structural_block_mask as _structural_block_mask
+from moda_flex.backends.flex.block_mask import Layout, mask_mod, structural_block_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import cli  # noqa: E402
@@ -25,16 +25,18 @@ def main(argv=None):
     parser.add_argument("--groups", type=int, default=8, help="G = Hq / Hk")
     parser.add_argument("--slots", type=int, default=64, help="L depth entries per token")
     parser.add_argument("--repeats", type=int, default=5, help="timed builds (the median is reported)")
+    parser.add_argument("--part", choices=("concat", "sequence", "depth"), default="concat", help="which call's mask")
     cli.add_device(parser)
     args = parser.parse_args(argv)
     cli.check_device(parser, args.device)
 
     variant = variants.causal()
     T, G, L = args.tokens, args.groups, args.slots
-    mask_mod = _mask_mod(variant, T, T, G, L, args.device)
+    layout = Layout.of(args.part, T, T, G, L)
+    element_mask = mask_mod(variant, layout, args.device)
 
     def build():
-        block_mask = _structural_block_mask(variant.structure, T, T, G, L, args.device, mask_mod)
+        block_mask = structural_block_mask(variant.structure, layout, args.device, element_mask)
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
         return block_mask
@@ -51,7 +53,7 @@ def main(argv=None):
     print(
         f"T={T} G={G} L={L} device={args.device}: build {statistics.median(times) * 1e3:.1f} ms (median of "
         f"{args.repeats}); blocks visited {visited}; index entries {entries} ({entries * 4 / 2**20:.0f} MiB); "
-        f"dense mask would be {T * G * (T + T * L):.2e} entries"
+        f"dense mask would be {layout.rows * layout.columns:.2e} entries"
     )
 
 
