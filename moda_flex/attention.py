@@ -106,6 +106,8 @@ def _prepared_call(q, k, v, depth_k, depth_v, variant, score, scale, backend: st
     depth_k, depth_v = check_inputs(q, k, v, depth_k, depth_v)
     variant.check_fits(q.shape[0], k.shape[2])
     scale = _check_scale(scale, q.shape[-1])
+    if scale < 0:  # as -q at -scale: SDPA's fused kernels mask before they scale, and give NaN for a negative one
+        q, scale = -q, -scale
     run = backends.choose(backend, q, k, slot_count(depth_k), variant, return_lse=return_lse)
     if is_entries(depth_k) and not backends.reads_depth_entries(run):
         empty = k.new_empty(q.shape[0], k.shape[1], q.shape[2], q.shape[3])  # (B, Hk, Tq, D)

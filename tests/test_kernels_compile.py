@@ -26,10 +26,10 @@ def test_every_kernel_compiles_for_sm90(compiled):
         expected = {"triton": {"forward_kernel", "dq_kernel"}, "hopper": {"forward_kernel", "dq_kernel", "dkdv_kernel"},
                     "split": set()}[backend]  # fmt: skip
         assert expected <= set(kernels), (case, kernels)
-        if backend == "split":  # one design's backward, which also writes what the vendor's backward reads
+        if backend == "split":  # one design's backward
             assert {"_depth_backward_kernel", "_depth_backward_token_kernel"} & set(kernels), (case, kernels)
     every = {kernel for kernels in compiled.values() for kernel in kernels}
-    assert {"dkdv_kernel", "_sanitize_kv_kernel", *DEPTH_READERS} <= every, every
+    assert {"dkdv_kernel", *DEPTH_READERS} <= every, every
 
 
 # The kernels that read depth slots: the fused kernels and both designs of the split path's.

@@ -52,8 +52,7 @@ _CAPTURE = ("moda_flex.capture_forward.default", "moda_flex.capture_backward.def
     [
         ("triton", "default", _FUSED,
          ("moda_flex.triton_forward.default", "moda_flex.triton_backward.default", "stack_kernel")),
-        ("split", "default", ("sanitize_kv_flat", "depth_forward_flat",
-                              "depth_backward_flat"),
+        ("split", "default", ("depth_forward_flat", "depth_backward_flat"),
          ("moda_flex.split_forward.default", "moda_flex.split_backward.default", "stack_kernel")),
         ("auto", "default", _FUSED, (*_CAPTURE, "stack_kernel")),
         ("auto", "reduce-overhead", _CAPTURE, _FUSED),  # a CUDA graph: the ops that choose at capture
@@ -84,15 +83,12 @@ def test_a_compiled_call_launches_the_kernels_from_its_graph(backend, mode, kern
 
 
 def test_a_compiled_split_call_adds_only_its_own_kernels_to_sdpas():
-    """Compiled, a split call (forward and backward), alone or as a model's layer reads its depth stream,
-    launches what the same step on SDPA launches plus its three kernels (the NaN rule's pass over k and v, the
-    depth kernels) and the sum of dq's two parts, the vendor's and the depth kernel's (in a model it fuses
+    """Compiled, a split call (forward and backward) launches what the same step on SDPA launches plus its
+    two depth kernels and the sum of dq's two parts, the vendor's and the depth kernel's (in a model it fuses
     into the rotation's backward; here the graph returns dq). Nothing copies the lse a kernel writes to and
     back (inductor does so for a view that a traced kernel writes), nothing fills an unread seed (inductor
     lowers a 0-dim ``empty`` as a fill)."""
     from torch._inductor.utils import run_and_get_code
-
-    from moda_flex import DepthStream
 
     shape = MoDAShape(2, 6, 2, 64, 64, 4, 64)
     inputs = make_inputs(shape, dtype=torch.bfloat16, device="cuda", depth_entries=True)
@@ -112,16 +108,7 @@ def test_a_compiled_split_call_adds_only_its_own_kernels_to_sdpas():
     def alone(q, k, v, *entries):
         return moda_attention(q, k, v, list(entries[::2]), list(entries[1::2]), backend="split").float().square().sum()
 
-    def streamed(q, k, v, *entries):
-        stream = DepthStream(readers=1, gradient_buffer=True)
-        for key, value in zip(entries[::2], entries[1::2]):
-            stream = stream.append(key, value)
-        out, _ = stream.attend(q, k, v, backend="split")
-        return out.float().square().sum()
-
-    expected = launches(sdpa, q, k, v) + 4
-    assert launches(alone, q, k, v, *entries) == expected
-    assert launches(streamed, q, k, v, *entries) == expected
+    assert launches(alone, q, k, v, *entries) == launches(sdpa, q, k, v) + 3
 
 
 def _compiled_model_matches_eager(**config) -> str:
@@ -154,23 +141,3 @@ def _compiled_model_matches_eager(**config) -> str:
 def test_a_checkpointed_model_compiles_and_matches_eager():
     """The traced ops inside a model's checkpointed blocks: one compiled graph, eager's gradients."""
     _compiled_model_matches_eager(n_embd=128, n_head=4, n_layer=3, backend="triton", checkpoint=True)
-
-
-@pytest.mark.parametrize("backend, kernel", [("auto", "dq_flat"), ("split", "depth_backward_flat")])
-def test_a_compiled_model_sums_its_entries_gradients_in_one_buffer(backend, kernel, monkeypatch):
-    """By default a compiled model's stream carries a gradient buffer (moda_flex.backends.chain) that the
-    traced ops' gradients are added to, whose kernels the graph launches itself (no opaque op): eager's
-    gradients."""
-    from moda_flex.backends import chain
-
-    reads, read_stream = [], chain.read_stream
-
-    def counted(*args, **kwargs):
-        reads.append(torch.compiler.is_compiling())
-        return read_stream(*args, **kwargs)
-
-    monkeypatch.setattr(chain, "read_stream", counted)
-    n_layer = 4
-    code = _compiled_model_matches_eager(n_embd=192, n_head=6, n_layer=n_layer, backend=backend)
-    assert reads.count(True) >= n_layer - 1  # each attention after the first, through the buffer
-    assert kernel in code and "torch.ops.moda_flex" not in code
