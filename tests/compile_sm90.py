@@ -1,4 +1,4 @@
-"""Compile every Triton kernel for an H100 (sm_90) on a machine without a GPU.
+"""Compile every Triton kernel for an H100 (sm_90), and the generic path's for an A100 (sm_80), without a GPU.
 
 The interpreter runs a kernel's Python, so it never meets what Triton's
 compiler refuses: two returns of different types, a keyword the kernel does
@@ -10,8 +10,9 @@ wheel ships. Outputs are never read (no kernel runs).
 
 Run by ``tests/test_kernels_compile.py`` in processes of its own: the kernels
 must be imported with ``TRITON_INTERPRET`` unset. ``python compile_sm90.py
-INDEX COUNT`` compiles every COUNT-th case from INDEX, so that COUNT processes
-share the cases. Prints one JSON line per case, ``{"case": name, "kernels":
+INDEX COUNT [ARCH]`` compiles every COUNT-th case from INDEX, so that COUNT processes
+share the cases, for compute capability ARCH (90, or 80: the cases of
+:data:`A100_CASES`, without the Hopper path). Prints one JSON line per case, ``{"case": name, "kernels":
 {kernel: scalar 16-bit global loads in its PTX}}``, and exits non-zero at the
 first failure.
 """
@@ -43,11 +44,14 @@ from moda_flex.testing import MoDAShape, make_inputs  # noqa: E402
 # The kernels are imported as compiled ones; the support checks, read per call, take CPU tensors under this.
 os.environ["TRITON_INTERPRET"] = "1"
 
-H100 = GPUTarget("cuda", 90, 32)
+# The target a process compiles for (main's ARCH): an H100, or an A100.
+TARGET = GPUTarget("cuda", 90, 32)
+# The A100's cases: every kernel of the generic path, either design of the split path's depth kernels.
+A100_CASES = ("triton causal G=4 bf16", "split causal G=4 bf16", "split causal G=8 bf16", "triton softcap & bias")
 
 
 class CompileOnly(DriverBase):
-    """A driver for a GPU that is not there: the current target is an H100, device 0, stream 0."""
+    """A driver for a GPU that is not there: the current target is :data:`TARGET`, device 0, stream 0."""
 
     @classmethod
     def is_active(cls):
@@ -57,7 +61,7 @@ class CompileOnly(DriverBase):
         return "void*"
 
     def get_current_target(self):
-        return H100
+        return TARGET
 
     def get_active_torch_device(self):
         return torch.device("cpu")
@@ -169,14 +173,18 @@ def _hopper_backward(q, k, v, dk, dv, variant, dq_atomic) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """Compile every case, or with arguments ``INDEX COUNT`` every COUNT-th one from INDEX (one of COUNT
-    processes that share the cases)."""
-    index, count = map(int, argv) if argv else (0, 1)
+    """Compile every case, or with arguments ``INDEX COUNT [ARCH]`` every COUNT-th one from INDEX (one of COUNT
+    processes that share the cases) for compute capability ARCH; an A100's names start with ``sm80``."""
+    global TARGET
+    index, count, arch = (*map(int, argv), 90)[:3] if argv else (0, 1, 90)
+    TARGET = GPUTarget("cuda", arch, 32)
     driver.set_active(CompileOnly())
     compiled: dict = {}
     compile_launches(compiled)
     split_takes_any_float()
-    for name, call in itertools.islice(launches(), index, None, count):
+    cases_here = launches() if arch == 90 else ((f"sm80 {name}", call) for name, call in launches()
+                                                 if name in A100_CASES)
+    for name, call in itertools.islice(cases_here, index, None, count):
         compiled.clear()
         call()
         print(json.dumps({"case": name, "kernels": compiled}), flush=True)

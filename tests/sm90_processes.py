@@ -28,9 +28,10 @@ def start() -> None:
         return
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("compile_sm90.py")
-    _running.extend(subprocess.Popen([sys.executable, str(script), str(index), str(PROCESSES)], env=env, text=True,
+    arguments = [(str(index), str(PROCESSES), "90") for index in range(PROCESSES)] + [("0", "1", "80")]
+    _running.extend(subprocess.Popen([sys.executable, str(script), *args], env=env, text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                    for index in range(PROCESSES))  # fmt: skip
+                    for args in arguments)  # fmt: skip
 
 
 def results() -> dict:
