@@ -42,12 +42,13 @@ def test_new_lengths_and_decode_steps_compile_nothing_new(design):
     assert _graphs() - before == 3
 
 
-def test_every_kind_has_its_own_limit_and_the_limit_raises(monkeypatch):
+def test_every_kind_has_its_own_limit_and_the_limit_raises():
     """Kinds (here D) never share dynamo's recompile limit; a kind past it raises instead of running eagerly."""
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
-    for head_dim in (8, 16, 24):  # three kinds, two graphs each: six under a limit of two
-        for q_len, kv_len in [(130, 260), (260, 520)]:
-            _run(q_len, kv_len, design="concat", head_dim=head_dim)
-    with pytest.raises(RuntimeError, match=r"backend 'flex' has compiled 2 graphs .* D=8.*backend='auto'"):
-        _run(1, 300, design="concat", head_dim=8)  # a third graph, for one-token steps
+    # config.patch, not monkeypatch: undoing a monkeypatch deletes the setting from dynamo's config module
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for head_dim in (8, 16, 24):  # three kinds, two graphs each: six under a limit of two
+            for q_len, kv_len in [(130, 260), (260, 520)]:
+                _run(q_len, kv_len, design="concat", head_dim=head_dim)
+        with pytest.raises(RuntimeError, match=r"backend 'flex' has compiled 2 graphs .* D=8.*backend='auto'"):
+            _run(1, 300, design="concat", head_dim=8)  # a third graph, for one-token steps
