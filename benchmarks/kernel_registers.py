@@ -7,9 +7,7 @@ compiles each kernel as a call reaches it, through the compile-only driver of
 ``ptxas`` that Triton's wheel ships (``-v``: registers, spill stores and
 loads in bytes a thread). The calls are a Table 6 layer's layout
 (6 query / 2 KV heads unless ``--groups`` says, D=64, bf16, by default L=23, the mean of a Table 6
-step with FFN entries): each forward, then each depth backward in its three forms: plain, adding into the
-gradient buffer in place (an eager depth stream), and adding a strided
-buffer into a fresh one (a compiled stream, ``moda_flex.backends.chain``).
+step with FFN entries): each forward, then each depth backward.
 
 The local compiler is Triton's on this machine, which may differ from the
 GPU's; compare rows of one run.
@@ -69,20 +67,14 @@ def calls(slots: int, groups: int = 3):
                                   depth_entries=True, requires_grad=False).values()  # fmt: skip
     inputs = ops.Inputs(q, k, v, list(dk), list(dv))
     opts = ops.call_options(q, k, slots, variants.causal(), 0.125)
-    buffer = torch.zeros(2, 1, 2, 64, slots, 64, dtype=torch.bfloat16)
-    longer = torch.zeros(2, 1, 2, 64, slots + 7, 64, dtype=torch.bfloat16)[..., :slots, :]  # a longer stream's
     yield "split", "forward", lambda: ops._forward(*inputs, opts)
     split_out, split_lse = ops._forward(*inputs, opts)
     split_grads = ops.Grads(torch.randn_like(split_out), None, split_out, split_lse)
     yield "split", "plain", lambda: ops.backward_in_op_layouts(split_grads, inputs, opts)
-    yield "split", "in place", lambda: ops.backward_into(split_grads, inputs, opts, ops.Into(buffer, True))
-    yield "split", "fresh + addend", lambda: ops.backward_add(split_grads, inputs, opts, ops.Addend(longer))
     yield "fused", "forward", lambda: capture._forward(inputs, opts)
     out, lse = capture._forward(inputs, opts)
     grads = ops.Grads(torch.randn_like(out), None, out, lse)
     yield "fused", "plain", lambda: capture._fused_backward(grads, inputs, opts)
-    yield "fused", "in place", lambda: capture._backward_into(grads, inputs, opts, ops.Into(buffer, True))
-    yield "fused", "fresh + addend", lambda: capture._backward_add(grads, inputs, opts, ops.Addend(longer))
 
 
 def assemble(ptx: str) -> dict:
