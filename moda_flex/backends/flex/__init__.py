@@ -1,10 +1,11 @@
 """The flex backend: MoDA through FlexAttention.
 
-Two designs (:mod:`.function`, whose ``DESIGN`` is the default): ``"split"``
-runs the sequence part as FlexAttention itself is called and the depth part
-on its own, merged through the log-sum-exps; ``"concat"`` is one call over
-``[sequence | chunk-packed depth]``, the expression the paper draws. Its
-layout (per batch and KV head)::
+A call without depth is one FlexAttention call as it is made without MoDA.
+With depth, two designs (:mod:`.function`, whose ``DESIGN`` is the default):
+``"split"`` runs the sequence part as FlexAttention itself is called and the
+depth part on its own, merged through the log-sum-exps; ``"concat"`` is one
+call over ``[sequence | chunk-packed depth]``, the expression the paper
+draws. Its layout (per batch and KV head)::
 
     rows     r = t * G + g          query token t, query head kv_head * G + g
     columns  [ k_0 ... k_{Tk-1} pad | depth(t=0, l=0..L-1) depth(t=1, ...) ... ]
@@ -18,6 +19,7 @@ call, for variants that read other tokens' depth, uses the same rows and the
 depth columns alone.
 
 - ``function.py``: the call: the designs, folding, eager or compiled;
+- ``compiled.py``: one compiled function per kind of call, and the error where dynamo would run it eagerly;
 - ``scoring.py``: the variant's score as FlexAttention's ``score_mod``, and the copies of a learned tensor;
 - ``run.py``: one FlexAttention call, compiled, eager, or eager and differentiable on CPU;
 - ``block_mask.py``: each call's layout, its element mask and the BlockMask built from the variant's structure.

@@ -1,5 +1,8 @@
 """The flex backend's call: MoDA through FlexAttention, in one of two designs.
 
+A call without depth (L = 0) is FlexAttention as it is called, the sequence
+part below alone, in either design. With depth:
+
 - ``"split"``: the sequence part through one ``flex_attention``
   over the plain (B, Hq, Tq, D) queries with the variant's sequence predicate
   and ``enable_gqa``, as FlexAttention itself is called; the depth part on
@@ -31,6 +34,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional, Union
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ...variants import Variant
@@ -42,9 +46,8 @@ from . import scoring
 from .scoring import copies_of, probe_score, reads_by_index, score_mod, spread
 
 DESIGNS = ("split", "concat")
-# What backend="flex" runs. On an H100 (BENCHMARKS.md, "The flex path") "concat" took 0.80x the time of "split"
-# at T=1024 and 0.92x at L=0, "split" 0.92-0.94x at L=64 from T=4096; "concat" recompiled for no new length at
-# L=64, "split" once: the one kernel for every length decides.
+# What backend="flex" runs with depth. At L=64 on an H100 (docs/flex-speed.md) "concat" took 0.80x the time of
+# "split" at T=1024, "split" 0.92-0.94x from T=4096: close, and the fewer kernels decide.
 DESIGN = "concat"
 
 
@@ -128,10 +131,10 @@ def flex_moda(
     B, Hq, Tq, D = q.shape
     Hk, Tk, L = k.shape[1], k.shape[2], depth_k.shape[3]
     G = Hq // Hk
-    if design == "concat":
-        parts = ("concat",)
-    elif L == 0:
+    if L == 0:  # nothing to concatenate or fold: FlexAttention as it is called without depth
         parts = ("sequence",)
+    elif design == "concat":
+        parts = ("concat",)
     else:
         parts = ("sequence", "products" if variant.own_depth_only else "depth")
     flex_parts = [part for part in parts if part != "products"]
@@ -237,7 +240,9 @@ def _unfold(out: Tensor, lse: Optional[Tensor], q_heads: int):
 def _concat(seq: Tensor, pad: int, depth: Tensor) -> Tensor:
     """``[seq | pad zeros | depth]`` columns: (B, Hk, Tk, D), ``pad``, (B, Hk, Tq, L, D) -> (B, Hk, Tk + pad + Tq*L, D)."""
     B, Hk, Tq, L, D = depth.shape
-    return torch.cat([seq, seq.new_zeros(B, Hk, pad, D), depth.reshape(B, Hk, Tq * L, D)], dim=2)
+    # Padded, not concatenated with a zeros tensor: near a block boundary that tensor
+    # would hold 1 or 0 rows, sizes dynamo specializes, so each would compile a graph.
+    return torch.cat([F.pad(seq, (0, 0, 0, pad)), depth.reshape(B, Hk, Tq * L, D)], dim=2)
 
 
 def _depth_by_products(
