@@ -1,14 +1,17 @@
 """The flex backend against FlexAttention itself: each design of ``flex_moda`` beside plain ``flex_attention`` and SDPA.
 
 Forward + backward of one causal call, B=1, Hq=64, Hk=8, D=64, bf16, at
-T = 1024, 4096, 16384: flex MoDA with L=64 depth slots in each design
-(:data:`moda_flex.backends.flex.DESIGNS`; ``DESIGN`` is what
-``backend="flex"`` runs) and with L=0 (one call, the same in every design),
-plain ``flex_attention`` with a causal BlockMask and ``enable_gqa=True``,
-and ``scaled_dot_product_attention`` (FlashAttention on CUDA). Median ms of
-``triton.testing.do_bench`` after warm-up (``time.perf_counter`` on CPU),
-then the ratios issue 64 sets targets for (MoDA / plain flex: L=0 <= 1.10
-at every T; L=64 <= 1.8, 1.5, 1.5 at T = 1024, 4096, 16384).
+T = 1024, 4096, 16384: flex MoDA with L=64 depth slots in each design of
+:data:`moda_flex.backends.flex.DESIGNS` (``"concat"``, one call over
+``[sequence | depth]``, is :data:`~moda_flex.backends.flex.DESIGN`, what
+``backend="flex"`` runs; ``"split"`` merges a separate depth part through
+the lse) and with L=0 (one row: a call without depth is the same in every
+design), plain ``flex_attention`` with a causal BlockMask and
+``enable_gqa=True``, and ``scaled_dot_product_attention`` (FlashAttention on
+CUDA). Median ms of ``triton.testing.do_bench`` after warm-up
+(``time.perf_counter`` on CPU), then each MoDA row over plain flex against
+its target (L=0 <= 1.10 at every T; L=64 <= 1.8, 1.5, 1.5 at T = 1024,
+4096, 16384).
 
 Before timing, each design is checked against the float32 reference on the
 output, the lse and the gradients of q, k, v, depth_k and depth_v (at
@@ -18,8 +21,8 @@ dynamic one), a new length must compile nothing.
 
 Usage::
 
-    python benchmarks/bench_flex.py                       # CUDA: the table above
-    python benchmarks/bench_flex.py --designs split       # one design
+    python benchmarks/bench_flex.py                       # CUDA: every design, L=0, plain flex and SDPA
+    python benchmarks/bench_flex.py --designs concat      # the design backend="flex" runs (and L=0)
     python benchmarks/bench_flex.py --device cpu --tiny   # tiny sizes, float32, eager: the script itself
 """
 
@@ -45,7 +48,7 @@ from moda_flex.testing import relative_error, tolerance  # noqa: E402
 # (B, Hq, Hk, D), lengths, the L of the MoDA rows, and the length the check runs at.
 SHAPE, LENGTHS, SLOTS, CHECK_LEN = (1, 64, 8, 64), (1024, 4096, 16384), (64, 0), 1000
 TINY_SHAPE, TINY_LENGTHS, TINY_SLOTS, TINY_CHECK_LEN = (1, 4, 2, 16), (40, 70, 130), (3, 0), 37
-# MoDA / plain flex_attention, per L and T: issue 64's targets.
+# MoDA / plain flex_attention, per L and T: the targets.
 TARGETS = {0: {1024: 1.10, 4096: 1.10, 16384: 1.10}, 64: {1024: 1.8, 4096: 1.5, 16384: 1.5}}
 NAMES = ("q", "k", "v", "depth_k", "depth_v")
 

@@ -489,9 +489,8 @@ class Block(nn.Module):
             x = h = self.norm_1(x + y)
         if self.ffn_kv is not None:
             # its own product, not one with the FFN's: an entry sliced from a wider product would have strides of
-            # its own, and the kernels would stack every entry a layer reads (BENCHMARKS.md, "An FFN entry's strides");
-            # with the strides made alike, one product measured no faster (BENCHMARKS.md, "Where a compiled MoDA
-            # step's host goes")
+            # its own, and the kernels would stack every entry a layer reads; with the strides made alike, one
+            # product measured no faster (docs/design-notes.md, "Depth in a model", "Entries must share their strides")
             stream = self.ffn_kv(h, stream, start)
         x = x + self.mlp(h)
         x = x if self.config.norm == "pre" else self.norm_2(x)

@@ -1,11 +1,11 @@
 """The flex backend: MoDA through FlexAttention.
 
 A call without depth is one FlexAttention call as it is made without MoDA.
-With depth, two designs (:mod:`.function`, whose ``DESIGN`` is the default):
-``"split"`` runs the sequence part as FlexAttention itself is called and the
-depth part on its own, merged through the log-sum-exps; ``"concat"`` is one
-call over ``[sequence | chunk-packed depth]``, the expression the paper
-draws. Its layout (per batch and KV head)::
+With depth, two designs (:mod:`.function`): ``"concat"``, the default
+(``DESIGN``), is one call over ``[sequence | chunk-packed depth]``, the
+expression the paper draws; ``"split"`` runs the sequence part as
+FlexAttention itself is called and the depth part on its own, merged through
+the log-sum-exps. The concat layout (per batch and KV head)::
 
     rows     r = t * G + g          query token t, query head kv_head * G + g
     columns  [ k_0 ... k_{Tk-1} pad | depth(t=0, l=0..L-1) depth(t=1, ...) ... ]

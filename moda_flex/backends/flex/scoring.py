@@ -24,7 +24,7 @@ LEARNED_SCORE_KERNEL_OPTIONS = {"num_stages": 2}
 # FlexAttention sums a learning tensor's gradient by atomic adds from every
 # score entry it visits; into a small bias they collide (with a (6, 24) depth
 # bias a call on an H100 took 36x the time of one without; through the copies
-# 6x, BENCHMARKS.md). Stacked copies, each entry adding into the one its
+# 6x: docs/design-notes.md, "The flex backend"). Stacked copies, each entry adding into the one its
 # (row, column) hashes to, spread them; their sum is the gradient.
 SPREAD_ELEMENTS = 2**20  # at most this many elements of copies per tensor
 MAX_COPIES = 1024

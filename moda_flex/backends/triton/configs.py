@@ -7,10 +7,10 @@ unmasked blocks through tensor descriptors (the TMA copy engine) and launches
 with configurations chosen for sm90. Both run the same kernels; the Hopper
 parts sit behind constexpr flags of the launch configuration
 (:func:`launch_config`). On an H100 the Hopper path is a few percent faster
-without depth and slower with it (BENCHMARKS.md), so it is opt-in:
-``MODA_FLEX_TRITON_PATH=auto`` takes it on Hopper GPUs for large calls,
-``=hopper`` wherever the tensors allow descriptors (the interpreter
-included); ``generic``, the default, never.
+without depth and slower with it (docs/speed.md, "The Hopper path
+(opt-in)"), so it is opt-in: ``MODA_FLEX_TRITON_PATH=auto`` takes it on
+Hopper GPUs for large calls, ``=hopper`` wherever the tensors allow
+descriptors (the interpreter included); ``generic``, the default, never.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ MIN_DOT_ROWS = 16
 
 PATH_ENV = "MODA_FLEX_TRITON_PATH"
 _PATHS = ("auto", "generic", "hopper")
-# The Hopper path loses to the generic one with depth (H100, BENCHMARKS.md): a call takes it only when asked.
+# The Hopper path loses to the generic one with depth (H100, docs/speed.md, "The Hopper path (opt-in)"): a call
+# takes it only when asked.
 DEFAULT_PATH = "generic"
 # Below this many scores (B * Hq * Tq * Tk) a call is bound by the host, where building the descriptors
 # costs about 50 us per forward + backward: auto keeps the generic path.
@@ -100,7 +101,7 @@ def launch_config(device: torch.device, head_dim: int, G: int, which: str, hook:
     (the Hopper path, the generic one at head dims over 128), fewer programs
     than the GPU has SMs halve them. The generic configurations were chosen
     on an H200 at T=16384, G=8, D=64, the forward's and the dK/dV kernel's
-    also at T=512-4096 and G=3 (benchmarks/tune_moda.py, benchmarks/NOTES.md).
+    also at T=512-4096 and G=3 (docs/design-notes.md, "The fused kernel", "Tiles by call").
 
     ``keys``: for "fwd", Tk: at most :data:`SHORT_KEYS` take key blocks of 64
     on the generic path (None: not known to be short).
@@ -148,8 +149,8 @@ def _config_for(device_type: str, head_dim: int, G: int, which: str, has_depth: 
         cfg["DQ_ATOMIC"] = 0
         # The rows a query token takes (kernels/common.py, block_rows): G, packed without padding, on the generic
         # path at head dims up to 64 (0.66-0.97x the backward's GPU time at G 3 and 5; 1.11x at D=128, where GP
-        # stays); GP on the Hopper path, whose descriptors copy GP heads a token. H200, BENCHMARKS.md, "The dK/dV
-        # kernel's rows packed".
+        # stays); GP on the Hopper path, whose descriptors copy GP heads a token. H200, docs/design-notes.md, "The
+        # fused kernel", "Packed rows in dK/dV".
         cfg["ROW_G"] = G if not hopper and head_dim <= 64 else GP
     return cfg
 
@@ -159,28 +160,28 @@ def _generic_config(head_dim: int, which: str, has_depth: bool, few_programs: bo
     """Block sizes, warps and stages of the generic path on a GPU (``sm90``: of compute capability 9.x)."""
     if which == "dkdv" and head_dim == 128 and sm90:
         # 64 query rows and keys over 4 warps, 3 stages: 0.89-0.98x the backward's GPU time of the tiles below at
-        # T=512-4096, G 3 and 8 (H200, BENCHMARKS.md, "Tiles for short forwards and for dK/dV at D=128").
+        # T=512-4096, G 3 and 8 (H200, docs/design-notes.md, "The fused kernel", "Tiles by call").
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
     if which == "fwd" and has_depth:
         # Short calls at D <= 64: key blocks of 64 waste less of the causal diagonal's block (0.90-0.94x the
-        # forward's GPU time at T=512-1024; 0.98-1.01x at 2048-4096 and 1.07x at 16384, H200, BENCHMARKS.md,
-        # "Tiles for short forwards and for dK/dV at D=128").
+        # forward's GPU time at T=512-1024; 0.98-1.01x at 2048-4096 and 1.07x at 16384, H200, docs/design-notes.md,
+        # "The fused kernel", "Tiles by call").
         block_n = 64 if short_keys and head_dim <= 64 else 128
         cfg = dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_C=32, num_warps=4, num_stages=3)
     elif which == "fwd":
         cfg = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_C=32, num_warps=8, num_stages=3)
     elif which == "dkdv" and head_dim <= 64:
         # Keys in blocks of 64 over 4 warps: a backward in 0.73-0.96x the GPU time of the earlier tiles (keys in
-        # blocks of 128, or 64 for few programs, over 8 warps) from T=1024 to 16384, G 3 and 8 (H200, BENCHMARKS.md,
-        # "The dK/dV kernel's tiles at a model layer's call").
+        # blocks of 128, or 64 for few programs, over 8 warps) from T=1024 to 16384, G 3 and 8 (H200,
+        # docs/design-notes.md, "The fused kernel", "Tiles by call").
         cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2)
     elif which == "dkdv":
         cfg = dict(BLOCK_M=128, BLOCK_N=64 if few_programs else 128, num_warps=8, num_stages=2)
     else:
         cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_C=32, num_warps=4, num_stages=3)
     if head_dim == 128 and which == "fwd" and sm90:
-        # 128-row tiles over 8 warps: 0.50-0.81x the time of the 64-row ones on an H100 (BENCHMARKS.md);
-        # two stages of them need an H100's shared memory.
+        # 128-row tiles over 8 warps: 0.50-0.88x the time of the 64-row ones on an H100 (results/hopper_h100.md,
+        # the generic-fwd-8w rows); two stages of them need an H100's shared memory.
         cfg.update(BLOCK_M=128, BLOCK_C=16, num_warps=8, num_stages=2)
     elif head_dim == 128:
         cfg["BLOCK_M"] = min(cfg["BLOCK_M"], 64)
@@ -194,7 +195,7 @@ def _generic_config(head_dim: int, which: str, has_depth: bool, few_programs: bo
 
 # The Hopper path's launches by (head dim up to 64 / 128, kernel, with depth), before the dK/dV kernel's
 # few-programs rule: the tiles that compile for sm_90 (Triton 3.6) without spilling registers, or with the
-# fewest spills (D=128 with depth); benchmarks/NOTES.md ("Hopper path") has the compile table.
+# fewest spills (D=128 with depth).
 _SM90 = {
     (64, "fwd", False): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_C=32, num_warps=8, num_stages=3),
     (64, "fwd", True): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_C=16, num_warps=8, num_stages=2),
