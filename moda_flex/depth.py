@@ -15,8 +15,7 @@ read it, with no buffer written behind its back.
 stream and leaves the old one as it was. A pass builds its stream layer by
 layer; nothing is mutated, so ``torch.compile(fullgraph=True)`` traces it,
 activation checkpointing can re-run a block, and a stream used twice gives the
-same entries twice. Autograd gives each entry the sum of the gradients of
-every layer that read it.
+same entries twice.
 """
 
 from __future__ import annotations
