@@ -187,3 +187,129 @@ def _has_triton() -> bool:
     except ImportError:
         return False
     return True
+
+
+# -- one block of longer rows (context parallelism) ----------------------------------------------------------------
+
+
+def merged_backward(
+    name: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    depth_k: Optional[Tensor],
+    depth_v: Optional[Tensor],
+    variant: Variant,
+    scale: float,
+    *,
+    out: Tensor,
+    lse: Tensor,
+    grad_out: Tensor,
+    grad_lse: Tensor,
+) -> Optional[tuple[Tensor, Tensor, Tensor, Tensor, Tensor]]:
+    """The gradients of one call whose rows are part of longer rows, given the merged ``out`` and ``lse`` of those rows.
+
+    A row's final weights over this call's entries are ``P = exp(s - lse)``
+    with the row's merged ``lse``, so the call's share of the gradients needs
+    its own logits ``s`` and nothing of the other calls; the shares sum to
+    the gradients of the whole rows. Run by the backend ``choose`` picks for
+    the call: the kernels' backwards take a given lse, the reference computes
+    FlashAttention's backward in plain PyTorch.
+
+    Args:
+        name: the backend asked for, one of :data:`NAMES`.
+        q: (B, Hq, Tq, D); k, v: (B, Hk, Tk, D); depth_k, depth_v: (B, Hk, Tq, L, D) or None (L = 0),
+            in the dtype the forward computed in.
+        variant: the call's variant, without a score; scale: its logit scale.
+        out, grad_out: (B, Hq, Tq, D), the merged output of the rows and its gradient; lse, grad_lse:
+            (B, Hq, Tq), the merged lse (``-inf``: a row that saw nothing) and its gradient. The
+            reference computes in ``out``'s dtype, the kernels in q's with a float32 lse.
+
+    Returns:
+        dq (B, Hq, Tq, D), dk, dv (B, Hk, Tk, D), d depth_k, d depth_v (B, Hk, Tq, L, D); or None where
+        the backend takes no given lse (flex): there, run the call again and differentiate it.
+
+    Raises:
+        NotImplementedError: a variant with a score, or with depth entries it reads for other tokens.
+    """
+    import torch
+
+    if depth_k is None or depth_v is None:
+        depth_k = depth_v = k.new_empty(*k.shape[:2], q.shape[2], 0, k.shape[3])  # (B, Hk, Tq, 0, D)
+    if variant.score is not None:
+        raise NotImplementedError(f"merged_backward runs no score function (variant {variant.name!r})")
+    run = choose(name, q, k, depth_k.shape[3], variant, return_lse=True)
+    if run is reference_attention:
+        return _reference_merged_backward(q, k, v, depth_k, depth_v, variant, scale, out, lse, grad_out, grad_lse)
+    kernel = kernel_name(run)
+    if kernel == "capture":  # the kernel capture_attention launches now: the split one while a graph is captured
+        capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        kernel = "split" if capturing else "triton"
+    grad_out, out, grad_lse, lse = grad_out.to(q.dtype), out.to(q.dtype), grad_lse.float(), lse.float()
+    if kernel == "split":
+        from .split import split_backward
+
+        return split_backward(grad_out=grad_out, grad_lse=grad_lse, q=q, k=k, v=v, depth_k=depth_k, depth_v=depth_v,
+                              out=out, lse=lse, variant=variant, scale=scale)  # fmt: skip
+    if kernel == "triton":
+        s = variant.structure
+        *grads, _ = torch.ops.moda_flex.triton_backward(
+            grad_out=grad_out.contiguous(), grad_lse=grad_lse.contiguous(), out=out,
+            lse=lse.contiguous(),  # the op reads dlse and writes delta with the lse's strides
+            bias_grad=False, q=q, k=k, v=v, depth_k=[depth_k], depth_v=[depth_v],
+            documents=None if s.documents is None else s.documents.packed.to(q.device), bias=None,
+            scale=float(scale), causal=bool(s.causal), window=0 if s.window is None else int(s.window),
+            depth_first=s.first_slot(depth_k.shape[3]), sequence=bool(s.sequence), softcap=0.0, bias_first=False,
+        )  # fmt: skip
+        return tuple(grads)
+    return None
+
+
+def _reference_merged_backward(q, k, v, depth_k, depth_v, variant, scale, out, lse, grad_out, grad_lse):
+    """:func:`merged_backward` in plain PyTorch, in ``out``'s dtype::
+
+        delta = rowsum(dO * out) - dlse
+        dV = P^T dO        dS = P * (dO V^T - delta)        dQ = scale dS K        dK = scale dS^T Q
+
+    and the same over the depth slots, more columns of the same ``P``. Query
+    head ``h`` reads KV head ``h // G``: the rows are grouped as
+    (B, Hk, G * Tq, D) against (B, Hk, Tk, D), so no K/V is repeated.
+    """
+    import torch
+
+    from .reference import visible_entries
+
+    dtype = out.dtype
+    q, k, v, depth_k, depth_v = (t.to(dtype) for t in (q, k, v, depth_k, depth_v))
+    B, Hq, R, D = q.shape
+    Hk, Tk, L = k.shape[1], k.shape[2], depth_k.shape[3]
+    G = Hq // Hk
+    if L and not variant.own_depth_only:
+        raise NotImplementedError(f"merged_backward reads each token's own depth only (variant {variant.name!r})")
+    delta = (grad_out * out).sum(-1) - grad_lse  # (B, Hq, R)
+    # A row that saw nothing (lse = -inf) sends no gradient.
+    live = (lse > float("-inf")).unsqueeze(-1)  # (B, Hq, R, 1)
+    seq_visible, depth_visible = visible_entries(variant, B, Hq, R, Tk, L, q.device)
+
+    def grouped(x: Tensor) -> Tensor:  # (B, Hq, R, N) -> (B, Hk, G * R, N)
+        return x.reshape(B, Hk, G * R, x.shape[-1])
+
+    def weights(logits: Tensor, visible: Tensor) -> Tensor:  # P = exp(s - lse) where visible, (B, Hq, R, N)
+        return torch.where(visible & live, torch.exp(logits - lse.unsqueeze(-1)), 0)
+
+    s = scale * grouped(q) @ k.transpose(-1, -2)  # (B, Hk, G * R, Tk)
+    p = weights(s.view(B, Hq, R, Tk), seq_visible)  # (B, Hq, R, Tk)
+    dp = (grouped(grad_out) @ v.transpose(-1, -2)).view(B, Hq, R, Tk)
+    ds = grouped(p * (dp - delta.unsqueeze(-1)))  # (B, Hk, G * R, Tk)
+    dq = (scale * ds @ k).view(B, Hq, R, D)
+    dk = scale * ds.transpose(-1, -2) @ grouped(q)  # (B, Hk, Tk, D)
+    dv = grouped(p).transpose(-1, -2) @ grouped(grad_out)
+    q5, grad_out5 = q.reshape(B, Hk, G, R, D), grad_out.reshape(B, Hk, G, R, D)
+    sd = scale * torch.einsum("bkgrd,bkrld->bkgrl", q5, depth_k)  # (B, Hk, G, R, L)
+    pd = weights(sd.reshape(B, Hq, R, L), depth_visible).view(B, Hk, G, R, L)
+    dpd = torch.einsum("bkgrd,bkrld->bkgrl", grad_out5, depth_v)
+    dsd = pd * (dpd - delta.reshape(B, Hk, G, R, 1))
+    dq = dq + scale * torch.einsum("bkgrl,bkrld->bkgrd", dsd, depth_k).reshape(B, Hq, R, D)
+    d_depth_k = scale * torch.einsum("bkgrl,bkgrd->bkrld", dsd, q5)
+    d_depth_v = torch.einsum("bkgrl,bkgrd->bkrld", pd, grad_out5)
+    return dq, dk, dv, d_depth_k, d_depth_v
