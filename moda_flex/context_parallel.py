@@ -37,18 +37,19 @@ merged output ``out`` and ``lse``. With them a block's share of the
 gradients follows from its own logits ``s`` alone, since the row's final
 weights over the block's entries are ``P = exp(s - lse)``::
 
-    delta = rowsum(dO * out) - dlse          once per row, for every block
+    delta = rowsum(dO * out) - dlse          per row, the same for every block
     dV = P^T dO        dS = P * (dO V^T - delta)        dQ = scale dS K        dK = scale dS^T Q
 
 and the blocks' shares sum to the one-process gradients (the depth slots
-of the diagonal block are more columns of the same ``P``). A block on
-triton or on the split path hands ``(out, lse)`` to its backward
-(:func:`moda_flex.backends.split.split_backward`: the vendor kernel's
-backward takes a given lse); a block on the reference backend computes the
-lines above in plain PyTorch. A block on flex (where triton cannot describe
-a document block, see :func:`context_parallel_moda_attention`) is run
-forward again and differentiated with its share of the row's gradient:
-FlexAttention takes no given lse.
+of the diagonal block are more columns of the same ``P``). Each block
+hands ``(out, lse)`` to :func:`moda_flex.backends.merged_backward`, the
+policy's backward of a call given its rows' merged results: on triton or
+the split path the kernel's backward takes the given lse, on the reference
+backend the lines above run in plain PyTorch. A block on flex (where
+triton cannot describe a document block, see
+:func:`context_parallel_moda_attention`) is run forward again and
+differentiated with its share of the row's gradient: FlexAttention takes
+no given lse.
 
 Memory per rank: the backward keeps, besides the rank's own inputs, the
 merged ``out`` (B, Hq, T_local, D) and ``lse`` (B, Hq, T_local) in float32
@@ -80,7 +81,6 @@ from torch import Tensor
 
 from . import backends
 from .attention import check_inputs, moda_attention
-from .backends.reference import reference_attention, visible_entries
 from .depth import slot_count
 from .variants import Documents, Structure, Variant, full, resolve
 
@@ -555,8 +555,7 @@ class _RingAttention(torch.autograd.Function):
         ring = ctx.ring
         accumulate = out.dtype
         grad_out, grad_lse = grad_out.to(accumulate), grad_lse.to(accumulate)
-        delta = (grad_out * out).sum(-1) - grad_lse  # (B, Hq, 2C)
-        rows = _Rows(out, lse, grad_out, grad_lse, delta, ctx.compute_dtype, ctx.autocast)
+        rows = _Rows(out, lse, grad_out, grad_lse, ctx.compute_dtype, ctx.autocast)
         grads = {
             "q": torch.zeros(q.shape, dtype=accumulate, device=q.device),
             "depth_k": torch.zeros(depth_k.shape, dtype=accumulate, device=q.device),
@@ -613,16 +612,14 @@ class _Rows:
     """What the backward knows of this rank's rows: (B, Hq, 2C, D) ``out`` and ``grad_out``, (B, Hq, 2C) the rest.
 
     ``out``, ``lse`` are the merged forward results (``lse = -inf``: a row
-    that saw nothing); ``delta = rowsum(grad_out * out) - grad_lse``; all in
-    the accumulation dtype. ``compute_dtype`` and ``autocast`` are the
-    forward's (:func:`_autocast_state`).
+    that saw nothing); all in the accumulation dtype. ``compute_dtype`` and
+    ``autocast`` are the forward's (:func:`_autocast_state`).
     """
 
     out: Tensor
     lse: Tensor
     grad_out: Tensor
     grad_lse: Tensor
-    delta: Tensor
     compute_dtype: torch.dtype
     autocast: tuple[str, bool, torch.dtype]
 
@@ -630,115 +627,15 @@ class _Rows:
 def _block_backward(block: _Block, inputs: list[Tensor], rows: _Rows, ring: _Ring) -> tuple[Tensor, ...]:
     """One block's share of the gradients: dq (b, Hq, rows, D), dk, dv (b, Hk, cols, D), and on the
     diagonal d depth_k, d depth_v (b, Hk, rows, L, D), by the backend that ran the block's forward."""
-    q_rows, kv_cols, *depth = inputs
-    slots = depth[0].shape[3] if depth else 0
-    run = backends.choose(block.backend or ring.backend, q_rows, kv_cols[0], slots, block.variant, return_lse=True)
-    if run is reference_attention:
-        return _reference_block_backward(block, inputs, rows, ring.scale)
-    kernel = backends.kernel_name(run)
-    if kernel == "capture":  # the kernel its forward ran, or the other: either backward takes the merged out and lse
-        from .backends.capture import kernel_now
-
-        kernel = kernel_now(q_rows.device)
-    if kernel == "triton":
-        return _triton_block_backward(block, inputs, rows, ring.scale)
-    if kernel == "split":
-        return _split_block_backward(block, inputs, rows, ring.scale)
-    return _recomputed_block_backward(block, inputs, rows, ring)
-
-
-def _reference_block_backward(block: _Block, inputs: list[Tensor], rows: _Rows, scale: float) -> tuple[Tensor, ...]:
-    """FlashAttention's backward of one block in plain PyTorch, from the merged lse and delta of its rows.
-
-    Query head ``h`` reads KV head ``h // G``: the rows are grouped as
-    (b, Hk, G * rows, D) against (b, Hk, cols, D), so no K/V is repeated.
-    """
     b, r = block.batch, block.rows
-    dtype = rows.out.dtype
-    # Computed in the forward's dtype, then in the accumulation dtype.
-    q, kv, *depth = (t.to(rows.compute_dtype).to(dtype) for t in inputs)
-    k, v = kv
-    B, Hq, R, D = q.shape
-    Hk, Tk = k.shape[1], k.shape[2]
-    G, L = Hq // Hk, (depth[0].shape[3] if depth else 0)
-    lse, delta, grad_out = rows.lse[b, :, r], rows.delta[b, :, r], rows.grad_out[b, :, r]  # (B, Hq, R), (.., D)
-    # A row that saw nothing (lse = -inf) sends no gradient.
-    live = (lse > float("-inf")).unsqueeze(-1)  # (B, Hq, R, 1)
-    seq_visible, depth_visible = visible_entries(block.variant, B, Hq, R, Tk, L, q.device)
-
-    def grouped(x: Tensor) -> Tensor:  # (B, Hq, R, N) -> (B, Hk, G * R, N)
-        return x.reshape(B, Hk, G * R, x.shape[-1])
-
-    def weights(logits: Tensor, visible: Tensor) -> Tensor:  # P = exp(s - lse) where visible, (B, Hq, R, N)
-        return torch.where(visible & live, torch.exp(logits - lse.unsqueeze(-1)), 0)
-
-    s = scale * grouped(q) @ k.transpose(-1, -2)  # (B, Hk, G * R, Tk)
-    p = weights(s.view(B, Hq, R, Tk), seq_visible)  # (B, Hq, R, Tk)
-    dp = (grouped(grad_out) @ v.transpose(-1, -2)).view(B, Hq, R, Tk)
-    ds = grouped(p * (dp - delta.unsqueeze(-1)))  # (B, Hk, G * R, Tk)
-    dq = (scale * ds @ k).view(B, Hq, R, D)
-    dk = scale * ds.transpose(-1, -2) @ grouped(q)  # (B, Hk, Tk, D)
-    dv = grouped(p).transpose(-1, -2) @ grouped(grad_out)
-    if not block.depth:
-        return dq, dk, dv
-    assert block.variant.own_depth_only, "the ring runs only variants that read each token's own depth"
-    depth_k, depth_v = depth  # (B, Hk, R, L, D)
-    q5, grad_out5 = q.reshape(B, Hk, G, R, D), grad_out.reshape(B, Hk, G, R, D)
-    sd = scale * torch.einsum("bkgrd,bkrld->bkgrl", q5, depth_k)  # (B, Hk, G, R, L)
-    pd = weights(sd.reshape(B, Hq, R, L), depth_visible).view(B, Hk, G, R, L)
-    dpd = torch.einsum("bkgrd,bkrld->bkgrl", grad_out5, depth_v)
-    dsd = pd * (dpd - delta.reshape(B, Hk, G, R, 1))
-    dq = dq + scale * torch.einsum("bkgrl,bkrld->bkgrd", dsd, depth_k).reshape(B, Hq, R, D)
-    d_depth_k = scale * torch.einsum("bkgrl,bkgrd->bkrld", dsd, q5)
-    d_depth_v = torch.einsum("bkgrl,bkgrd->bkrld", pd, grad_out5)
-    return dq, dk, dv, d_depth_k, d_depth_v
-
-
-def _triton_block_backward(block: _Block, inputs: list[Tensor], rows: _Rows, scale: float) -> tuple[Tensor, ...]:
-    """One block through the triton backward op, given the merged out and lse of its rows.
-
-    The op's options are those ``triton_attention`` derives from the block's
-    structure (the ring runs no score: no cap, no bias).
-    """
-    from .backends.triton.launch import Grads, Inputs, Options
-
-    b, r = block.batch, block.rows
-    q, kv, depth_k, depth_v = _kernel_inputs(inputs, rows.compute_dtype)
-    s = block.variant.structure
-    documents = None if s.documents is None else s.documents.packed.to(q.device)
-    window = 0 if s.window is None else int(s.window)
-    options = Options(scale, bool(s.causal), window, s.first_slot(depth_k.shape[3]), bool(s.sequence), 0.0, False)
-    grads = Grads(
-        grad_out=rows.grad_out[b, :, r].to(rows.compute_dtype).contiguous(),
-        grad_lse=rows.grad_lse[b, :, r].float().contiguous(),
-        out=rows.out[b, :, r].to(rows.compute_dtype),
-        lse=rows.lse[b, :, r].float().contiguous(),  # the op reads dlse and writes delta with the lse's strides
-        bias_grad=False,
-    )
-    call = Inputs(q, kv[0], kv[1], [depth_k], [depth_v], documents, None)
-    dq, dk, dv, d_depth_k, d_depth_v, _ = torch.ops.moda_flex.triton_backward(*grads, *call, *options)
-    return (dq, dk, dv, d_depth_k, d_depth_v) if block.depth else (dq, dk, dv)
-
-
-def _split_block_backward(block: _Block, inputs: list[Tensor], rows: _Rows, scale: float) -> tuple[Tensor, ...]:
-    """One block through the split path's backward, given the merged out and lse of its rows."""
-    from .backends.split import split_backward
-
-    b, r = block.batch, block.rows
-    q, kv, depth_k, depth_v = _kernel_inputs(inputs, rows.compute_dtype)
-    dq, dk, dv, d_depth_k, d_depth_v = split_backward(
-        rows.grad_out[b, :, r].to(rows.compute_dtype), rows.grad_lse[b, :, r].float(), q, kv[0], kv[1],
-        depth_k, depth_v, rows.out[b, :, r].to(rows.compute_dtype), rows.lse[b, :, r].float(), block.variant, scale,
+    q, kv, *depth = (t.to(rows.compute_dtype) for t in inputs)
+    grads = backends.merged_backward(
+        block.backend or ring.backend, q, kv[0], kv[1], *(depth or (None, None)), block.variant, ring.scale,
+        out=rows.out[b, :, r], lse=rows.lse[b, :, r], grad_out=rows.grad_out[b, :, r], grad_lse=rows.grad_lse[b, :, r],
     )  # fmt: skip
-    return (dq, dk, dv, d_depth_k, d_depth_v) if block.depth else (dq, dk, dv)
-
-
-def _kernel_inputs(inputs: list[Tensor], dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """A block's q rows, (2, ...) K/V columns and depth in ``dtype``; an off-diagonal block gets L = 0 depth."""
-    q, kv, *depth = (t.to(dtype) for t in inputs)
-    if not depth:
-        depth = [q.new_empty(*kv.shape[1:3], q.shape[2], 0, q.shape[3])] * 2  # (b, Hk, rows, 0, D)
-    return q, kv, depth[0], depth[1]
+    if grads is None:  # flex: no given lse
+        return _recomputed_block_backward(block, inputs, rows, ring)
+    return grads if block.depth else grads[:3]
 
 
 def _recomputed_block_backward(block: _Block, inputs: list[Tensor], rows: _Rows, ring: _Ring) -> tuple[Tensor, ...]:

@@ -335,9 +335,9 @@ def test_group_still_works_after_rejected_calls(ranks):
 def test_block_backwards_sum_to_the_one_call_gradients(method):
     """In one process: a call split into two key blocks, each differentiated alone, gives the call's gradients.
 
-    ``merged_lse`` is the backward of blocks on reference (and the algebra of
-    triton's); ``recomputed`` the one for blocks on flex, here run on reference
-    because FlexAttention has no backward on CPU.
+    ``merged_lse`` is the backward of blocks on reference (``backends.merged_backward``,
+    the algebra of the kernels' too); ``recomputed`` the one for blocks on flex, here
+    run on reference because FlexAttention has no backward on CPU.
     """
     import moda_flex
     from moda_flex import context_parallel as cp
@@ -353,8 +353,7 @@ def test_block_backwards_sum_to_the_one_call_gradients(method):
     torch.autograd.backward([out, lse], [grad_out, grad_lse.float()])
 
     out, lse = out.detach(), lse.detach().double()
-    delta = (grad_out * out).sum(-1) - grad_lse  # (1, 2, C)
-    rows = cp._Rows(out, lse, grad_out, grad_lse, delta, torch.float64, ("cpu", False, torch.bfloat16))
+    rows = cp._Rows(out, lse, grad_out, grad_lse, torch.float64, ("cpu", False, torch.bfloat16))
     ring = cp._Ring(group=None, rank=0, world=1, steps=[], scale=HEAD_DIM**-0.5, backend="reference")
     rows_all = slice(0, C)
     blocks = [cp._Block(cp._ALL, rows_all, slice(0, C), cp._FULL, depth=False),  # keys before the queries
@@ -364,7 +363,7 @@ def test_block_backwards_sum_to_the_one_call_gradients(method):
     for block in blocks:
         inputs = cp._block_inputs(block, q, kv, depth_k, depth_v)
         if method == "merged_lse":
-            block_grads = cp._reference_block_backward(block, inputs, rows, ring.scale)
+            block_grads = cp._block_backward(block, inputs, rows, ring)
         else:
             block_grads = cp._recomputed_block_backward(block, inputs, rows, ring)
         grads[0] += block_grads[0]
@@ -375,6 +374,38 @@ def test_block_backwards_sum_to_the_one_call_gradients(method):
     expected = [leaves[0].grad, torch.stack([leaves[1].grad, leaves[2].grad]), leaves[3].grad, leaves[4].grad]
     for name, actual, want in zip(["q", "k and v", "depth_k", "depth_v"], grads, expected):
         torch.testing.assert_close(actual, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"grad {name}: {m}")
+
+
+def test_reaches_the_kernels_only_through_the_policy():
+    """context_parallel.py imports no module under ``moda_flex.backends`` but the policy itself, and names
+    none through it (``backends.split``, ...): the kernels are reached through ``moda_attention`` and the
+    policy's functions. Imports inside functions count."""
+    import ast
+    import pkgutil
+
+    import moda_flex.backends
+    from moda_flex import context_parallel
+
+    below = {info.name for info in pkgutil.iter_modules(moda_flex.backends.__path__)}  # reference, split, ...
+    path = Path(context_parallel.__file__)
+    reaches = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            # Relative to the package: level 1 is moda_flex.
+            base = "moda_flex" if node.level else ""
+            module = ".".join(part for part in (base, node.module or "") if part)
+            modules = [module] + [f"{module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "backends":
+            modules = [f"moda_flex.backends.{node.attr}"]
+        else:
+            continue
+        for module in modules:
+            parts = module.split(".")
+            if parts[:2] == ["moda_flex", "backends"] and len(parts) > 2 and parts[2] in below:
+                reaches.append(f"line {node.lineno}: {module}")
+    assert not reaches, f"{path.name} reaches below the policy: {reaches}"
 
 
 def test_zigzag_positions_balance_causal_work():
