@@ -394,7 +394,7 @@ class DepthKVProjection(nn.Module):
         The entries are laid out as :class:`MoDAAttention`'s (a projection of
         their own, keys normalized and rotated into a fresh tensor), so a
         stream's entries share their strides and the kernels read each where
-        it lies (:func:`moda_flex.backends.traced.pointer_depth`).
+        it lies (:func:`moda_flex.backends.launch.pointer_depth`).
         """
         k, v = _keys_and_values(self.kv_proj(x), self.k_norm, self.n_kv_head, self.head_dim, self.rotary, start)
         return depth.append(k, v)

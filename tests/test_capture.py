@@ -14,9 +14,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from moda_flex import backends, moda_attention  # noqa: E402
+from moda_flex import moda_attention  # noqa: E402
 from moda_flex import variants as v  # noqa: E402
-from moda_flex.backends import capture, slots, split  # noqa: E402
+from moda_flex.backends import capture, split  # noqa: E402
 from moda_flex.testing import MoDAShape, assert_matches_reference, make_inputs  # noqa: E402
 
 
@@ -88,18 +88,6 @@ def test_every_pairing_matches_the_reference(call, states, monkeypatch):
     assert captures.seen == 2 and captures.ran == captures.expected()
 
 
-def test_a_captured_call_copies_no_address_table_from_the_host(monkeypatch):
-    """Captured, the split path's depth kernels take a model's entries as pointer arguments: no address table
-    is made on the host, whose copy a CUDA graph would replay at every step."""
-    Captures(monkeypatch, [True, True])
-    tables = []
-    made = slots.device_table
-    monkeypatch.setattr(slots, "device_table", lambda *args: tables.append(args) or made(*args))
-    inputs = make_inputs(MoDAShape(1, 6, 2, 7, 7, 3, 16), dtype=DTYPE, device=DEVICE, depth_entries=True)
-    assert_matches_reference(inputs, backend=_compiled_capture(), variant=v.causal())
-    assert tables == []
-
-
 @pytest.mark.parametrize("captured", [False, True])
 def test_an_eager_call_runs_wholly_on_the_kernel_chosen_when_it_is_made(captured, monkeypatch):
     """Eagerly, the call is one backend's, forward and backward: the split path's while a graph is captured."""
@@ -116,15 +104,15 @@ def test_an_eager_call_runs_wholly_on_the_kernel_chosen_when_it_is_made(captured
 
 
 def test_each_layout_is_prepared_once(monkeypatch):
-    """The split path runs uncaptured once a layout (CUDA only; here its body on CPU), by the ops' launches and
-    by an eager call's: again for another depth count or stride, not for new values."""
+    """The split path runs uncaptured once a layout (CUDA only; here its body on CPU): again for another depth
+    count or stride, not for new values."""
     monkeypatch.setattr(capture, "_PREPARED", set())
     ran = []
     forward = capture.split_ops._forward
 
-    def counted(*args, route, **kwargs):
-        ran.append(route)
-        return forward(*args, route=route, **kwargs)
+    def counted(*args, **kwargs):
+        ran.append(args)
+        return forward(*args, **kwargs)
 
     monkeypatch.setattr(capture.split_ops, "_forward", counted)
 
@@ -135,8 +123,7 @@ def test_each_layout_is_prepared_once(monkeypatch):
         capture._prepare(records, split.ops.call_options(records.q, records.k, slots, v.causal(), 8**-0.5))
         return len(ran)
 
-    assert [prepare(3), prepare(3, seed=1), prepare(4), prepare(3, strided=True), prepare(0)] == [2, 2, 4, 6, 8]
-    assert ran == [capture.split_ops.CAPTURED, capture.split_ops.EAGER] * 4
+    assert [prepare(3), prepare(3, seed=1), prepare(4), prepare(3, strided=True), prepare(0)] == [1, 1, 2, 3, 4]
 
 
 def test_the_ops_fakes_give_either_kernels_layouts(monkeypatch):

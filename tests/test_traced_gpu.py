@@ -1,5 +1,5 @@
 """On a GPU: under ``torch.compile`` both kernel backends' kernels are launched from the compiled graph
-(moda_flex.backends.traced), and compute MoDA: output, lse and every gradient against the reference.
+(moda_flex.backends.launch), and compute MoDA: output, lse and every gradient against the reference.
 
 Skipped without CUDA. Run: ``pytest tests/test_traced_gpu.py``.
 """
@@ -43,7 +43,7 @@ def test_compiled_calls_match_the_reference(backend, shape, dtype, variant, entr
     assert_matches_reference(inputs, backend=_compiled(backend), variant=variant)
 
 
-_FUSED = ("forward_flat", "dq_flat", "dkdv_flat")
+_FUSED = ("forward_kernel_flat", "dq_kernel_flat", "dkdv_kernel_flat")
 _CAPTURE = ("moda_flex.capture_forward.default", "moda_flex.capture_backward.default")
 
 
@@ -51,16 +51,16 @@ _CAPTURE = ("moda_flex.capture_forward.default", "moda_flex.capture_backward.def
     "backend, mode, kernels, opaque",
     [
         ("triton", "default", _FUSED,
-         ("moda_flex.triton_forward.default", "moda_flex.triton_backward.default", "stack_kernel")),
-        ("split", "default", ("depth_forward_flat", "depth_backward_flat"),
-         ("moda_flex.split_forward.default", "moda_flex.split_backward.default", "stack_kernel")),
-        ("auto", "default", _FUSED, (*_CAPTURE, "stack_kernel")),
+         ("moda_flex.triton_forward.default", "moda_flex.triton_backward.default")),
+        ("split", "default", ("_depth_forward_token_kernel_flat", "_depth_backward_token_kernel_flat"),
+         ("moda_flex.split_forward.default", "moda_flex.split_backward.default")),
+        ("auto", "default", _FUSED, _CAPTURE),
         ("auto", "reduce-overhead", _CAPTURE, _FUSED),  # a CUDA graph: the ops that choose at capture
     ],
 )  # fmt: skip
 def test_a_compiled_call_launches_the_kernels_from_its_graph(backend, mode, kernels, opaque):
     """The generated code launches the flat kernels itself and does not call the eager ops (the kernels of
-    both backends take the entries as they lie: no stack kernel); ``auto`` does so unless the graph runs as a
+    both backends take the entries as they lie); ``auto`` does so unless the graph runs as a
     CUDA graph, where it calls its opaque ops."""
     from torch._inductor.utils import run_and_get_code
 

@@ -46,7 +46,7 @@ from .first_order import explain_sdpa
 from .reference import reference_attention
 
 NAMES = ("auto", "reference", "flex", "triton", "split")
-# From this many logits the split path is the faster however the step runs (H100, BENCHMARKS.md "The split path":
+# From this many logits the split path is the faster however the step runs (H100, docs/speed.md "What `auto` runs":
 # from T=4096, 1.07G logits, the fused kernel took 1.4-1.5x its time). Below, at a model's calls (the Table 6 call:
 # 5e7), the fused kernel is the faster in a host-bound compiled step, the split path under CUDA graphs (capture.py).
 SPLIT_MIN_SCORES = 1 << 28

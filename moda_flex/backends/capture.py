@@ -1,8 +1,8 @@
 """``auto``'s kernels for a model's calls on CUDA: the fused kernel, or the split path while a CUDA graph is captured.
 
 At a model's shapes the two kernel backends trade places by how the step
-runs (NVIDIA H200, the Table 6 step with depth KV, BENCHMARKS.md "Either
-kernel, by how the step runs"). Compiled in the default mode the step is
+runs (NVIDIA H200, the Table 6 step with depth KV, docs/speed.md "What `auto`
+runs"). Compiled in the default mode the step is
 bound by the host, and the fused kernel's fewer launches win (53.3 ms a step
 against the split path's 80.7); under CUDA graphs the host's work is gone
 and the split path's faster kernels win (30.1 ms against 34.5).
@@ -25,7 +25,7 @@ the split path's forward and backward once as well, uncaptured, and drops
 their results: a step's warm-up prepares its capture.
 
 Compiled on CUDA with static shapes, the call is one traced op
-(:mod:`.traced`), ``moda_flex::capture_traced_forward`` and its backward,
+(:mod:`.launch`), ``moda_flex::capture_traced_forward`` and its backward,
 whose body inductor traces under the compile mode's settings: for a graph
 that runs as a CUDA graph it holds the two ops above, otherwise the fused
 kernel's launches themselves, which spare a host-bound step the opaque
@@ -49,7 +49,7 @@ from .records import define, define_traced_pair, unpack
 from .split import ops as split_ops
 from .split import sequence
 from .split.ops import Grads, Inputs, Options
-from .traced import traceable
+from .launch import traceable
 from .triton import ops as fused_ops
 from .triton import launch as fused_launch
 from .triton import traced as fused_traced
@@ -69,7 +69,8 @@ def kernel_now(device: torch.device) -> str:
 def fused_records(inputs: Inputs, opts: Options) -> tuple[fused_launch.Inputs, fused_launch.Options]:
     """A call of the split path's records as the fused kernel's: no window, documents or score."""
     fused_inputs = fused_launch.Inputs(*inputs, documents=None, bias=None)
-    fused_opts = fused_launch.Options(opts.scale, opts.causal, 0, opts.depth_first, opts.sequence, 0.0, False)
+    fused_opts = fused_launch.Options(scale=opts.scale, causal=opts.causal, window=0, depth_first=opts.depth_first,
+                                      sequence=opts.sequence, softcap=0.0, bias_first=False)
     return fused_inputs, fused_opts
 
 
@@ -97,11 +98,9 @@ def _prepare(inputs: Inputs, opts: Options) -> None:
     if key in _PREPARED:
         return
     with torch.no_grad():
-        # the ops' launches (CAPTURED), and an eager call's (EAGER), which a graph captured by hand may hold
-        for route in (split_ops.CAPTURED, split_ops.EAGER):
-            out, lse = split_ops._forward(*inputs, opts, route=route)
-            grads = Grads(torch.zeros_like(out), None, out, lse)
-            split_ops.backward_in_op_layouts(grads, inputs, opts, route)
+        out, lse = split_ops._forward(*inputs, opts)
+        grads = Grads(torch.zeros_like(out), None, out, lse)
+        split_ops.backward_in_op_layouts(grads, inputs, opts)
     _PREPARED.add(key)
 
 
@@ -109,7 +108,7 @@ def _forward(inputs: Inputs, opts: Options) -> tuple[Tensor, Tensor]:
     """out (B, Hq, Tq, D) as :func:`_outputs` lays it out and lse (B, Hq, Tq) float32, by the kernel of
     :func:`kernel_now`."""
     if kernel_now(inputs.q.device) == "split":
-        out, lse = split_ops._forward(*inputs, opts, route=split_ops.CAPTURED)
+        out, lse = split_ops._forward(*inputs, opts)
         return out, sequence.lse_view(lse)
     prepare_capture(inputs, opts)
     return fused_ops._run_forward(*fused_records(inputs, opts))
@@ -120,7 +119,7 @@ def _backward(grads: Grads, inputs: Inputs, opts: Options) -> tuple[Tensor, ...]
     (B, Hk, Tq, L, D) tensors, from the forward's out and its lse (B, Hq, Tq), by the kernel of
     :func:`kernel_now`."""
     if kernel_now(inputs.q.device) == "split":
-        return split_ops.backward_in_op_layouts(_split_grads(grads, opts), inputs, opts, split_ops.CAPTURED,
+        return split_ops.backward_in_op_layouts(_split_grads(grads, opts), inputs, opts,
                                                 dq_apart=True)  # fmt: skip
     dq, *rest = _fused_backward(grads, inputs, opts)
     return *split_ops.DqParts(dq, None).apart(), *rest
@@ -179,7 +178,7 @@ def _autograd_backward(ctx, grad_out, grad_lse, run_backward=_backward_by_op):
 torch.library.register_autograd("moda_flex::capture_forward", _autograd_backward, setup_context=_setup_context)
 
 
-# ---- traced ops (moda_flex.backends.traced) ------------------------------------------------------
+# ---- traced ops (moda_flex.backends.launch) ------------------------------------------------------
 
 def graphs_captured() -> bool:
     """Whether the graph inductor compiles runs as a CUDA graph: its ``triton.cudagraphs`` setting, which

@@ -17,9 +17,9 @@ the merged output: exactly the sequence part's share of the gradients.
 Two ops, ``moda_flex::split_forward`` and ``moda_flex::split_backward``,
 with fake implementations (so ``torch.compile(fullgraph=True)`` traces them)
 and registered autograd; an eager call runs the same work behind a plain
-``autograd.Function`` (``benchmarks/host_split.py``: its host time).
+``autograd.Function``.
 Compiled on CUDA, a call of static shapes takes two traced ops instead
-(``split_traced_forward`` / ``_backward``, :mod:`..traced`), whose kernels
+(``split_traced_forward`` / ``_backward``, :mod:`..launch`), whose kernels
 the compiled graph launches itself (flat wrappers, :mod:`.flat`). A
 gradient of the returned lse adds ``-dLSE`` to ``delta``: the depth kernel
 takes it as it is, the vendor's backward through two extra head lanes
@@ -28,9 +28,8 @@ takes it as it is, the vendor's backward through two extra head lanes
 
 from __future__ import annotations
 
-import functools
 import math
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -40,11 +39,9 @@ from torch.library import wrap_triton
 from ...depth import as_list, empty_grads, grads_like, slot_count
 from ..blocks import cdiv, next_pow2
 from ..first_order import refuse_create_graph
-from ..launcher import launch
 from ..layouts import new_out, unit_last
 from ..records import ATTENTION, define, define_traced_pair, restored, saved, unpack
-from ..slots import depth_args
-from ..traced import launch_flat, pointer_depth, traceable
+from ..launch import by_triton, launch_flat, pointer_depth, traceable
 from . import sequence
 
 _LOG2E = math.log2(math.e)
@@ -92,41 +89,30 @@ class Options(NamedTuple):
     kernel: str  # the vendor's op (sequence.KERNELS), chosen once per call: the backward must take the forward's
 
 
-class Route(NamedTuple):
-    """How a call reaches its kernels: what the eager ops do (:data:`EAGER`), a traced op (:data:`TRACED`), or
-    an op that runs while a CUDA graph is captured (:data:`CAPTURED`)."""
-
-    depth: Callable  # (depth_k, depth_v, L, device) -> (the kernels' depth arguments, the tensors to hold)
-    launch: Callable  # (kernel, grid, device, **arguments) launches the kernel
-
-
-EAGER = Route(depth_args, launch)
-
-
 # Groups up to this size run the per-token kernels (a token's rows against its own slots, on the CUDA cores);
-# larger ones fill the Tensor Core tiles' 16 rows with whole tokens' heads. H100, tune_split.py --graph: at G=3
+# larger ones fill the Tensor Core tiles' 16 rows with whole tokens' heads. H100, CUDA-graphed calls: at G=3
 # the per-token kernels took 0.88x the tiles' time (the Table 6 call, L=12 and 24), at G=8 1.6x (T=1024) and
 # 1.13x (T=16384); G=4 lies between, unmeasured.
 TOKEN_KERNELS_MAX_GROUP = 4
 # (token, head, lane) entries of a per-token program's tiles, BLOCK_T * GP * DP: 32 a thread of its 4 warps
-# (H100, the Table 6 call at L=12, tune_split.py --graph: 0.40 ms; 16 a thread, with 4 or 8 warps, 0.81-2.1;
+# (H100, the Table 6 call at L=12, CUDA-graphed: 0.40 ms; 16 a thread, with 4 or 8 warps, 0.81-2.1;
 # the backward at half the forward's tokens and warps, 0.396 against 0.401)
 _TOKEN_TILE = 4096
 # The per-token kernels' registers a thread: the backward's 152 (Triton 3.6, G=3, D=64) let 3 programs share
-# an SM, 128 lets 4 (H100, the Table 6 call, tune_split.py --maxnreg: L=47 0.809 -> 0.774 ms, L=12 0.399 ->
+# an SM, 128 lets 4 (H100, the Table 6 call, CUDA-graphed: L=47 0.809 -> 0.774 ms, L=12 0.399 ->
 # 0.391); the forward, two slots a step, gains a little too (L=47 0.756 -> 0.751, L=12 0.382 -> 0.381)
 _TOKEN_REGISTERS = 128
 
 
 def _layout(q: Tensor, kv_heads: int, slots: int, backward: bool = False, design: Optional[str] = None) -> dict:
     """The depth kernels' design (``kernels.FORWARD``), constants and launch options, of the forward's kernel
-    or the ``backward``'s (the same today; ``tune_split.py`` tunes them apart): G heads per KV head padded to
+    or the ``backward``'s (the same today): G heads per KV head padded to
     GP, BLOCK_T tokens a program, the head dim's lanes DP.
 
     ``"tokens"`` (the default for G up to :data:`TOKEN_KERNELS_MAX_GROUP`): per-token products on
     (BLOCK_T, GP, DP) tiles, the forward two slots a step. ``"tiles"``: Tensor Core tiles of 16 rows, BLOCK_C
     (token, slot) columns a step; two warps and 32 columns at G >= 8 and D <= 64, else four warps and 64
-    columns; one stage (chosen on an H100 with ``tune_split.py --graph``: T=16384 at G=8 and the Table 6 call
+    columns; one stage (chosen on an H100, CUDA-graphed: T=16384 at G=8 and the Table 6 call
     at G=3; more stages were slower at both).
     """
     G, D = q.shape[1] // kv_heads, q.shape[-1]
@@ -164,15 +150,15 @@ def _outputs(q: Tensor, k: Tensor, opts: Options) -> tuple[Tensor, Tensor]:
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: list[Tensor], opts: Options,
-             route: Route = EAGER):  # fmt: skip
-    """out (B, Hq, Tq, D) and lse (natural log), in the layouts of :func:`_outputs`; ``route``: how the
-    kernels are reached."""
+             wrap=by_triton):  # fmt: skip
+    """out (B, Hq, Tq, D) and lse (natural log), in the layouts of :func:`_outputs`; ``wrap``: how the
+    kernels are launched (:func:`..launch.launch_flat`)."""
     from . import kernels
 
     out, lse = _outputs(q, k, opts)
     q, k, v = (unit_last(t) for t in (q, k, v))
     B, Tq = q.shape[0], q.shape[2]
-    Hk, Tk, L = k.shape[1], k.shape[2], slot_count(depth_k)
+    Hk, L = k.shape[1], slot_count(depth_k)
     has_sequence = _has_sequence(k, opts)
     if has_sequence:
         out_s, lse_s = sequence.forward(opts.kernel, q, k, v, opts.causal, opts.scale)
@@ -183,8 +169,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
     (ls, sls), (lo, slo) = sequence.lse_argument(lse_s), sequence.lse_argument(lse)
     kernel, layout = _depth_kernel(kernels.FORWARD, _layout(q, Hk, L))
     grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
-    depth, _held = route.depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
-    route.launch(kernel, grid, q.device,
+    depth, _held = pointer_depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
+    launch_flat(kernel, grid, wrap,
         Q=q, OS=out_s, LS=ls, O=out, LO=lo, **depth,
         sq=q.stride(), sos=out_s.stride(), sls=sls, so=out.stride(), slo=slo,
         Hk=Hk, Tq=Tq, L=L, depth_first=opts.depth_first, qk_scale=opts.scale * _LOG2E,
@@ -226,7 +212,7 @@ def _sequence_backward_with_lse(q, k, v, out, grad_out, lse, grad_lse, opts: Opt
 
 
 def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Options,
-              route: Route = EAGER):  # fmt: skip
+              wrap=by_triton):  # fmt: skip
     """dq (B, Hq, Tq, D) as :class:`DqParts`, dk, dv (B, Hk, Tk, D), and the depth gradients, two
     (B, Hk, Tq, L, D) tensors.
 
@@ -253,8 +239,8 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     dq_depth = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     kernel, layout = _depth_kernel(kernels.BACKWARD, _layout(q, Hk, L, True))
     grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
-    depth, _held = route.depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
-    route.launch(kernel, grid, q.device,
+    depth, _held = pointer_depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
+    launch_flat(kernel, grid, wrap,
         Q=q, O=out, DO=grad_out, LSE=lv, GLSE=glse, DQ=dq_depth, DDK=ddk, DDV=ddv, **depth,
         sq=q.stride(), so=out.stride(), sdo=grad_out.stride(),
         sl=sl, sgl=sgl, sdq=dq_depth.stride(), sgk=ddk.stride(), sgv=ddv.stride(),
@@ -274,9 +260,9 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
 # The arguments are the records above, field by field. The ops run on CUDA, and on CPU under
 # Triton's interpreter (the tests), with SDPA's CPU flash op as the vendor.
 
-def _backward_without_dispatch(grads: Grads, inputs: Inputs, opts: Options, route: Route = EAGER):
+def _backward_without_dispatch(grads: Grads, inputs: Inputs, opts: Options, wrap=by_triton):
     """:func:`_backward` of the records the backward ops take: what the ops and the eager path run."""
-    return _backward(grads.grad_out, grads.grad_lse, *inputs, grads.out, grads.lse, opts, route=route)
+    return _backward(grads.grad_out, grads.grad_lse, *inputs, grads.out, grads.lse, opts, wrap=wrap)
 
 
 def _dq_returned(dq: DqParts, apart: bool) -> tuple[Tensor, ...]:
@@ -287,11 +273,11 @@ def _dq_returned(dq: DqParts, apart: bool) -> tuple[Tensor, ...]:
     return dq.apart() if apart else (dq.summed().contiguous(),)
 
 
-def backward_in_op_layouts(grads: Grads, inputs: Inputs, opts: Options, route: Route = EAGER,
+def backward_in_op_layouts(grads: Grads, inputs: Inputs, opts: Options, wrap=by_triton,
                            dq_apart: bool = False):  # fmt: skip
     """What the backward op returns: dq (two tensors with ``dq_apart``), dk, dv, contiguous, and the depth
     gradients as two (B, Hk, Tq, L, D) tensors."""
-    dq, dk, dv, ddk, ddv = _backward_without_dispatch(grads, inputs, opts, route=route)
+    dq, dk, dv, ddk, ddv = _backward_without_dispatch(grads, inputs, opts, wrap=wrap)
     return *_dq_returned(dq, dq_apart), dk.contiguous(), dv.contiguous(), ddk, ddv
 
 
@@ -346,33 +332,17 @@ def _autograd_backward(ctx, grad_out, grad_lse, run_backward=_backward_by_op):
 torch.library.register_autograd("moda_flex::split_forward", _autograd_backward, setup_context=_setup_context)
 
 
-# ---- traced ops (moda_flex.backends.traced) ------------------------------------------------------
+# ---- traced ops (moda_flex.backends.launch) ------------------------------------------------------
 # What a compiled call on CUDA takes: the same work, every kernel launched by the compiled graph.
 
-def _launch_traced(kernel, grid: tuple, device: torch.device, wrap=wrap_triton, **arguments) -> None:
-    """Launch ``kernel``'s flat wrapper (:mod:`.flat`) through ``wrap``."""
-    from .flat import FLAT
-
-    wrapper, constants = FLAT[kernel]
-    launch_flat(wrapper, grid, wrap, **constants, **arguments)
-
-
-def _launched_by_triton(wrapper):
-    return wrapper
-
-
-TRACED = Route(pointer_depth, _launch_traced)
-# The same launches made by Triton, for the ops that run while a CUDA graph is captured (:mod:`..capture`):
-# no address table copied from the host, a copy the graph would replay at every step.
-CAPTURED = Route(pointer_depth, functools.partial(_launch_traced, wrap=_launched_by_triton))
 
 
 def _traced_forward_body(inputs: Inputs, opts: Options):
-    return _forward(*inputs, opts, route=TRACED)
+    return _forward(*inputs, opts, wrap=wrap_triton)
 
 
 def _traced_backward_body(grads: Grads, inputs: Inputs, opts: Options):
-    return backward_in_op_layouts(grads, inputs, opts, route=TRACED)
+    return backward_in_op_layouts(grads, inputs, opts, wrap=wrap_triton)
 
 
 # The traced op's autograd is the eager op's, its backward the traced backward.
@@ -414,7 +384,8 @@ def call_options(q: Tensor, k: Tensor, slots: int, variant, scale: float) -> Opt
     """A supported call's :class:`Options`; ``slots``: L. The vendor's op is chosen here, once a call."""
     s = variant.structure
     kernel = sequence.kernel_for(q.device, q.shape[-1], q.shape[2] == k.shape[2])
-    return Options(float(scale), bool(s.causal), bool(s.sequence), s.first_slot(slots), kernel)
+    return Options(scale=float(scale), causal=bool(s.causal), sequence=bool(s.sequence),
+                   depth_first=s.first_slot(slots), kernel=kernel)
 
 
 def split_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: Tensor, variant, scale: float):
@@ -435,7 +406,7 @@ def split_attention(q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor, depth_v: T
         differentiable.
         Under ``torch.compile`` on CUDA (static shapes) the compiled graph
         launches the kernels itself, each entry one of the depth kernels'
-        own pointer arguments (:mod:`moda_flex.backends.traced`).
+        own pointer arguments (:mod:`moda_flex.backends.launch`).
     """
     depth_k, depth_v = as_list(depth_k), as_list(depth_v)
     opts = call_options(q, k, slot_count(depth_k), variant, scale)

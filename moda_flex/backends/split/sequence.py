@@ -33,7 +33,7 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-# cuDNN's head dims where it was measured faster than FlashAttention and checked (H100, BENCHMARKS.md); its
+# cuDNN's head dims where it was measured faster than FlashAttention and checked (H100, docs/design-notes.md "The split path"); its
 # backward crashed the process on an H100 at a small head dim, so the others take FlashAttention.
 CUDNN_HEAD_DIMS = (64, 128)
 

@@ -6,12 +6,11 @@ kernels as the depth bias tensor and the cap (:func:`.support.score_args`).
 
 Block sizes come from :func:`.configs.launch_config`, which a ``config=``
 hook of :func:`moda_flex.backends.triton.triton_attention` may change for
-one eager call (benchmarks/tune_moda.py, benchmarks/bench_hopper.py).
+one eager call (benchmarks/bench_hopper.py).
 
-A call is host time at a model's lengths, so each launch's grid and the
-arguments its layout fixes (sizes, flags, block sizes) are made once a
-layout (``_forward_fixed``, ``_dq_fixed``, ``_dkdv_fixed``) and a call binds
-only its tensors and strides (:func:`..launcher.launch_fixed`).
+Each launch's grid and the arguments its layout fixes (sizes, flags, block
+sizes) are made once a layout (``_forward_fixed``, ``_dq_fixed``,
+``_dkdv_fixed``, a :class:`Fixed` each); a call adds its tensors and strides.
 """
 
 from __future__ import annotations
@@ -23,16 +22,15 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ...depth import empty_grads, is_slab, slot_count
+from ...depth import empty_grads, slot_count
 from ..blocks import cdiv
-from ..launcher import Fixed, launch_fixed
+from ..launch import by_triton, launch_flat, pointer_depth
 from ..layouts import new_out
 from ..records import ATTENTION
-from ..slots import depth_args, slab_args
 from .configs import MIN_DOT_ROWS, ConfigHook, hopper_path, launch_config, next_pow2, padded_head_dim
 
 _LOG2E = math.log2(math.e)  # the kernels keep logits in base 2
-_KEPT_LAYOUTS = 256  # each launch's fixed arguments (launcher.Fixed) kept for this many layouts, the latest
+_KEPT_LAYOUTS = 256  # each launch's fixed arguments (Fixed) kept for this many layouts, the latest
 
 
 # A call's tensors, in the order the ops take them: those of every kernel call (records.ATTENTION), the
@@ -125,24 +123,28 @@ def _bias_args(bias: Optional[Tensor], like: Tensor) -> dict:
     return dict(BIAS=f32, sbias=(0, f32.stride(0)) if f32.dim() == 1 else f32.stride(), HAS_BIAS=True)
 
 
-def _depth_args(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device) -> tuple[dict, list]:
-    """The kernels' depth arguments and the tensors to hold until the launch: slabs as they lie, entries
-    through their address table (:mod:`..slots`)."""
-    if is_slab(depth_k) and is_slab(depth_v):
-        return slab_args(depth_k[0], depth_v[0]), []
-    return depth_args(depth_k, depth_v, L, device)
+class Fixed(NamedTuple):
+    """A launch's grid and the arguments a call's layout fixes (sizes, flags, block sizes, constexprs)."""
+
+    grid: tuple
+    arguments: dict
+
+
+def _launch(kernel, fixed: Fixed, route: "Route", **arguments) -> None:
+    """``kernel`` launched on ``fixed.grid`` with ``fixed``'s arguments and ``arguments``, through its flat
+    wrapper and the route's ``wrap`` (:func:`..launch.launch_flat`)."""
+    launch_flat(kernel, fixed.grid, route.wrap, **fixed.arguments, **arguments)
 
 
 class Route(NamedTuple):
-    """How a call reaches its kernels: what the eager ops do (:data:`EAGER`), or a traced op
-    (:mod:`.traced`)."""
+    """How a call reaches its kernels: launched by Triton (:data:`EAGER`: an eager call, or one a CUDA graph
+    captures) or by inductor's generated code (``wrap_triton``: :mod:`.traced`)."""
 
-    depth: Callable  # (depth_k, depth_v, L, device) -> (the kernels' depth arguments, the tensors to hold)
-    launch: Callable  # (kernel, fixed: Fixed, device, **arguments) launches the kernel
+    wrap: Callable  # by_triton or wrap_triton (:func:`..launch.launch_flat`)
     hopper: Callable  # (*tensors) -> whether the call takes the Hopper path (configs.hopper_path)
 
 
-EAGER = Route(_depth_args, launch_fixed, hopper_path)
+EAGER = Route(by_triton, hopper_path)
 
 
 def outputs(inputs: Inputs) -> tuple[Tensor, Tensor]:
@@ -204,13 +206,13 @@ def forward(inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None,
         return out, lse.fill_(float("-inf"))
     fixed = _fixed(_forward_fixed, config, q.device, D, Hq // Hk, B, Hk, Tq, Tk, L, opts, documents is not None,
                    route.hopper(q, k, v))  # fmt: skip
-    depth, _held = route.depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
+    depth, _held = pointer_depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
     tiles = {}
     if fixed.arguments["TMA"]:
         G, GP, block_n = fixed.arguments["G"], fixed.arguments["GP"], fixed.arguments["BLOCK_N"]
         tiles = dict(QD=_row_descriptor(q, G, GP, fixed.arguments["BLOCK_M"] // GP),
                      KD=_tile_descriptor(k, block_n), VD=_tile_descriptor(v, block_n))  # fmt: skip
-    route.launch(kernels.forward_kernel, fixed, q.device,
+    _launch(kernels.forward_kernel, fixed, route,
         Q=q, K=k, V=v, O=out, LSE=lse, **tiles, **depth, **_mask_tensors(documents, q), **_bias_args(bias, q),
         sq=q.stride(), sk=k.stride(), sv=v.stride(), so=out.stride(), sl=lse.stride(),
     )  # fmt: skip
@@ -291,7 +293,7 @@ def _launch_dq(grads: Grads, inputs: Inputs, fixed: Fixed, dq: Tensor, ddk: Tens
     arguments = fixed.arguments
     delta = torch.empty_like(lse)
     glse = delta if grad_lse is None else grad_lse.float().contiguous()
-    depth, _held = route.depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
+    depth, _held = pointer_depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
     blocks = fixed.grid[0]
     tiles = {}
     if arguments["TMA"]:
@@ -299,7 +301,7 @@ def _launch_dq(grads: Grads, inputs: Inputs, fixed: Fixed, dq: Tensor, ddk: Tens
     # Each program's part of the bias gradient, summed over its tokens, (B * Hk, blocks, GP, L).
     with_bias_grad = arguments["BIAS_GRAD"]
     gbias = q.new_zeros((B * Hk, blocks, arguments["GP"], L) if with_bias_grad else (0,), dtype=torch.float32)
-    route.launch(kernels.dq_kernel, fixed, q.device,
+    _launch(kernels.dq_kernel, fixed, route,
         Q=q, K=k, V=v, O=out, DO=grad_out, LSE=lse, GLSE=glse, DELTA=delta,
         DQO=dq, DDKO=ddk, DDVO=ddv, GBIAS=gbias,
         **tiles, **depth, **_mask_tensors(documents, q), **_bias_args(bias, q),
@@ -339,7 +341,7 @@ def _launch_dkdv(grad_out, q, k, v, lse, delta, documents, dk, dv, dq_sums, fixe
         sums = dict(DQA=dq_sums, DQD=None, sa=dq_sums.stride()[:3])
         if arguments["DQ_ATOMIC"] == 2:
             sums["DQD"] = _row_descriptor(dq_sums, G, GP, block_t)
-    route.launch(kernels.dkdv_kernel, fixed, q.device,
+    _launch(kernels.dkdv_kernel, fixed, route,
         Q=q, K=k, V=v, DO=grad_out, LSE=lse, DELTA=delta, DKO=dk, DVO=dv, **tiles, **sums,
         **_mask_tensors(documents, q),
         sq=q.stride(), sk=k.stride(), sv=v.stride(), sdo=grad_out.stride(), sl=lse.stride(), sg=dk.stride(),

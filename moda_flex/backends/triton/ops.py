@@ -24,7 +24,7 @@ from ...variants import Variant
 from ..first_order import refuse_create_graph
 from ..layouts import unit_last
 from ..records import define, define_traced_pair, restored, saved, unpack
-from ..traced import traceable
+from ..launch import traceable
 from . import traced
 from .configs import ConfigHook
 from .launch import Grads, Inputs, Options, backward, forward, gradients, outputs
@@ -163,9 +163,8 @@ def triton_attention(
 
     Returns:
         out (B, Hq, Tq, D) in q's dtype and lse (B, Hq, Tq) float32, natural
-        log, ``-inf`` (and a zero output) for a row that sees no key, NaN
-        (in both) for a row whose query or a visible entry holds a NaN or Inf
-        (:mod:`moda_flex.nonfinite`). Both are differentiable with respect to
+        log, ``-inf`` (and a zero output) for a row that sees no key. Both
+        are differentiable with respect to
         q, k, v, depth_k, depth_v and the depth bias.
     """
     s = variant.structure
@@ -176,7 +175,8 @@ def triton_attention(
     depth_first = s.first_slot(L)
     window = 0 if s.window is None else int(s.window)
     bias, softcap, bias_first = score_args(variant.score, q.shape[1], L)
-    opts = Options(float(scale), bool(s.causal), window, depth_first, bool(s.sequence), float(softcap), bias_first)
+    opts = Options(scale=float(scale), causal=bool(s.causal), window=window, depth_first=depth_first,
+                   sequence=bool(s.sequence), softcap=float(softcap), bias_first=bias_first)
     if torch.compiler.is_compiling():
         if config is not None:
             raise ValueError("config= tunes eager calls; torch.compile traces the op with the default launches")

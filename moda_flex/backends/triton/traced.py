@@ -1,33 +1,24 @@
-"""The fused kernels' launches that ``torch.compile`` traces into its graph (:mod:`..traced`): no Python at run time.
+"""The fused kernels' launches that ``torch.compile`` traces into its graph (:mod:`..launch`): no Python at run time.
 
 The route and the bodies of the traced ops ``moda_flex::triton_traced_forward``
 / ``_backward`` (defined in :mod:`.ops`), which :func:`.ops.triton_attention`
 takes under ``torch.compile`` for CUDA tensors of static shapes
-(:func:`..traced.traceable`); the launches are the generic path's (no tensor
+(:func:`..launch.traceable`); the launches are the generic path's (no tensor
 descriptors) with the default configurations.
 """
 
 from __future__ import annotations
 
-import torch
 from torch.library import wrap_triton
 
-from ..launcher import Fixed
-from ..traced import launch_flat, pointer_depth
-from .kernels.flat import FLAT
 from .launch import Grads, Inputs, Options, Route, backward, forward
-
-
-def launch_traced(kernel, fixed: Fixed, device: torch.device, wrap=wrap_triton, **arguments) -> None:
-    """Launch ``kernel``'s flat wrapper (:mod:`.kernels.flat`) as ``fixed`` says, through ``wrap``."""
-    launch_flat(FLAT[kernel], fixed.grid, wrap, **fixed.arguments, **arguments)
 
 
 def _generic(*tensors) -> bool:
     return False
 
 
-TRACED = Route(pointer_depth, launch_traced, _generic)
+TRACED = Route(wrap_triton, _generic)
 
 
 def forward_body(inputs: Inputs, opts: Options):

@@ -64,7 +64,7 @@ def _interior_tma(
     ``KD``, ``VD``: tensor descriptors over (B, Hk, Tk, D) with (1, 1,
     BLOCK_N, D) boxes; ``b``, ``hk`` int32. ``WS`` asks Triton to split the
     loop into a producer warp group (the copies) and consumer ones; Triton
-    3.6 does not compile that for this kernel on sm_90 (benchmarks/NOTES.md).
+    3.6 does not compile that for this kernel on sm_90 (docs/design-notes.md "The fused kernel").
     """
     for start_n in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES, warp_specialize=WS):
         k = KD.load([b, hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
