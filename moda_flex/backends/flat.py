@@ -50,8 +50,8 @@ def launch_kinds(arguments: dict) -> tuple:
 
 
 def flat_arguments(arguments: dict) -> dict:
-    """A launch's arguments as its flat wrapper takes them: every tuple as one argument a member, ``None`` left
-    out where the wrapper has no such parameter (:func:`flat_wrapper`)."""
+    """A launch's arguments as its flat wrapper takes them: every tuple as one argument a member, and an
+    argument given as None left out (the wrapper passes None itself: :func:`flat_wrapper`)."""
     flat = {}
     for name, value in arguments.items():
         if isinstance(value, tuple):
