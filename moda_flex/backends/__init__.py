@@ -11,6 +11,14 @@ that runs a call :func:`moda_flex.moda_attention` has already checked:
     capture     backends/capture.py     auto's for a call both of those run: triton, or split while a CUDA
                                         graph is captured (chosen at launch; not a name to ask for)
 
+The kernel backends in layers, each importing only those below it:
+
+    kernels   triton/kernels/, split/kernels.py     ``@triton.jit`` only; slot_pointers.py decodes depth slots
+    launch    launch.py, flat.py                    one launcher, one way to hand depth to a kernel
+    ops       triton/ops.py, split/ops.py,          ``torch.library`` ops from records.py's records: schema,
+              capture.py                            fake, autograd, eager and traced bodies
+    policy    this module                           which backend runs a call
+
 ``auto``, the same for a direct call and for the layers of :mod:`moda_flex.nn`,
 takes the first that applies:
 
