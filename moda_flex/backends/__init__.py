@@ -14,7 +14,9 @@ that runs a call :func:`moda_flex.moda_attention` has already checked:
 The kernel backends in layers, each importing only those below it:
 
     kernels   triton/kernels/, split/kernels.py     ``@triton.jit`` only; slot_pointers.py decodes depth slots
-    launch    launch.py, flat.py                    one launcher, one way to hand depth to a kernel
+    launch    launch.py, flat.py, triton/launch.py  one launcher, one way to hand depth to a kernel; the fused
+                                                    kernels' grids and configurations (the split path's sit
+                                                    in split/ops.py, beside its ops)
     ops       triton/ops.py, split/ops.py,          ``torch.library`` ops from records.py's records: schema,
               capture.py                            fake, autograd, eager and traced bodies
     policy    this module                           which backend runs a call
