@@ -50,7 +50,9 @@ import contextlib
 import dataclasses
 import math
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -61,6 +63,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import moda_flex
 from moda_flex import DepthStream, moda_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import cli  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -476,23 +481,10 @@ def length_list(text: str) -> list[int]:
     """An argparse ``type``: comma-separated sequence lengths >= 1, or ``none``."""
     if text == "none":
         return []
-    try:
-        lengths = [int(item) for item in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    lengths = cli.int_list(text)
     if any(T < 1 for T in lengths):
         raise argparse.ArgumentTypeError(f"lengths must be >= 1, got {text}")
     return lengths
-
-
-def at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -510,9 +502,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kernel-lengths", type=length_list, default=None,
                    help="sequence lengths of the kernel calls, comma-separated, or none (default: "
                         "1024,4096,16384,65536; with --cpu-smoke, 32)")  # fmt: skip
-    p.add_argument("--rounds", type=at_least_one, default=5, help="timed rounds, the rows taking turns")
-    p.add_argument("--steps", type=at_least_one, default=10, help="training steps a round, back to back")
-    p.add_argument("--warmup", type=at_least_one, default=3, help="steps after the first, before the rounds")
+    p.add_argument("--rounds", type=cli.at_least(1), default=5, help="timed rounds, the rows taking turns")
+    p.add_argument("--steps", type=cli.at_least(1), default=10, help="training steps a round, back to back")
+    p.add_argument("--warmup", type=cli.at_least(1), default=3, help="steps after the first, before the rounds")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="run every part on CPU at a tiny size (2 layers, D=8, T=16; kernel calls with Hq=4, "
                         "Hk=2, L=4, D=8 at T=32 unless --kernel-lengths says): a check that the suite runs")  # fmt: skip
