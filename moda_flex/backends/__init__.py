@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -242,8 +243,6 @@ def merged_backward(
     Raises:
         NotImplementedError: a variant with a score, or with depth entries it reads for other tokens.
     """
-    import torch
-
     if depth_k is None or depth_v is None:
         depth_k = depth_v = k.new_empty(*k.shape[:2], q.shape[2], 0, k.shape[3])  # (B, Hk, Tq, 0, D)
     if variant.score is not None:
@@ -253,8 +252,9 @@ def merged_backward(
         return _reference_merged_backward(q, k, v, depth_k, depth_v, variant, scale, out, lse, grad_out, grad_lse)
     kernel = kernel_name(run)
     if kernel == "capture":  # the kernel capture_attention launches now: the split one while a graph is captured
-        capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        kernel = "split" if capturing else "triton"
+        from .capture import kernel_now
+
+        kernel = kernel_now(q.device)
     grad_out, out, grad_lse, lse = grad_out.to(q.dtype), out.to(q.dtype), grad_lse.float(), lse.float()
     if kernel == "split":
         from .split import split_backward
@@ -262,16 +262,10 @@ def merged_backward(
         return split_backward(grad_out=grad_out, grad_lse=grad_lse, q=q, k=k, v=v, depth_k=depth_k, depth_v=depth_v,
                               out=out, lse=lse, variant=variant, scale=scale)  # fmt: skip
     if kernel == "triton":
-        s = variant.structure
-        *grads, _ = torch.ops.moda_flex.triton_backward(
-            grad_out=grad_out.contiguous(), grad_lse=grad_lse.contiguous(), out=out,
-            lse=lse.contiguous(),  # the op reads dlse and writes delta with the lse's strides
-            bias_grad=False, q=q, k=k, v=v, depth_k=[depth_k], depth_v=[depth_v],
-            documents=None if s.documents is None else s.documents.packed.to(q.device), bias=None,
-            scale=float(scale), causal=bool(s.causal), window=0 if s.window is None else int(s.window),
-            depth_first=s.first_slot(depth_k.shape[3]), sequence=bool(s.sequence), softcap=0.0, bias_first=False,
-        )  # fmt: skip
-        return tuple(grads)
+        from .triton import merged_backward as fused_merged_backward
+
+        return fused_merged_backward(grad_out=grad_out, grad_lse=grad_lse, q=q, k=k, v=v, depth_k=depth_k,
+                                     depth_v=depth_v, out=out, lse=lse, variant=variant, scale=scale)  # fmt: skip
     return None
 
 
@@ -285,8 +279,6 @@ def _reference_merged_backward(q, k, v, depth_k, depth_v, variant, scale, out, l
     head ``h`` reads KV head ``h // G``: the rows are grouped as
     (B, Hk, G * Tq, D) against (B, Hk, Tk, D), so no K/V is repeated.
     """
-    import torch
-
     from .reference import visible_entries
 
     dtype = out.dtype

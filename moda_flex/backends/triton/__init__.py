@@ -10,7 +10,7 @@ Importing this package needs ``triton``; on CPU the kernels run only under
 ``TRITON_INTERPRET=1`` (set before triton is imported).
 """
 
-from .ops import triton_attention
+from .ops import merged_backward, triton_attention
 from .support import unsupported_reason
 
-__all__ = ["triton_attention", "unsupported_reason"]
+__all__ = ["merged_backward", "triton_attention", "unsupported_reason"]

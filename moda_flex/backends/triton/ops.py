@@ -22,9 +22,9 @@ from torch import Tensor
 from ...depth import DepthKV, as_list, grads_like, slot_count
 from ...variants import Variant
 from ..first_order import refuse_create_graph
+from ..launch import traceable
 from ..layouts import unit_last
 from ..records import define, define_traced_pair, restored, saved, unpack
-from ..launch import traceable
 from . import traced
 from .configs import ConfigHook
 from .launch import Grads, Inputs, Options, backward, forward, gradients, outputs
@@ -167,16 +167,8 @@ def triton_attention(
         are differentiable with respect to
         q, k, v, depth_k, depth_v and the depth bias.
     """
-    s = variant.structure
-    # Document ids with their runs, (3, Bd, Tk) int32, computed once where the variant was made.
-    documents = None if s.documents is None else s.documents.packed.to(q.device)
     depth_k, depth_v = as_list(depth_k), as_list(depth_v)
-    L = slot_count(depth_k)
-    depth_first = s.first_slot(L)
-    window = 0 if s.window is None else int(s.window)
-    bias, softcap, bias_first = score_args(variant.score, q.shape[1], L)
-    opts = Options(scale=float(scale), causal=bool(s.causal), window=window, depth_first=depth_first,
-                   sequence=bool(s.sequence), softcap=float(softcap), bias_first=bias_first)
+    documents, bias, opts = _call_arguments(q, depth_k, variant, scale)
     if torch.compiler.is_compiling():
         if config is not None:
             raise ValueError("config= tunes eager calls; torch.compile traces the op with the default launches")
@@ -187,3 +179,33 @@ def triton_attention(
     # dispatcher round trips of a custom op (the call is host-bound at short lengths).
     return _EagerMoDA.apply(q, k, v, documents, bias, opts, config, len(depth_k), *depth_k, *depth_v)
 
+
+def merged_backward(grad_out: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: Tensor, depth_k: DepthKV,
+                    depth_v: DepthKV, out: Tensor, lse: Tensor, variant: Variant, scale: float) -> tuple:  # fmt: skip
+    """The gradients of a call whose rows are part of longer rows, given those rows' merged ``out`` and ``lse``
+    (:func:`moda_flex.backends.merged_backward`): dq, dk, dv, and the depth gradients as two (B, Hk, Tq, L, D)
+    tensors.
+
+    Args:
+        grad_out, out: (B, Hq, Tq, D) in q's dtype; grad_lse, lse: (B, Hq, Tq) float32; the rest as
+            :func:`triton_attention` takes them.
+    """
+    depth_k, depth_v = as_list(depth_k), as_list(depth_v)
+    documents, bias, opts = _call_arguments(q, depth_k, variant, scale)
+    # the op reads dlse and writes delta with the lse's strides
+    grads = Grads(grad_out.contiguous(), grad_lse.contiguous(), out, lse.contiguous(), bias_grad=False)
+    *result, _ = torch.ops.moda_flex.triton_backward(*grads, *Inputs(q, k, v, depth_k, depth_v, documents, bias), *opts)
+    return tuple(result)
+
+
+def _call_arguments(q: Tensor, depth_k: list[Tensor], variant: Variant, scale: float):
+    """A call's documents ((3, Bd, Tk) int32 ids with their runs, computed once where the variant was made) or
+    None, its depth bias or None, and its :class:`Options`, from the variant and the depth in the ops' form."""
+    s = variant.structure
+    documents = None if s.documents is None else s.documents.packed.to(q.device)
+    L = slot_count(depth_k)
+    bias, softcap, bias_first = score_args(variant.score, q.shape[1], L)
+    opts = Options(scale=float(scale), causal=bool(s.causal), window=0 if s.window is None else int(s.window),
+                   depth_first=s.first_slot(L), sequence=bool(s.sequence), softcap=float(softcap),
+                   bias_first=bias_first)
+    return documents, bias, opts
