@@ -44,12 +44,12 @@ from torch import Tensor
 
 from ..depth import DepthKV, as_list, slot_count
 from ..variants import Variant
+from .launch import traceable
 from .layouts import new_out, unit_last
 from .records import define, define_traced_pair, unpack
 from .split import ops as split_ops
 from .split import sequence
 from .split.ops import Grads, Inputs, Options
-from .launch import traceable
 from .triton import ops as fused_ops
 from .triton import launch as fused_launch
 from .triton import traced as fused_traced
@@ -119,8 +119,7 @@ def _backward(grads: Grads, inputs: Inputs, opts: Options) -> tuple[Tensor, ...]
     (B, Hk, Tq, L, D) tensors, from the forward's out and its lse (B, Hq, Tq), by the kernel of
     :func:`kernel_now`."""
     if kernel_now(inputs.q.device) == "split":
-        return split_ops.backward_in_op_layouts(_split_grads(grads, opts), inputs, opts,
-                                                dq_apart=True)  # fmt: skip
+        return split_ops.backward_in_op_layouts(_split_grads(grads, opts), inputs, opts, dq_apart=True)
     dq, *rest = _fused_backward(grads, inputs, opts)
     return *split_ops.DqParts(dq, None).apart(), *rest
 
