@@ -35,8 +35,8 @@ def _records(shape, entries, strided, causal=True, depth_first=0):
 def test_a_slab_is_read_as_it_lies():
     """Depth given as a slab reaches the kernels as that slab, no table and no copy."""
     inputs, _ = _records(MoDAShape(1, 2, 1, 4, 4, 3, 8), entries=False, strided=True)
-    arguments, held = launching.pointer_depth(inputs.depth_k, inputs.depth_v, 3, inputs.q.device)
-    assert arguments["SLOTS"] == 2 and arguments["DK"][0] is inputs.depth_k[0] and not held
+    arguments = launching.pointer_depth(inputs.depth_k, inputs.depth_v, 3, inputs.q.device)
+    assert arguments["SLOTS"] == 2 and arguments["DK"][0] is inputs.depth_k[0]
     slab = inputs.depth_k[0]
     assert arguments["sdk"] == (*slab.stride()[:3], slab.stride(4), slab.stride(3))
 
@@ -55,8 +55,8 @@ def test_a_flat_wrapper_is_written_only_for_a_launch_that_gives_every_argument()
 def test_the_fused_kernels_take_a_models_entries_as_pointers_uncopied():
     keys = [torch.randn(1, 2, 3, 8) for _ in range(3)]
     values = list(torch.randn(1, 2, 3, 3, 8).unbind(3))  # the slots of a slab: strided, each 32 bytes apart
-    arguments, held = launching.pointer_depth(keys, values, 3, keys[0].device)
-    assert arguments["SLOTS"] == 3 and arguments["SLOT_PTRS"] == 4 and not held
+    arguments = launching.pointer_depth(keys, values, 3, keys[0].device)
+    assert arguments["SLOTS"] == 3 and arguments["SLOT_PTRS"] == 4
     for given, side in ((arguments["DK"], keys), (arguments["DV"], values)):  # 3 rounds up to 4, then None
         assert given == (*side, side[-1], *(None,) * (SLOT_ARGS - 4))
     assert arguments["sdk"] == (*keys[0].stride(), 0) and arguments["sdv"] == (*values[0].stride(), 0)
@@ -71,7 +71,7 @@ def test_a_models_attention_and_ffn_entries_take_the_pointer_path(norm):
     for block in [Block(config) for _ in range(3)]:
         x, stream = block(x, stream)
     depth_k, depth_v = stream.read()
-    arguments, _ = launching.pointer_depth(depth_k, depth_v, len(depth_k), x.device)
+    arguments = launching.pointer_depth(depth_k, depth_v, len(depth_k), x.device)
     assert len(depth_k) == 6 and arguments["SLOTS"] == 3  # 2: one slab, the entries stacked into it
 
 
@@ -84,7 +84,7 @@ def test_other_depth_reaches_the_pointer_arguments_as_one_slab(case):
     if case == "misaligned":  # 8 bytes into its storage
         entries = [torch.randn(1, 2, 3, 10)[..., 2:] for _ in entries]
     depth = [slab] if case == "a slab" else entries
-    arguments, _ = launching.pointer_depth(depth, depth, slab.shape[3], slab.device)
+    arguments = launching.pointer_depth(depth, depth, slab.shape[3], slab.device)
     assert arguments["SLOTS"] == 2
     stacked = arguments["DK"][0]
     assert arguments["DK"] == (stacked, *(None,) * (SLOT_ARGS - 1))

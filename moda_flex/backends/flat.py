@@ -9,7 +9,7 @@ kernel's parameters and one launch's arguments, once a kind of launch, so a
 new argument of a kernel reaches its wrapper by itself:
 
 - a tuple becomes one scalar a member; a side's depth pointers (``DK``,
-  ``DV``: :func:`.traced.pointer_depth`) become ``DK0`` .. and ``DV0`` .., the
+  ``DV``: :func:`.launch.pointer_depth`) become ``DK0`` .. and ``DV0`` .., the
   first ``SLOT_PTRS`` of which :func:`.slot_pointers.depth_tables` writes into
   the table ``TAB`` that the kernel reads as ``DK_TAB``, ``DV_TAB``;
 - a float is cast to float32 (inductor passes floats as float64, where

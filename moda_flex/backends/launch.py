@@ -57,7 +57,7 @@ def launch_flat(kernel, grid: tuple, wrap=wrap_triton, **arguments) -> None:
     wrap(wrapper)[grid](**flat_arguments(arguments))
 
 
-def slab_depth(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device) -> tuple[dict, list]:
+def slab_depth(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device) -> dict:
     """The depth arguments of a launch: each side one slab read as it lies, entries stacked into one first (a
     copy: only depth that :func:`pointer_depth` cannot pass as it lies comes here).
 
@@ -66,13 +66,13 @@ def slab_depth(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: tor
     """
     if not depth_k and not depth_v:
         table = torch.zeros(1, dtype=torch.int64, device=device)
-        return dict(DK_TAB=table, DV_TAB=table, sdk=(0,) * 5, sdv=(0,) * 5, SLOTS=0), []
+        return dict(DK_TAB=table, DV_TAB=table, sdk=(0,) * 5, sdv=(0,) * 5, SLOTS=0)
     if is_slab(depth_k) and is_slab(depth_v):
-        return slab_args(depth_k[0], depth_v[0]), []
-    return slab_args(torch.stack(depth_k, dim=3), torch.stack(depth_v, dim=3)), []
+        return slab_args(depth_k[0], depth_v[0])
+    return slab_args(torch.stack(depth_k, dim=3), torch.stack(depth_v, dim=3))
 
 
-def pointer_depth(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device) -> tuple[dict, list]:
+def pointer_depth(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: torch.device) -> dict:
     """The depth arguments of a launch whose kernel takes each slot as a pointer argument of its own
     (``SLOTS`` 3, :data:`.slot_pointers.SLOT_ARGS` a side): ``DK``, ``DV``, tuples the wrapper takes as
     ``DK0`` .. ``DK63`` and ``DV0`` .. ``DV63``, the first ``SLOT_PTRS`` of them filled, and ``TAB``, the
@@ -90,9 +90,8 @@ def pointer_depth(depth_k: list[Tensor], depth_v: list[Tensor], L: int, device: 
         size = max(_LEAST_CLASS, next_pow2(L))
         table = torch.empty(2 * size, dtype=torch.int64, device=device)
         return dict(DK=_padded(depth_k, size), DV=_padded(depth_v, size), SLOT_PTRS=size, TAB=table,
-                    sdk=(*depth_k[0].stride(), 0), sdv=(*depth_v[0].stride(), 0), SLOTS=3), []  # fmt: skip
-    arguments, held = slab_depth(depth_k, depth_v, L, device)
-    return one_pointer_a_side(arguments), held
+                    sdk=(*depth_k[0].stride(), 0), sdv=(*depth_v[0].stride(), 0), SLOTS=3)  # fmt: skip
+    return one_pointer_a_side(slab_depth(depth_k, depth_v, L, device))
 
 
 def one_pointer_a_side(arguments: dict) -> dict:

@@ -169,7 +169,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, depth_k: list[Tensor], depth_v: li
     (ls, sls), (lo, slo) = sequence.lse_argument(lse_s), sequence.lse_argument(lse)
     kernel, layout = _depth_kernel(kernels.FORWARD, _layout(q, Hk, L))
     grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
-    depth, _held = pointer_depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
+    depth = pointer_depth(depth_k, depth_v, L, q.device)
     launch_flat(kernel, grid, wrap,
         Q=q, OS=out_s, LS=ls, O=out, LO=lo, **depth,
         sq=q.stride(), sos=out_s.stride(), sls=sls, so=out.stride(), slo=slo,
@@ -239,7 +239,7 @@ def _backward(grad_out, grad_lse, q, k, v, depth_k, depth_v, out, lse, opts: Opt
     dq_depth = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     kernel, layout = _depth_kernel(kernels.BACKWARD, _layout(q, Hk, L, True))
     grid = (cdiv(Tq, layout["BLOCK_T"]), B * Hk)
-    depth, _held = pointer_depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
+    depth = pointer_depth(depth_k, depth_v, L, q.device)
     launch_flat(kernel, grid, wrap,
         Q=q, O=out, DO=grad_out, LSE=lv, GLSE=glse, DQ=dq_depth, DDK=ddk, DDV=ddv, **depth,
         sq=q.stride(), so=out.stride(), sdo=grad_out.stride(),

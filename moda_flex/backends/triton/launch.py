@@ -206,7 +206,7 @@ def forward(inputs: Inputs, opts: Options, config: Optional[ConfigHook] = None,
         return out, lse.fill_(float("-inf"))
     fixed = _fixed(_forward_fixed, config, q.device, D, Hq // Hk, B, Hk, Tq, Tk, L, opts, documents is not None,
                    route.hopper(q, k, v))  # fmt: skip
-    depth, _held = pointer_depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
+    depth = pointer_depth(depth_k, depth_v, L, q.device)
     tiles = {}
     if fixed.arguments["TMA"]:
         G, GP, block_n = fixed.arguments["G"], fixed.arguments["GP"], fixed.arguments["BLOCK_N"]
@@ -245,8 +245,7 @@ def backward(grads: Grads, inputs: Inputs, opts: Options, config: Optional[Confi
     # With DQ_ATOMIC it writes only the depth part of dQ, as float32 sums to which the dK/dV kernel adds the
     # sequence part.
     dq_out = torch.empty_like(dq, dtype=torch.float32) if atomic and dq.dtype != torch.float32 else dq
-    dq_fixed = _fixed(_dq_fixed, config, *layout, L, bool(atomic),
-                      grads.grad_lse is not None, grads.bias_grad)  # fmt: skip
+    dq_fixed = _fixed(_dq_fixed, config, *layout, L, bool(atomic), grads.grad_lse is not None, grads.bias_grad)
     delta, gbias = _launch_dq(grads, inputs, dq_fixed, dq_out, ddk, ddv, route)
     if sequence:
         _launch_dkdv(grads.grad_out, q, k, v, grads.lse, delta, documents, dk, dv,
@@ -293,7 +292,7 @@ def _launch_dq(grads: Grads, inputs: Inputs, fixed: Fixed, dq: Tensor, ddk: Tens
     arguments = fixed.arguments
     delta = torch.empty_like(lse)
     glse = delta if grad_lse is None else grad_lse.float().contiguous()
-    depth, _held = pointer_depth(depth_k, depth_v, L, q.device)  # _held: alive until launched
+    depth = pointer_depth(depth_k, depth_v, L, q.device)
     blocks = fixed.grid[0]
     tiles = {}
     if arguments["TMA"]:
@@ -327,8 +326,8 @@ def _dkdv_fixed(device, D, G, B, Hk, Tq, Tk, opts: Options, documents: bool, hop
 
 
 def _launch_dkdv(grad_out, q, k, v, lse, delta, documents, dk, dv, dq_sums, fixed: Fixed, route: Route):
-    """The dK/dV kernel as ``fixed`` says: writes dk, dv (B, Hk, Tk, D), contiguous, from the dQ kernel's delta; with ``DQ_ATOMIC`` also adds the sequence part of dQ to
-    ``dq_sums`` (B, Hq, Tq, D) float32."""
+    """The dK/dV kernel as ``fixed`` says: writes dk, dv (B, Hk, Tk, D), contiguous, from the dQ kernel's delta;
+    with ``DQ_ATOMIC`` also adds the sequence part of dQ to ``dq_sums`` (B, Hq, Tq, D) float32."""
     from . import kernels
 
     arguments = fixed.arguments
