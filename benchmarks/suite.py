@@ -436,7 +436,7 @@ def calls_per_round(fn: Callable[[], None], device: torch.device, target_s: floa
 
 
 def kernel_lines(lengths: list[int], c: CallShape, device: torch.device, rounds: int) -> list[str]:
-    lines = [f"| T | auto ms | SDPA ms | auto / SDPA |", "|---|---|---|---|"]
+    lines = ["| T | auto ms | SDPA ms | auto / SDPA |", "|---|---|---|---|"]
     for T in lengths:
         times = {}
         try:
